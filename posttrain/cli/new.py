@@ -1,0 +1,182 @@
+"""``rl-cli new plugin DIR --kind K --name N``: scaffold an installable plugin package that passes its tests."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import typer
+
+from posttrain.cli.console import console
+from posttrain.core.errors import UsageError, unknown
+
+app = typer.Typer(help="Scaffold new plugins.", no_args_is_help=True)
+
+# kind -> (registration hook, contract, fixture, class body)
+BODIES = {
+    "estimator": ("posttrain_register_estimators", "EstimatorContract", "estimator", '''
+    needs_critic = False
+    group_baseline = True
+
+    @dataclass
+    class Config:
+        scale: float = option(1.0, gt=0.0, help="multiplies the centred reward")
+
+    def __init__(self, config=None):
+        self.config = config or self.Config()
+
+    def advantages(self, batch):
+        """``batch.rewards [B]`` -> advantages and returns ``[B, T]``, 0 outside ``response_mask``."""
+        import torch
+
+        _, inverse = torch.unique(batch.group_index, return_inverse=True)
+        rewards = batch.rewards.float()
+        count = torch.zeros(int(inverse.max()) + 1).index_add_(0, inverse, torch.ones_like(rewards))
+        mean = torch.zeros_like(count).index_add_(0, inverse, rewards) / count
+        adv = (self.config.scale * (rewards - mean[inverse])).unsqueeze(-1) * batch.response_mask
+        return adv, adv.clone()
+'''),
+    "reward": ("posttrain_register_rewards", "RewardContract", "reward", '''
+    scope = "sample"
+
+    @dataclass
+    class Config:
+        ignore_case: bool = option(True, help="compare case-insensitively")
+
+    def __init__(self, config=None):
+        self.config = config or self.Config()
+
+    def __call__(self, sample):
+        """``{"score": 1.0}`` when the label appears in the response, else 0.0."""
+        response, label = sample.response, str(sample.label)
+        if self.config.ignore_case:
+            response, label = response.lower(), label.lower()
+        return {"score": float(label in response)}
+'''),
+    "generator": ("posttrain_register_generators", "GeneratorContract", "generator", '''
+    @dataclass
+    class Config:
+        max_new_tokens: int = option(64, ge=1, help="tokens to generate per sample")
+
+    def __init__(self, config=None):
+        self.config = config or self.Config()
+
+    async def __call__(self, group, engine, sampling):
+        """One ``/generate`` per sample; returns the completed samples."""
+        for sample in group:
+            out = await engine.generate(text=sample.prompt, sampling_params=sampling.to_sglang())
+            sample.response = out["text"]
+        return group
+'''),
+    "model": ("posttrain_register_models", "ModelSpecContract", "model_spec", '''
+    @dataclass
+    class Config:
+        preset: str = option("tiny", help="a named shape of this family")
+
+    def __init__(self, config=None):
+        self.config = config or self.Config()
+'''),
+}
+
+
+@app.command()
+def plugin(directory: Path = typer.Argument(..., help="where to create the package", show_default=False),
+           kind: str = typer.Option(..., "--kind", help="estimator | reward | generator | model", show_default=False),
+           name: str = typer.Option(..., "--name", help="the component name used in run configs", show_default=False),
+           force: bool = typer.Option(False, "--force", help="write into a non-empty directory")) -> None:
+    """Create an installable plugin package: pyproject with the entry point, module, contract test, README."""
+    if kind not in BODIES:
+        raise UsageError(f"--kind: {unknown('kind', kind, BODIES)}")
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+        raise UsageError(f"--name: {name!r} must be lower-case letters, digits and underscores, starting with a letter")
+    if directory.exists() and any(directory.iterdir()) and not force:
+        raise UsageError(f"{directory}: directory exists and is not empty (use --force)")
+    package = f"posttrain_{name}"
+    hook, contract, fixture, body = BODIES[kind]
+    cls = "".join(part.capitalize() for part in name.split("_"))
+    files = {
+        "pyproject.toml": f'''[build-system]
+requires = ["setuptools>=68"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "posttrain-{name.replace('_', '-')}"
+version = "0.1.0"
+description = "A posttrain {kind} plugin: {name}"
+requires-python = ">=3.11"
+dependencies = ["posttrain"]
+
+[project.optional-dependencies]
+test = ["pytest>=8"]
+
+[project.entry-points.posttrain]
+{name} = "{package}"
+
+[tool.setuptools]
+packages = ["{package}"]
+''',
+        f"{package}/__init__.py": f'''"""posttrain plugin: the {kind} `{name}`."""
+
+from dataclasses import dataclass
+
+from posttrain import hookimpl, option
+
+
+class {cls}:
+    """TODO: one line on what this {kind} does, then the formula and tensor shapes."""
+
+    name = "{name}"
+{body}
+
+@hookimpl
+def {hook}(registry):
+    registry.add({cls})
+''',
+        "tests/test_contract.py": f'''import pytest
+
+from posttrain.testing import {contract}
+from {package} import {cls}
+
+
+class Test{cls}({contract}):
+    @pytest.fixture
+    def {fixture}(self):
+        return {cls}({cls}.Config())
+
+
+def test_discovered_through_the_entry_point():
+    from posttrain.core.plugins import load_plugins
+
+    plugins = load_plugins()
+    assert plugins.registry("{kind}")["{name}"] is {cls}
+    assert plugins.registry("{kind}").provider("{name}").distribution == "posttrain-{name.replace('_', '-')}"
+''',
+        "README.md": f'''# posttrain-{name.replace('_', '-')}
+
+A [posttrain](https://pypi.org/project/posttrain/) {kind} plugin.
+
+```bash
+pip install -e .[test] && pytest          # the posttrain contract tests run on it
+rl-cli plugins show {name}
+```
+
+Use it in a run config:
+
+```yaml
+{_yaml_snippet(kind, name)}
+```
+''',
+    }
+    for rel, text in files.items():
+        path = directory / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    console.print(f"created {directory}/ ({', '.join(files)})\nnext: pip install -e {directory}[test] && "
+                  f"pytest {directory}")
+
+
+def _yaml_snippet(kind: str, name: str) -> str:
+    if kind == "reward":
+        return f"rewards:\n  - name: {name}\n    weight: 1.0"
+    section = {"estimator": "estimator", "generator": "generator", "model": "model"}[kind]
+    return f"{section}:\n  name: {name}"

@@ -1,0 +1,310 @@
+"""The run config: one YAML file, a section per concern, dotted overrides, every error at once.
+
+::
+
+    estimator: {name: grpo, epsilon: 1.0e-6}      # component sections select by name ...
+    rewards: [{name: exact_match, weight: 1.0}]   # ... and pass the other keys to its Config
+    rollout: {rollout_batch_size: 8, n_samples_per_prompt: 8}
+    trainer: {global_batch_size: 64, steps_per_rollout: 1}
+
+``load_config(path, overrides, plugins)`` returns a :class:`RunConfig` or raises :class:`ConfigError`
+with every problem found, each with its dotted path. Nothing starts before this passes.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from posttrain.core.errors import ConfigError
+from posttrain.core.registry import KINDS
+from posttrain.core.schema import build, option, to_dict
+
+
+@dataclass
+class Component:
+    """A selected component: its registered name, its validated ``Config`` and, for rewards, a weight."""
+
+    kind: str
+    name: str
+    config: Any
+    weight: float = 1.0
+
+    def create(self, plugins: Any) -> Any:
+        """An instance built the one way every component is built: ``Cls(Cls.Config(...))``."""
+        return plugins.registry(self.kind)[self.name](self.config)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"name": self.name, **(to_dict(self.config) or {})}
+        if self.kind == "rewards":
+            out["weight"] = self.weight
+        return out
+
+
+def component(kind: str, *, many: bool = False, optional: bool = False, help: str = "") -> Any:
+    """A run-config field that selects components of ``kind`` from the plugin registries."""
+
+    def parse(value: Any, path: str, plugins: Any) -> tuple[Any, list[str]]:
+        if value is None and (optional or many):
+            return ([] if many else None), []
+        if many:
+            if not isinstance(value, list):
+                return None, [f"{path}: expected a list of {{name: ...}} entries, got {type(value).__name__}"]
+            out, errors = [], []
+            for i, item in enumerate(value):
+                c, e = _parse_one(kind, item, f"{path}.{i}", plugins, weighted=kind == "rewards")
+                out.append(c)
+                errors += e
+            return out, errors
+        return _parse_one(kind, value, path, plugins, weighted=False)
+
+    meta = {"parse": parse, "help": help, "component": kind, "required": not (optional or many)}
+    return field(default_factory=list if many else (lambda: None), metadata=meta)
+
+
+def _parse_one(kind: str, value: Any, path: str, plugins: Any, weighted: bool) -> tuple[Any, list[str]]:
+    if isinstance(value, str):
+        value = {"name": value}
+    if not isinstance(value, dict) or "name" not in value:
+        return None, [f"{path}: expected a {KINDS[kind]} name or a mapping with `name:`"]
+    rest = dict(value)
+    name = rest.pop("name")
+    weight = rest.pop("weight", 1.0) if weighted else 1.0
+    registry = plugins.registry(kind)
+    if name not in registry:
+        return None, [f"{path}.name: {registry.unknown_message(name)}"]
+    errors = []
+    if weighted and (isinstance(weight, bool) or not isinstance(weight, (int, float))):
+        errors.append(f"{path}.weight: expected a number, got {weight!r}")
+    cls = registry[name]
+    config, errs = build(getattr(cls, "Config", None) or _Empty, rest, path)
+    return (None if errors + errs else Component(kind, name, config, float(weight))), errors + errs
+
+
+@dataclass
+class _Empty:
+    pass
+
+
+@dataclass
+class DataConfig:
+    """Prompt data (``posttrain.core.data``)."""
+
+    path: str | None = option(None, help="prompt dataset (.jsonl/.json/.parquet or a saved HF dataset); path@[a:b] slices")
+    input_key: str = option("prompt", help="key holding the prompt (a string or chat messages)")
+    label_key: str = option("label", help="key holding the reference answer")
+    metadata_key: str = option("metadata", help="key holding per-sample metadata (a mapping)")
+    shuffle: bool = option(True, help="shuffle each epoch with seed + epoch")
+    epochs: int = option(1, ge=1, help="passes over the prompts")
+
+
+@dataclass
+class RolloutConfig:
+    """Generation: how many prompts per step, how many samples each, how they are sampled."""
+
+    rollout_batch_size: int = option(8, ge=1, help="prompts per rollout step")
+    n_samples_per_prompt: int = option(8, ge=1, help="samples per prompt (the group size)")
+    num_rollouts: int = option(100, ge=1, help="rollout steps in the run")
+    temperature: float = option(1.0, ge=0.0)
+    top_p: float = option(1.0, gt=0.0, le=1.0)
+    top_k: int = option(-1, help="-1 disables")
+    max_new_tokens: int = option(128, ge=1)
+    mode: Literal["sync", "async"] = option("sync", help="async overlaps generation N+1 with training N")
+
+
+@dataclass
+class TrainerConfig:
+    """Optimization (``posttrain.core.train``)."""
+
+    global_batch_size: int = option(64, ge=1, help="samples per optimizer step")
+    micro_batch_size: int = option(8, ge=1, help="samples per forward/backward pass")
+    steps_per_rollout: int = option(1, ge=1, help="optimizer steps per rollout step")
+    lr: float = option(1e-6, gt=0.0)
+    kl_loss_coef: float = option(0.0, ge=0.0, help="weight of the KL(policy || reference) loss term")
+    entropy_coef: float = option(0.0, help="weight of the entropy bonus")
+    grad_clip: float = option(1.0, ge=0.0, help="max global grad norm; 0 disables")
+    megatron: dict[str, Any] = option(default_factory=dict, help="Megatron TransformerConfig/DDP/optimizer fields by name")
+
+    def validate(self) -> list[str]:
+        if self.global_batch_size % self.micro_batch_size:
+            return [f"micro_batch_size: {self.micro_batch_size} does not divide global_batch_size "
+                    f"{self.global_batch_size}"]
+        return []
+
+
+@dataclass
+class ResourcesConfig:
+    """Where the roles run (slime's resource flags)."""
+
+    executor: Literal["local", "ray"] = option("local", help="local processes, or Ray actors")
+    ray_address: str | None = option(None, help="an existing Ray cluster; default starts a local one")
+    trainer_nodes: int = option(1, ge=1)
+    trainer_gpus_per_node: int = option(0, ge=0, help="0 trains on CPU")
+    rollout_gpus: int = option(0, ge=0)
+    gpus_per_engine: int = option(1, ge=1)
+    num_engines: int = option(1, ge=1)
+    colocate: bool = option(False, help="trainer and engines share GPUs (engine memory released while training)")
+
+
+@dataclass
+class LoggingConfig:
+    interval: int = option(1, ge=1, help="steps between log lines")
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str | None = None
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = option(0, ge=0, help="steps between checkpoints; 0 disables")
+    keep: int = option(2, ge=1, help="checkpoints kept")
+
+
+@dataclass
+class EvalConfig:
+    interval: int = option(0, ge=0, help="steps between evals; 0 disables")
+    datasets: list[dict[str, Any]] = option(default_factory=list, help="[{name, path, ...sampling}]")
+
+
+@dataclass
+class RunConfig:
+    """The whole run. Component sections hold a :class:`Component`; the others plain dataclasses."""
+
+    seed: int = 0
+    model: Any = component("models", optional=True, help="model spec and checkpoint")
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    generator: Any = component("generators", optional=True, help="turns prompt groups into samples")
+    estimator: Any = component("estimators", help="advantage estimator")
+    loss: Any = component("losses", optional=True, help="policy loss")
+    correction: Any = component("corrections", optional=True, help="rollout/training mismatch correction")
+    rewards: Any = component("rewards", many=True, help="weighted reward functions")
+    filters: Any = component("filters", many=True, help="dynamic-sampling filters")
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def validate(self) -> list[str]:
+        return batch_identity(self.rollout, self.trainer)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (YAML-able), with components flattened back to ``{name, ...config}``."""
+        out = {}
+        for key, value in vars(self).items():
+            if isinstance(value, Component):
+                value = value.to_dict()
+            elif isinstance(value, list) and value and isinstance(value[0], Component):
+                value = [c.to_dict() for c in value]
+            out[key] = to_dict(value)
+        return out
+
+
+def batch_identity(r: RolloutConfig, t: TrainerConfig) -> list[str]:
+    """``rollout_batch_size x n_samples_per_prompt == global_batch_size x steps_per_rollout``: every
+    generated sample is trained on exactly once per rollout step."""
+    if r.rollout_batch_size * r.n_samples_per_prompt == t.global_batch_size * t.steps_per_rollout:
+        return []
+    return [f"trainer.global_batch_size: batch identity violated: rollout.rollout_batch_size "
+            f"({r.rollout_batch_size}) x rollout.n_samples_per_prompt ({r.n_samples_per_prompt}) = "
+            f"{r.rollout_batch_size * r.n_samples_per_prompt} != trainer.global_batch_size "
+            f"({t.global_batch_size}) x trainer.steps_per_rollout ({t.steps_per_rollout}) = "
+            f"{t.global_batch_size * t.steps_per_rollout}"]
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), plugins: Any = None,
+                data: dict | None = None) -> RunConfig:
+    """Read ``path`` (or take ``data``), apply ``key.sub=value`` overrides, validate against the plugins.
+
+    :raises ConfigError: with every problem found (unknown keys and names, wrong types, bounds,
+        missing files, the batch identity), each prefixed with its dotted path.
+    """
+    if plugins is None:
+        from posttrain.core.plugins import load_plugins
+
+        plugins = load_plugins()
+    source = str(path) if path is not None else "config"
+    raw = copy.deepcopy(data) if data is not None else read_yaml(path)
+    errors = apply_overrides(raw, overrides)
+    config, errs = build(RunConfig, raw, "", context=plugins)
+    errors += errs
+    if config is None and isinstance(raw, dict):  # still report the batch identity if its sections are valid
+        rollout, e1 = build(RolloutConfig, raw.get("rollout"), "rollout")
+        trainer, e2 = build(TrainerConfig, raw.get("trainer"), "trainer")
+        if not (e1 or e2):
+            errors += batch_identity(rollout, trainer)
+    errors += _check_files(raw, Path(path).parent if path else Path("."))
+    if errors:
+        raise ConfigError(errors, source)
+    return config
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """The YAML mapping in ``path``; a missing file or a syntax error is a one-line ConfigError."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError([f"{p}: no such config file"])
+    try:
+        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{p}:{mark.line + 1}" if mark else str(p)
+        raise ConfigError([f"{where}: invalid YAML: {getattr(exc, 'problem', exc)}"]) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start})"]) from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError([f"{p}: the top level must be a mapping of sections, got {type(raw).__name__}"])
+    return raw
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> list[str]:
+    """Apply ``a.b.c=value`` (value parsed as YAML; list items by index: ``rewards.0.weight=0.5``)."""
+    errors = []
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            errors.append(f"{item}: an override must look like key.sub=value")
+            continue
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        node: Any = raw
+        parts = key.split(".")
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            if isinstance(node, list):
+                if not part.isdigit() or int(part) >= len(node):
+                    errors.append(f"{key}: {'.'.join(parts[:i]) or 'config'} has no item {part} "
+                                  f"(it has {len(node)})")
+                    break
+                part = int(part)
+            elif not isinstance(node, dict):
+                errors.append(f"{key}: {'.'.join(parts[:i])} is not a section")
+                break
+            if last:
+                node[part] = value
+            else:
+                if isinstance(node, dict) and not isinstance(node.get(part), (dict, list)):
+                    node[part] = {"name": node[part]} if isinstance(node.get(part), str) else {}
+                node = node[part]
+    return errors
+
+
+def _check_files(raw: dict[str, Any], base: Path) -> list[str]:
+    """Missing input files, checked on the raw mapping so they are reported with the other errors."""
+    errors = []
+    data = raw.get("data")
+    path = data.get("path") if isinstance(data, dict) else None
+    if isinstance(path, str) and "://" not in path:
+        local = path.split("@[", 1)[0]
+        if not (Path(local).exists() or (base / local).exists()):
+            errors.append(f"data.path: no such file or directory: {local}")
+    return errors

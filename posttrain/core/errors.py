@@ -1,0 +1,42 @@
+"""Errors a user can cause. The CLI prints them as one line each (no traceback unless ``--debug``)."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class UsageError(Exception):
+    """A user mistake (bad config, unknown plugin, missing file). Exit code 2, no traceback."""
+
+    exit_code = 2
+
+
+class ConfigError(UsageError):
+    """Every problem found in a run config, collected before anything starts.
+
+    ``errors`` is a list of ``"path: message"`` strings, one per problem.
+    """
+
+    def __init__(self, errors: list[str], source: str | None = None):
+        self.errors = list(errors)
+        self.source = source
+        head = f"{len(self.errors)} error(s) in {source}" if source else f"{len(self.errors)} config error(s)"
+        super().__init__(head + ":\n" + "\n".join(f"  {e}" for e in self.errors))
+
+
+class PluginError(UsageError):
+    """A plugin could not be loaded or registered (duplicate name, import failure, bad hook)."""
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """``" Did you mean 'grpo'?"`` or ``""``: the suffix every unknown-name message uses."""
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def unknown(kind: str, word: str, choices: Iterable[str], hint: str = "") -> str:
+    """The one message for every unknown name: what, did-you-mean, and the valid choices."""
+    choices = sorted(str(c) for c in choices)
+    listed = ", ".join(choices) if choices else "(none registered)"
+    return f"unknown {kind} {word!r}.{did_you_mean(word, choices)} Valid: {listed}{hint}"

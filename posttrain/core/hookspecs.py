@@ -1,0 +1,174 @@
+"""The posttrain plugin contract: every hook a plugin may implement.
+
+A plugin is a module (or object) with functions decorated by ``posttrain.hookimpl`` whose names match
+the hooks below. It reaches posttrain in one of three ways:
+
+- an entry point in the ``posttrain`` group of an installed distribution (our own built-ins are declared
+  exactly so, in posttrain's pyproject)::
+
+      [project.entry-points.posttrain]
+      my_reward = "posttrain_my_reward"
+
+- a file passed on the command line: ``rl-cli run cfg.yaml --plugin my_reward.py``;
+- ``load_plugins(plugin_files=[...])`` from Python.
+
+Every process (the driver, each Ray actor, each engine server) builds its own plugin manager from the
+installed entry points, so a plugin that is installed works everywhere without being pickled.
+
+Rules for plugin authors:
+
+- Entry modules stay import-light: no ``torch``, ``torch.distributed``, Megatron, SGLang or Ray at
+  module level. Import them inside methods; ``rl-cli plugins list`` and ``--help`` import every entry
+  module and must stay fast.
+- Hooks are called with keyword arguments. An implementation may accept a subset of the arguments
+  (pluggy's opt-in arguments); never give defaults to arguments you expect to receive.
+- Registration hooks add **named components** to a registry: ``registry.add(MyEstimator)``. The name
+  is the class attribute ``name`` (or ``registry.add(obj, name="...")``). Names are unique per kind
+  across all plugins; a duplicate stops start-up and names both providers.
+- A component class carries a nested dataclass ``Config`` (see ``posttrain.core.schema``). The run config
+  selects a component by ``name:`` and passes the remaining keys of that section to its ``Config``;
+  unknown keys, wrong types and out-of-range values are reported before anything starts.
+- Registration hooks fire once per process, inside ``load_plugins()``, after every plugin module has
+  been imported and before any config is validated. They must not start work or touch devices.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    import typer
+
+    from posttrain.core.registry import Registry
+
+PROJECT = "posttrain"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def posttrain_register_estimators(registry: Registry) -> None:
+    """Add advantage estimators.
+
+    :param registry: the estimator registry; call ``registry.add(EstimatorClass)``.
+
+    An estimator class has ``name``, a ``Config`` dataclass, a class attribute ``needs_critic``
+    (default False) and the method ``advantages(batch: AdvantageBatch) -> (advantages, returns)``,
+    both ``[B, T]`` float tensors that are exactly 0 where ``batch.response_mask`` is 0.
+    It is constructed as ``Estimator(Estimator.Config(...))``.
+
+    Fires once per process inside ``load_plugins()``. Use in ``--plugin`` files: yes.
+    """
+
+
+@hookspec
+def posttrain_register_losses(registry: Registry) -> None:
+    """Add policy losses (PPO clip, GSPO, CISPO, ...).
+
+    :param registry: the loss registry; call ``registry.add(LossClass)``.
+
+    A loss is constructed as ``Loss(Loss.Config(...))`` and called as
+    ``loss_fn(log_probs, old_log_probs, advantages, response_mask, is_weights=None)``, all ``[B, T]``,
+    returning ``(loss, metrics)``: a scalar tensor with gradient and a ``dict[str, float]``.
+
+    Fires once per process inside ``load_plugins()``. Use in ``--plugin`` files: yes.
+    """
+
+
+@hookspec
+def posttrain_register_corrections(registry: Registry) -> None:
+    """Add rollout/training mismatch corrections (truncated or masked importance sampling).
+
+    :param registry: the correction registry; call ``registry.add(CorrectionClass)``.
+
+    A correction is constructed from its ``Config`` and called as
+    ``correction(train_log_probs, rollout_log_probs, response_mask)`` (all ``[B, T]``), returning
+    ``(is_weights [B, T], metrics)``; the policy loss multiplies its per-token terms by ``is_weights``.
+
+    Fires once per process inside ``load_plugins()``. Use in ``--plugin`` files: yes.
+    """
+
+
+@hookspec
+def posttrain_register_rewards(registry: Registry) -> None:
+    """Add reward functions.
+
+    :param registry: the reward registry; call ``registry.add(RewardClass)``.
+
+    A reward is constructed as ``Reward(Reward.Config(...))`` and called with one ``Sample``
+    (``scope = "sample"``, the default) or a whole group ``list[Sample]`` (``scope = "group"``).
+    It returns a float, or a dict of named floats with the key ``"score"`` (group rewards return one
+    such value per sample). ``async def __call__`` is allowed and preferred for I/O.
+
+    Fires once per process inside ``load_plugins()``. Use in ``--plugin`` files: yes.
+    """
+
+
+@hookspec
+def posttrain_register_generators(registry: Registry) -> None:
+    """Add rollout generators (single-turn, multi-turn, agents).
+
+    :param registry: the generator registry; call ``registry.add(GeneratorClass)``, or
+        ``registry.add(async_function, name="...")`` for a generator without options.
+
+    A generator is called as
+    ``await generator(group: list[Sample], engine: EngineClient, sampling: SamplingParams) -> list[Sample]``
+    and may return more samples than it got (fan-out keeps ``group_index``).
+
+    Fires once per process inside ``load_plugins()``. Use in ``--plugin`` files: yes.
+    """
+
+
+@hookspec
+def posttrain_register_models(registry: Registry) -> None:
+    """Add model specs: the mapping between an HF model family and Megatron-core.
+
+    :param registry: the model-spec registry; call ``registry.add(ModelSpecClass)``.
+
+    A spec maps an HF ``config.json`` to a Megatron ``TransformerConfig`` and layer spec, and HF tensor
+    names and shapes to Megatron's and back. The exact interface is ``posttrain.core.train.spec.ModelSpec``.
+
+    Fires once per process inside ``load_plugins()``. Use in ``--plugin`` files: yes.
+    """
+
+
+@hookspec
+def posttrain_register_filters(registry: Registry) -> None:
+    """Add dynamic-sampling filters (e.g. DAPO's ``nonzero_std``).
+
+    :param registry: the filter registry; call ``registry.add(FilterClass)``.
+
+    A filter is constructed from its ``Config`` and called with a completed, rewarded group
+    ``list[Sample]``; it returns ``None`` to keep the group or a short reason string to drop it
+    (reasons are counted in the metrics).
+
+    Fires once per process inside ``load_plugins()``. Use in ``--plugin`` files: yes.
+    """
+
+
+@hookspec
+def posttrain_register_tools(registry: Registry) -> None:
+    """Add tools that multi-turn generators may call.
+
+    :param registry: the tool registry; call ``registry.add(tool_callable, name="search")``.
+
+    A tool is a plain (sync or async) callable taking the tool call's JSON arguments as keywords and
+    returning a string shown to the model. It runs with the generator's per-tool timeout; an exception
+    is returned to the model as error text rather than ending the rollout.
+
+    Fires once per process inside ``load_plugins()``. Use in ``--plugin`` files: yes.
+    """
+
+
+@hookspec
+def posttrain_register_commands(app: typer.Typer) -> None:
+    """Add sub-commands to ``rl-cli``.
+
+    :param app: the root Typer application; call ``app.command()(fn)`` or ``app.add_typer(sub, name=...)``.
+
+    Fires once when ``rl-cli`` starts, after the built-in commands exist. Keep it import-light: it runs
+    for every ``rl-cli`` invocation, ``--help`` included. Use in ``--plugin`` files: no (commands are
+    built before options are parsed).
+    """

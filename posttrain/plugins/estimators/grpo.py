@@ -1,0 +1,49 @@
+"""GRPO advantages: each sample's reward standardized within its group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from posttrain import hookimpl, option
+from posttrain.core.types import AdvantageBatch
+
+
+class GRPO:
+    """Group Relative Policy Optimization (Shao et al., 2024), outcome supervision.
+
+    ``A_i = (r_i - mean_g) / (std_g + epsilon)`` for every response token of sample ``i`` in group
+    ``g``, with the Bessel-corrected (unbiased) std, as slime and verl compute it.
+    ``normalize_std=False`` gives the mean-centred form. A group of one sample keeps its raw reward
+    (mean 0, std 1), since there is nothing to compare it with.
+
+    Shapes: ``rewards [B]``, ``group_index [B]``, ``response_mask [B, T]`` -> advantages and
+    returns ``[B, T]`` (equal for GRPO), exactly 0 where the mask is 0.
+    """
+
+    name = "grpo"
+    needs_critic = False
+    group_baseline = True  # invariant to a constant added to one group's rewards
+
+    @dataclass
+    class Config:
+        normalize_std: bool = option(True, help="divide by the group std (False: mean-centred only)")
+        epsilon: float = option(1e-6, gt=0.0, help="added to the std before dividing")
+
+    def __init__(self, config: Config | None = None):
+        self.config = config or self.Config()
+
+    def advantages(self, batch: AdvantageBatch):
+        from posttrain.core.group_stats import check_finite, group_mean_std
+
+        rewards = check_finite(batch.rewards)
+        mean, std = group_mean_std(rewards, batch.group_index)
+        scores = rewards - mean
+        if self.config.normalize_std:
+            scores = scores / (std + self.config.epsilon)
+        advantages = scores.unsqueeze(-1) * batch.response_mask
+        return advantages, advantages.clone()
+
+
+@hookimpl
+def posttrain_register_estimators(registry):
+    registry.add(GRPO)
