@@ -1,0 +1,77 @@
+"""Tiny HF-format checkpoints and tokenizers built in code, for tests, benchmarks and the CPU quickstart.
+
+Nothing can be downloaded in CI, so every model a test uses is made here: a character-level tokenizer
+(every printable ASCII character is one token, plus Qwen-style chat special tokens) and a randomly
+initialized ``transformers`` model of the requested family, saved as ``config.json`` +
+``model.safetensors`` + tokenizer files, exactly as a hub checkpoint would be laid out.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+from typing import Any
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
+                  "<tool_call>", "</tool_call>"]
+CHARS = list(string.printable)  # digits, letters, punctuation, whitespace: 100 characters
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# family -> transformers config class name
+FAMILIES = {"qwen3": "Qwen3Config", "qwen2": "Qwen2Config", "llama": "LlamaConfig"}
+
+
+def make_tokenizer(out_dir: str | Path | None = None):
+    """A character-level ``PreTrainedTokenizerFast`` (vocab: special tokens, then printable ASCII).
+
+    ``eos`` and ``pad`` are ``<|endoftext|>`` (id 0); ``<|im_end|>`` (id 2) also ends a chat turn.
+    Saved to ``out_dir`` when given.
+    """
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                  additional_special_tokens=SPECIAL_TOKENS[1:])
+    tok.chat_template = CHAT_TEMPLATE
+    if out_dir is not None:
+        tok.save_pretrained(str(out_dir))
+    return tok
+
+
+def tiny_config(family: str = "qwen3", **overrides: Any):
+    """A small ``transformers`` config of ``family`` (2 layers, hidden 64, GQA 4/2, vocab 128)."""
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; valid: {', '.join(FAMILIES)}")
+    kwargs: dict[str, Any] = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )
+    if family == "qwen3":
+        kwargs["head_dim"] = 16
+    kwargs.update(overrides)
+    return getattr(transformers, FAMILIES[family])(**kwargs)
+
+
+def make_tiny_checkpoint(out_dir: str | Path, family: str = "qwen3", seed: int = 0, dtype: str = "float32",
+                         **overrides: Any) -> Path:
+    """Write a randomly initialized ``family`` model and the tokenizer to ``out_dir``; return the path."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(family, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.save_pretrained(str(out), safe_serialization=True)
+    make_tokenizer(out)
+    return out
