@@ -18,7 +18,7 @@ from types import ModuleType
 import pluggy
 
 from posttrain.core import hookspecs
-from posttrain.core.errors import PluginError, UsageError
+from posttrain.core.errors import PluginError, UsageError, unknown
 from posttrain.core.registry import KINDS, PluginInfo, Registry
 
 GROUP = "posttrain"
@@ -119,11 +119,7 @@ def load_plugins(plugin_files: tuple[str | os.PathLike, ...] | list = (), disabl
         pm.register(module, name=name)
         infos[name] = PluginInfo(name, "(file)", "", str(path))
 
-    try:
-        pm.check_pending()
-    except pluggy.PluginValidationError as exc:
-        raise PluginError(f"plugin {exc.plugin_name!r}: {exc}. Valid hooks: "
-                          + ", ".join(n for n in dir(hookspecs) if n.startswith("posttrain_"))) from None
+    _check_hook_names(pm)
 
     registries = {kind: Registry(kind) for kind in KINDS}
     for kind, registry in registries.items():
@@ -134,6 +130,19 @@ def load_plugins(plugin_files: tuple[str | os.PathLike, ...] | list = (), disabl
     if errors:
         raise PluginError("\n".join(errors))
     return Plugins(pm=pm, infos=infos, failures=failures, disabled=list(disabled), **registries)
+
+
+def _check_hook_names(pm: pluggy.PluginManager) -> None:
+    """Misspelled hook names (pluggy's ``check_pending``), all reported, each with a did-you-mean."""
+    hooks = sorted(n for n in dir(hookspecs) if n.startswith("posttrain_"))
+    errors = []
+    for name, hook in vars(pm.hook).items():
+        if name.startswith("posttrain_") and not hook.has_spec():
+            for impl in hook.get_hookimpls():
+                errors.append(f"plugin {impl.plugin_name!r}: {unknown('hook', name, hooks)}")
+    if errors:
+        raise PluginError("\n".join(errors))
+    pm.check_pending()
 
 
 def _fill(pm: pluggy.PluginManager, hook_name: str, registry: Registry, infos: dict[str, PluginInfo]) -> None:

@@ -14,12 +14,25 @@ pytest then runs every inherited check. posttrain runs the same suites over all 
 (``tests/contract``), and ``rl-cli plugins check NAME`` runs them over an installed plugin.
 """
 
-from posttrain.testing.contracts.common import ComponentContract
-from posttrain.testing.contracts.estimator import EstimatorContract
-from posttrain.testing.contracts.generator import GeneratorContract
-from posttrain.testing.contracts.loss import LossContract
-from posttrain.testing.contracts.model import ModelSpecContract
-from posttrain.testing.contracts.reward import RewardContract
+import importlib
+
+# class name -> module under posttrain.testing.contracts; imported on first use (PEP 562), so the pytest
+# plugin can register assertion rewriting for the contracts before they are imported.
+_LAZY = {
+    "ComponentContract": "common",
+    "EstimatorContract": "estimator",
+    "GeneratorContract": "generator",
+    "LossContract": "loss",
+    "ModelSpecContract": "model",
+    "RewardContract": "reward",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"posttrain.testing.contracts.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'posttrain.testing' has no attribute {name!r}")
+
 
 # registry kind -> (contract class name, fixture the subclass supplies)
 CONTRACTS = {

@@ -16,13 +16,8 @@ HEAVY_MODULES = ("torch", "transformers", "megatron", "sglang", "ray")
 
 
 class ComponentContract:
-    """Base of every contract: subclasses set ``fixture_name`` and supply that fixture."""
-
-    fixture_name = "component"
-
-    @pytest.fixture
-    def component(self, request):
-        return request.getfixturevalue(self.fixture_name)
+    """Base of every contract. Each kind's contract defines a ``component`` fixture that returns the
+    fixture the author supplies (``estimator``, ``reward``, ...), so parametrized fixtures work too."""
 
     def test_has_name_and_docstring(self, component):
         cls = type(component)

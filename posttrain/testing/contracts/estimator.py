@@ -25,7 +25,9 @@ def make_batch(b: int = 12, g: int = 4, t: int = 7, seed: int = 0, critic: bool 
 class EstimatorContract(ComponentContract):
     """Supply an ``estimator`` fixture."""
 
-    fixture_name = "estimator"
+    @pytest.fixture
+    def component(self, estimator):
+        return estimator
 
     def _batch(self, estimator, **kw):
         return make_batch(critic=getattr(estimator, "needs_critic", False), **kw)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from posttrain.testing.contracts.common import ComponentContract
 
 
@@ -20,7 +22,9 @@ def make_inputs(b: int = 6, t: int = 9, seed: int = 0):
 class LossContract(ComponentContract):
     """Supply a ``loss`` fixture."""
 
-    fixture_name = "loss"
+    @pytest.fixture
+    def component(self, loss):
+        return loss
 
     def test_scalar_with_gradient_and_float_metrics(self, loss):
         import torch

@@ -29,7 +29,9 @@ def call_reward(reward, arg):
 class RewardContract(ComponentContract):
     """Supply a ``reward`` fixture; override ``reward_cases`` with ``[(Sample, expected_score), ...]``."""
 
-    fixture_name = "reward"
+    @pytest.fixture
+    def component(self, reward):
+        return reward
 
     @pytest.fixture
     def reward_cases(self):

@@ -1,0 +1,1 @@
+"""An example third-party posttrain plugin package (see README.md)."""

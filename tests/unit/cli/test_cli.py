@@ -1,0 +1,151 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, env_with
+
+EXAMPLE = ROOT / "examples" / "plugin-package"
+
+
+def rl_cli(*args, env=None, cwd=None):
+    return subprocess.run([sys.executable, "-m", "posttrain.cli.main", *map(str, args)], capture_output=True,
+                          text=True, env=env, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def example_site(pip_target):
+    return pip_target(EXAMPLE)
+
+
+def test_plugins_list_json_has_builtins_with_provenance():
+    out = rl_cli("plugins", "list", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = {(r["kind"], r["name"]): r for r in json.loads(out.stdout)}
+    assert rows[("estimator", "grpo")]["distribution"] == "posttrain"
+    assert rows[("reward", "exact_match")]["module"] == "posttrain.plugins.rewards.exact_match"
+    assert set(next(iter(rows.values()))) == {"kind", "name", "distribution", "version", "module", "summary"}
+
+
+def test_plugins_list_filters_by_kind():
+    out = rl_cli("plugins", "list", "--json", "--kind", "reward")
+    assert {r["kind"] for r in json.loads(out.stdout)} == {"reward"}
+    bad = rl_cli("plugins", "list", "--kind", "rewrd")
+    assert bad.returncode == 2 and "Did you mean 'reward'?" in bad.stderr
+
+
+def test_installed_third_party_package_is_listed_and_usable(example_site, write):
+    env = env_with(example_site)
+    rows = {r["name"]: r for r in json.loads(rl_cli("plugins", "list", "--json", env=env).stdout)}
+    assert rows["keyword"]["distribution"] == "posttrain-example" and rows["keyword"]["version"] == "0.2.0"
+    assert rows["signed"]["kind"] == "estimator"
+    cfg = write("ex.yaml", "estimator: {name: signed, scale: 2.0}\nrewards: [{name: keyword, keywords: [a]}]\n"
+                           "rollout: {rollout_batch_size: 2, n_samples_per_prompt: 4}\n"
+                           "trainer: {global_batch_size: 8, micro_batch_size: 4}\n")
+    out = rl_cli("run", cfg, "--dry-run", env=env)
+    assert out.returncode == 0, out.stderr
+    assert "posttrain-example-0.2.0" in out.stdout and "scale: 2.0" in out.stdout
+
+
+def test_example_package_passes_its_contract_tests(example_site):
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(EXAMPLE / "tests")],
+                         capture_output=True, text=True, env=env_with(example_site), cwd=EXAMPLE)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert " passed" in out.stdout and "failed" not in out.stdout
+
+
+def test_plugins_show():
+    out = rl_cli("plugins", "show", "grpo")
+    assert out.returncode == 0
+    assert "Group Relative Policy Optimization" in out.stdout and "normalize_std" in out.stdout
+    bad = rl_cli("plugins", "show", "grpoo")
+    assert bad.returncode == 2 and "Did you mean 'grpo'?" in bad.stderr
+
+
+def test_plugins_check_runs_the_contract():
+    out = rl_cli("plugins", "check", "grpo")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert " passed" in out.stdout
+
+
+def test_plugins_check_fails_a_broken_component(write):
+    path = write("bad_est.py", '''
+from dataclasses import dataclass
+from posttrain import hookimpl
+
+class Leaky:
+    """Ignores the mask (a contract violation)."""
+    name = "leaky"
+    @dataclass
+    class Config:
+        pass
+    def __init__(self, config=None):
+        self.config = config
+    def advantages(self, batch):
+        import torch
+        out = torch.ones_like(batch.response_mask)
+        return out, out
+
+@hookimpl
+def posttrain_register_estimators(registry):
+    registry.add(Leaky)
+''')
+    out = rl_cli("plugins", "check", "leaky", "--plugin", path)
+    assert out.returncode == 1
+    assert "test_shapes_finite_and_zero_outside_mask" in out.stdout
+
+
+def test_dry_run_reports_five_errors_without_traceback(write):
+    cfg = write("bad.yaml", "estimator: {name: grop}\nrewards: [{name: exact_match, ignore_cse: true}]\n"
+                            "rollout: {rollout_batch_size: -3}\ntrainer: {lrr: 1}\ndata: {path: missing.jsonl}\n")
+    out = rl_cli("run", cfg, "--dry-run")
+    assert out.returncode == 2
+    assert "5 error(s)" in out.stderr and "Traceback" not in out.stderr
+    assert len([line for line in out.stderr.splitlines() if line.startswith("  ")]) == 5
+    debug = rl_cli("--debug", "run", cfg, "--dry-run")
+    assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_dry_run_prints_header_and_resolved_config():
+    out = rl_cli("run", ROOT / "examples" / "quickstart.yaml", "--dry-run", "estimator.epsilon=1e-3")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("plugins: posttrain-")
+    assert "epsilon: 0.001" in out.stdout
+
+
+def test_disable_plugin_flag():
+    out = rl_cli("plugins", "list", "--json", "-p", "no:grpo")
+    assert "grpo" not in {r["name"] for r in json.loads(out.stdout)}
+
+
+def test_cli_imports_nothing_heavy():
+    code = ("import sys; from posttrain.cli.main import main\n"
+            "for argv in (['rl-cli', '--help'], ['rl-cli', 'plugins', 'list']):\n"
+            "    sys.argv = argv\n"
+            "    try:\n        main()\n    except SystemExit:\n        pass\n"
+            "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'megatron', 'ray', 'sglang', 'transformers'})\n"
+            "print('HEAVY', heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert "HEAVY []" in out.stdout, out.stdout[-500:] + out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["estimator", "reward", "generator", "model"])
+def test_new_plugin_passes_its_own_tests(tmp_path, pip_target, kind):
+    pkg = tmp_path / f"my-{kind}"
+    out = rl_cli("new", "plugin", pkg, "--kind", kind, "--name", f"my_{kind}")
+    assert out.returncode == 0, out.stderr
+    site = pip_target(pkg)
+    listed = {r["name"]: r for r in json.loads(rl_cli("plugins", "list", "--json", env=env_with(site)).stdout)}
+    assert listed[f"my_{kind}"]["distribution"] == f"posttrain-my-{kind}"
+    test = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(pkg / "tests")],
+                          capture_output=True, text=True, env=env_with(site), cwd=pkg)
+    assert test.returncode == 0, test.stdout + test.stderr
+
+
+def test_new_plugin_rejects_bad_input(tmp_path):
+    out = rl_cli("new", "plugin", tmp_path / "x", "--kind", "estimatr", "--name", "ok")
+    assert out.returncode == 2 and "Did you mean 'estimator'?" in out.stderr
+    out = rl_cli("new", "plugin", tmp_path / "x", "--kind", "reward", "--name", "Bad-Name")
+    assert out.returncode == 2 and "lower-case" in out.stderr
