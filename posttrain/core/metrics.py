@@ -1,0 +1,92 @@
+"""Where a run's numbers go: ``RUN_DIR/metrics.jsonl`` (one JSON object per step), TensorBoard, W&B.
+
+Keys are ``section/name`` (``rollout/reward_mean``, ``train/loss``, ``perf/step_time``); every line
+also has ``step``. ``read_metrics(run_dir)`` reads them back (``rl-cli plot``, resume, tests).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsWriter:
+    """Append-only metrics sink. Lines are flushed per step so a killed run loses at most one step."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, wandb: bool = False,
+                 wandb_project: str | None = None, config: dict[str, Any] | None = None):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # the driver imports torch anyway
+
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        self._wandb = None
+        if wandb:
+            import wandb as wandb_lib  # optional dependency: posttrain[wandb]
+
+            self._wandb = wandb_lib.init(project=wandb_project or "posttrain", config=config or {},
+                                         dir=str(self.run_dir), name=self.run_dir.name)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Record ``metrics`` (numbers; non-finite values are written as null) for ``step``."""
+        clean = {k: _number(v) for k, v in metrics.items()}
+        self._file.write(json.dumps({"step": step, **clean}) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        if self._tb is not None:
+            for key, value in clean.items():
+                if value is not None:
+                    self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in clean.items() if v is not None}, step=step)
+
+    def truncate_after(self, step: int) -> None:
+        """Drop lines of steps after ``step`` (a resumed run re-does them; no step appears twice)."""
+        kept = [m for m in read_metrics(self.run_dir) if m["step"] <= step]
+        self._file.close()
+        path = self.run_dir / METRICS_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(m) + "\n" for m in kept), encoding="utf-8")
+        os.replace(tmp, path)
+        self._file = open(path, "a", encoding="utf-8")
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every complete line of ``RUN_DIR/metrics.jsonl`` (a torn last line from a crash is skipped)."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def _number(value: Any) -> float | int | None:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    value = float(value)
+    return value if math.isfinite(value) else None
