@@ -1,0 +1,260 @@
+"""Loss building blocks: aggregation, KL estimators, entropy, the critic's value loss, and the
+policy-loss base class that the loss plugins (``posttrain/plugins/losses``) fill in.
+
+Shapes: ``B`` sequences, ``T`` padded response tokens. Every per-token tensor is ``[B, T]``; the
+``mask`` (``response_mask``) is 1.0 on response tokens that train and 0.0 elsewhere.
+
+How the trainer combines the terms (the policy loss itself stays pure)::
+
+    pg_loss, metrics = loss_fn(lp, old_lp, adv, mask, is_weights, global_tokens, global_seqs)
+    kl  = aggregate(kl_divergence(lp, ref_lp, kind), mask, mode, global_tokens, global_seqs, max_len)
+    ent = aggregate(entropy, mask, mode, global_tokens, global_seqs, max_len)
+    total = pg_loss + kl_loss_coef * kl - entropy_coef * ent
+
+KL can instead go into the reward, per token: ``token_rewards = kl_penalty_rewards(lp_old, ref_lp, mask,
+kl_in_reward_coef, kind)`` passed as ``AdvantageBatch.token_rewards`` (every built-in estimator uses
+``token_rewards``; see each estimator's docstring for how). Use one or the other, not both.
+
+**Micro-batch invariance.** When the trainer splits a batch into micro-batches (by rows), it passes the
+WHOLE batch's counts, ``global_tokens, global_seqs = batch_counts(full_mask)``, to every micro-batch.
+Each micro-batch's loss is then already normalized by the global counts, so the *sum* of micro-batch
+losses (and of their gradients) equals the full-batch loss. With ``None``, the micro-batch's own counts
+are used (right for an unsplit batch).
+
+This module is import-light (torch is imported inside functions) so that loss plugins may subclass
+:class:`PolicyLoss` at module level.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+if TYPE_CHECKING:
+    import torch
+
+AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+AGGREGATION_MODES: tuple[str, ...] = get_args(AggregationMode)
+KLKind = Literal["k1", "k2", "k3"]
+KL_KINDS: tuple[str, ...] = get_args(KLKind)
+LOG_RATIO_LIMIT = 20.0  # |log pi/pi_old| above this is numerically meaningless; exp(20) ~ 5e8
+
+
+def batch_counts(mask: torch.Tensor) -> tuple[int, int]:
+    """``(tokens, sequences)`` of a ``[B, T]`` mask: the normalizers :func:`aggregate` uses.
+
+    ``tokens = sum(mask)``; ``sequences`` = rows with at least one mask token (an empty row is not a
+    sequence: it contributes nothing and is not counted). Compute these on the whole batch and pass them
+    to every micro-batch as ``global_tokens`` and ``global_seqs``.
+    """
+    return int(mask.sum().item()), int((mask.sum(-1) > 0).sum().item())
+
+
+def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
+              global_tokens: Any = None, global_seqs: Any = None,
+              max_response_len: int | None = None) -> torch.Tensor:
+    """Reduce per-token ``values [B, T]`` to a scalar over ``mask [B, T]``.
+
+    With ``N = global_tokens`` (default ``sum(mask)``), ``S = global_seqs`` (default: rows with a mask
+    token), ``n_i = sum_t m_it`` and ``L = max_response_len`` (default ``T``):
+
+    - ``token-mean``: ``sum_it x_it m_it / N`` (every token weighs the same; verl's default, DAPO).
+    - ``seq-mean-token-mean``: ``sum_i (sum_t x_it m_it / n_i) / S`` (every sequence weighs the same;
+      the original GRPO, GSPO, slime's default).
+    - ``seq-mean-token-sum``: ``sum_i sum_t x_it m_it / S``.
+    - ``seq-mean-token-sum-norm``: ``sum_i sum_t x_it m_it / (L * S)`` (Dr. GRPO: a constant length
+      normalizer, so long and short answers are not reweighted). Pass ``max_response_len`` (the rollout's
+      ``max_new_tokens``) so that micro-batches padded to different ``T`` agree.
+
+    Counts are clamped to at least 1, so an all-masked batch gives 0, not NaN.
+    """
+    import torch
+
+    if mode not in AGGREGATION_MODES:
+        from posttrain.core.errors import unknown
+
+        raise ValueError(unknown("aggregation mode", mode, AGGREGATION_MODES))
+    if values.shape != mask.shape:
+        raise ValueError(f"aggregate: values {tuple(values.shape)} and mask {tuple(mask.shape)} differ in shape")
+    mask = mask.to(values.dtype)
+    masked = values * mask
+    if mode == "token-mean":
+        tokens = mask.sum() if global_tokens is None else torch.as_tensor(global_tokens, dtype=values.dtype)
+        return masked.sum() / tokens.clamp(min=1)
+    lengths = mask.sum(-1)
+    seqs = (lengths > 0).sum().to(values.dtype) if global_seqs is None else torch.as_tensor(global_seqs,
+                                                                                          dtype=values.dtype)
+    per_seq = masked.sum(-1)
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / lengths.clamp(min=1)
+    elif mode == "seq-mean-token-sum-norm":
+        per_seq = per_seq / float(max_response_len or values.shape[-1])
+    return per_seq.sum() / seqs.clamp(min=1)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``sum(x * m) / max(sum(m), 1)``: a scalar (used for metrics, which are micro-batch local)."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def clamped_log_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
+                      limit: float = LOG_RATIO_LIMIT) -> torch.Tensor:
+    """``clamp(log_probs - old_log_probs, -limit, +limit)`` ``[B, T]`` (the PPO log-ratio, kept finite)."""
+    return (log_probs - old_log_probs).clamp(-limit, limit)
+
+
+def kl_divergence(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str = "k3",
+                  clamp: float | None = 10.0) -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) estimates ``[B, T]`` from sampled-token log-probs (Schulman's estimators).
+
+    With ``d = log_probs - ref_log_probs``:
+
+    - ``k1 = d`` (unbiased, high variance, can be negative);
+    - ``k2 = d^2 / 2`` (biased, low variance; its gradient is the reverse-KL gradient);
+    - ``k3 = exp(-d) - 1 + d`` (unbiased, >= 0, low variance; verl's ``low_var_kl``).
+
+    ``k3`` is clamped to ``[-clamp, clamp]`` as slime and verl do (``None`` disables); ``d`` is clamped
+    to +-20 inside ``k3`` only, so that ``exp`` cannot overflow into a NaN gradient.
+    Gradients flow into ``log_probs``; pass a detached ``ref_log_probs``.
+    """
+    if kind not in KL_KINDS:
+        from posttrain.core.errors import unknown
+
+        raise ValueError(unknown("KL kind", kind, KL_KINDS))
+    d = log_probs - ref_log_probs
+    if kind == "k1":
+        return d
+    if kind == "k2":
+        return 0.5 * d * d
+    d = d.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    k3 = (-d).exp() - 1 + d
+    return k3.clamp(-clamp, clamp) if clamp is not None else k3
+
+
+def kl_penalty_rewards(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, mask: torch.Tensor,
+                       coef: float, kind: str = "k1") -> torch.Tensor:
+    """Dense per-token rewards ``-coef * KL_t * m_t`` ``[B, T]`` for ``AdvantageBatch.token_rewards``
+    (KL in the reward, the classic RLHF-PPO shaping). Computed without gradient."""
+    import torch
+
+    with torch.no_grad():
+        return -coef * kl_divergence(log_probs, ref_log_probs, kind) * mask.to(log_probs.dtype)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Per-token entropy ``H = logsumexp(z) - sum_v softmax(z)_v z_v``: ``logits [B, T, V]`` -> ``[B, T]``.
+
+    For large vocabularies the trainer computes entropy chunked alongside the log-probs; this is the
+    reference formula (and the one to call on a small chunk).
+    """
+    import torch
+
+    logits = logits.float()
+    return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip: float | None = 0.2, mode: str = "token-mean", global_tokens: Any = None,
+               global_seqs: Any = None, max_response_len: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The critic's clipped value loss (PPO): ``0.5 * max((V - R)^2, (V_clip - R)^2)`` aggregated by ``mode``.
+
+    ``V_clip = V_old + clip(V - V_old, -clip, +clip)``; ``clip=None`` gives the plain ``0.5 (V - R)^2``.
+    All inputs ``[B, T]``; ``returns`` come from the estimator (``gae``), ``old_values`` from the critic
+    before this update. Metrics: ``vf_clipfrac`` (tokens where the clipped term is the larger),
+    ``vf_loss``, ``value_mean``. Returns ``(scalar loss, metrics)``.
+    """
+    import torch
+
+    unclipped = (values - returns) ** 2
+    if clip is None:
+        per_token, clipped = unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
+    else:
+        v_clip = old_values + (values - old_values).clamp(-clip, clip)
+        clipped_sq = (v_clip - returns) ** 2
+        per_token, clipped = torch.maximum(unclipped, clipped_sq), clipped_sq > unclipped
+    loss = aggregate(0.5 * per_token, mask, mode, global_tokens, global_seqs, max_response_len)
+    with torch.no_grad():
+        metrics = {"vf_loss": float(loss.item()), "vf_clipfrac": float(masked_mean(clipped.float(), mask).item()),
+                   "value_mean": float(masked_mean(values.float(), mask).item())}
+    return loss, metrics
+
+
+class PolicyLoss:
+    """Base of the policy losses: shape checks, IS weights, aggregation and the common metrics.
+
+    A subclass sets ``name``, a ``Config`` with at least ``aggregation`` and ``max_response_len`` and
+    implements :meth:`token_losses`. Call::
+
+        loss, metrics = loss_fn(log_probs, old_log_probs, advantages, response_mask,
+                                is_weights=None, global_tokens=None, global_seqs=None)
+
+    ``log_probs`` (with gradient), ``old_log_probs``, ``advantages``, ``response_mask``, ``is_weights``:
+    all ``[B, T]``. Per-token losses are multiplied by ``is_weights`` (detached; from a correction such as
+    ``tis``), then reduced with :func:`aggregate`. ``metrics`` are floats over this micro-batch's tokens:
+    ``pg_loss``, ``clipfrac``, ``approx_kl`` (``k3`` of pi_old against pi, >= 0), ``ratio_mean``, and any
+    other flag fractions the subclass reports.
+    """
+
+    name = ""
+
+    def __init__(self, config: Any = None):
+        self.config = config or self.Config()  # type: ignore[attr-defined]
+
+    def token_losses(self, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                     mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """``(per_token_loss, ratio, flags)``: the ``[B, T]`` loss before IS weights and aggregation, the
+        ``[B, T]`` ratio reported as ``ratio_mean``, and ``{metric: bool [B, T]}`` whose masked means become
+        metrics (at least ``clipfrac``: tokens whose gradient or weight was clipped)."""
+        raise NotImplementedError
+
+    def __call__(self, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                 response_mask: torch.Tensor, is_weights: torch.Tensor | None = None, global_tokens: Any = None,
+                 global_seqs: Any = None) -> tuple[torch.Tensor, dict[str, float]]:
+        import torch
+
+        named = {"old_log_probs": old_log_probs, "advantages": advantages, "response_mask": response_mask}
+        if is_weights is not None:
+            named["is_weights"] = is_weights
+        for key, tensor in named.items():
+            if tensor.shape != log_probs.shape:
+                raise ValueError(f"{self.name}: {key} has shape {tuple(tensor.shape)}, log_probs "
+                                 f"{tuple(log_probs.shape)}; all must be [B, T]")
+        mask = response_mask.to(log_probs.dtype)
+        old_log_probs, advantages = old_log_probs.detach(), advantages.detach()
+        per_token, ratio, flags = self.token_losses(log_probs, old_log_probs, advantages, mask)
+        if is_weights is not None:
+            per_token = per_token * is_weights.detach().to(per_token.dtype)
+        # where() rather than a multiply: a non-finite value on a padded token must not reach the gradient
+        per_token = torch.where(mask > 0, per_token, torch.zeros_like(per_token))
+        loss = aggregate(per_token, mask, self.config.aggregation, global_tokens, global_seqs,
+                         self.config.max_response_len)
+        with torch.no_grad():
+            d = clamped_log_ratio(old_log_probs, log_probs.detach())
+            metrics = {
+                "pg_loss": float(loss.item()),
+                "approx_kl": float(masked_mean((-d).exp() - 1 + d, mask).item()),
+                "ratio_mean": float(masked_mean(ratio.detach().float(), mask).item()),
+            }
+            metrics.update({key: float(masked_mean(flag.float(), mask).item()) for key, flag in flags.items()})
+        return loss, metrics
+
+
+def mismatch_metrics(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor,
+                     is_weights: torch.Tensor, masked: torch.Tensor, clipped: torch.Tensor) -> dict[str, float]:
+    """Metrics every rollout/training mismatch correction reports (means over the masked tokens).
+
+    ``train_rollout_logprob_abs_diff`` = mean ``|train - rollout|``; ``is_weight_mean``; ``is_masked_frac``
+    (tokens whose weight was set to 0 for being out of bounds); ``is_clipped_frac`` (tokens whose weight
+    was truncated to a bound); ``is_ratio_mean`` (the raw token ratio ``exp(train - rollout)``).
+    """
+    import torch
+
+    with torch.no_grad():
+        d = clamped_log_ratio(train_log_probs.detach(), rollout_log_probs.detach())
+        return {
+            "train_rollout_logprob_abs_diff": float(masked_mean(d.abs(), mask).item()),
+            "is_weight_mean": float(masked_mean(is_weights.float(), mask).item()),
+            "is_masked_frac": float(masked_mean(masked.float(), mask).item()),
+            "is_clipped_frac": float(masked_mean(clipped.float(), mask).item()),
+            "is_ratio_mean": float(masked_mean(d.exp(), mask).item()),
+        }

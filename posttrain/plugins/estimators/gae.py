@@ -1,0 +1,74 @@
+"""GAE advantages for PPO with a critic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from posttrain import hookimpl, option
+from posttrain.core.types import AdvantageBatch
+
+
+class GAE:
+    """GAE (Schulman et al., 2016): ``A_t = delta_t + gamma lam A_{t+1}``, ``delta_t = r_t + gamma V_{t+1} - V_t``.
+
+    Generalized Advantage Estimation (Schulman et al., 2016) for PPO; needs critic ``values``.
+
+    Per-token rewards ``r_t`` = the outcome reward on the last response token plus the optional dense
+    ``token_rewards`` (e.g. ``-kl_coef * KL_t``), times the mask. With ``V_t = values * mask`` and
+    ``V_T = 0`` after the end::
+
+        delta_t = r_t + gamma * V_{t+1} - V_t
+        A_t     = delta_t + gamma * lam * A_{t+1}
+        returns = A + V                        (the critic's targets, before whitening)
+
+    then ``A`` is whitened over all response tokens of the batch when ``whiten`` (the default, as verl and
+    slime do). Every position counts one step (tokens masked in the middle of a response, such as tool
+    output, pass the recursion through with their masked ``V = 0``; use ``gamma = lam = 1``, the
+    defaults, to make that immaterial).
+
+    Shapes: ``rewards [B]``, ``values [B, T]``, ``response_mask [B, T]`` -> advantages and returns
+    ``[B, T]``, 0 where the mask is 0.
+    """
+
+    name = "gae"
+    needs_critic = True
+    group_baseline = False
+
+    @dataclass
+    class Config:
+        gamma: float = option(1.0, ge=0.0, le=1.0, help="discount per token")
+        lam: float = option(1.0, ge=0.0, le=1.0, help="GAE lambda (1: Monte-Carlo returns minus V)")
+        whiten: bool = option(True, help="whiten the advantages over the batch's response tokens")
+
+    def __init__(self, config: Config | None = None):
+        self.config = config or self.Config()
+
+    def advantages(self, batch: AdvantageBatch):
+        import torch
+
+        from posttrain.core.group_stats import masked_whiten, outcome_token_rewards
+        from posttrain.plugins.estimators._common import check_batch
+
+        rewards = check_batch(batch, needs_values=True)
+        mask = batch.response_mask.float()
+        values = torch.where(mask > 0, batch.values.float(), 0.0)
+        token_rewards = outcome_token_rewards(rewards, mask, batch.token_rewards)
+        gamma, lam = self.config.gamma, self.config.lam
+        advantages = torch.zeros_like(values)
+        next_value = torch.zeros_like(values[:, 0])
+        running = torch.zeros_like(values[:, 0])
+        for t in range(values.shape[-1] - 1, -1, -1):
+            delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+            running = delta + gamma * lam * running
+            advantages[:, t] = running
+            next_value = values[:, t]
+        advantages = advantages * mask
+        returns = (advantages + values) * mask
+        if self.config.whiten:
+            advantages = masked_whiten(advantages, mask)
+        return advantages, returns
+
+
+@hookimpl
+def posttrain_register_estimators(registry):
+    registry.add(GAE)
