@@ -1,11 +1,17 @@
-"""The policy-loss contract: a scalar with gradient, finite, no gradient through masked tokens."""
+"""The policy-loss contract: a scalar with gradient, finite, no gradient through masked tokens,
+importance weights applied, and micro-batch invariance for every aggregation mode."""
 
 from __future__ import annotations
+
+import dataclasses
+
+import pytest
 
 from posttrain.testing.contracts.common import ComponentContract
 
 
 def make_inputs(b: int = 6, t: int = 9, seed: int = 0):
+    """``(log_probs (leaf, requires grad), old_log_probs, advantages, mask)``, all ``[b, t]``, right-padded."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -15,6 +21,15 @@ def make_inputs(b: int = 6, t: int = 9, seed: int = 0):
     log_probs = (old + 0.3 * torch.randn(b, t, generator=gen)).clamp(max=0).requires_grad_(True)
     advantages = torch.randn(b, 1, generator=gen).expand(b, t) * mask
     return log_probs, old, advantages, mask
+
+
+def with_aggregations(loss):
+    """The loss rebuilt with every aggregation mode its ``Config`` accepts (just itself if it has none)."""
+    from posttrain.core.losses import AGGREGATION_MODES
+
+    if not any(f.name == "aggregation" for f in dataclasses.fields(loss.config)):
+        return [loss]
+    return [type(loss)(dataclasses.replace(loss.config, aggregation=m)) for m in AGGREGATION_MODES]
 
 
 class LossContract(ComponentContract):
@@ -32,11 +47,28 @@ class LossContract(ComponentContract):
         assert log_probs.grad is not None and torch.isfinite(log_probs.grad).all()
         assert all(isinstance(v, float) for v in metrics.values()), metrics
 
+    def test_reports_clipfrac_approx_kl_ratio_mean(self, loss):
+        import torch
+
+        log_probs, _, adv, mask = make_inputs(seed=5)
+        _, metrics = loss(log_probs, log_probs.detach().clone(), adv, mask)  # on-policy: ratio 1
+        assert {"clipfrac", "approx_kl", "ratio_mean"} <= set(metrics), sorted(metrics)
+        assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+        assert metrics["approx_kl"] == pytest.approx(0.0, abs=1e-7)
+        assert metrics["clipfrac"] == 0.0
+        assert torch.isfinite(torch.tensor(list(metrics.values()))).all()
+
     def test_no_gradient_through_masked_tokens(self, loss):
-        log_probs, old, adv, mask = make_inputs(seed=3)
-        value, _ = loss(log_probs, old, adv, mask)
-        value.backward()
-        assert (log_probs.grad[mask == 0] == 0).all()
+        import torch
+
+        for fn in with_aggregations(loss):
+            log_probs, old, adv, mask = make_inputs(seed=3)
+            with torch.no_grad():  # garbage on padding must not leak into the loss or the gradient
+                old[mask == 0] = 50.0
+            value, _ = fn(log_probs, old, adv, mask)
+            value.backward()
+            assert torch.isfinite(value)
+            assert (log_probs.grad[mask == 0] == 0).all()
 
     def test_inputs_not_mutated(self, loss):
         log_probs, old, adv, mask = make_inputs(seed=4)
@@ -44,3 +76,55 @@ class LossContract(ComponentContract):
         loss(log_probs, old, adv, mask)
         for x, c in zip((log_probs, old, adv, mask), copies):
             assert (x.detach() == c).all()
+
+    def test_is_weights_scale_the_tokens(self, loss):
+        """Weights of 1 change nothing; a weight of 0 removes that token's gradient."""
+        import torch
+
+        log_probs, old, adv, mask = make_inputs(seed=6)
+        plain, _ = loss(log_probs, old, adv, mask)
+        ones, _ = loss(log_probs, old, adv, mask, is_weights=torch.ones_like(mask))
+        torch.testing.assert_close(ones, plain)
+        weights = torch.ones_like(mask)
+        weights[:, ::2] = 0.0
+        # on-policy (ratio 1), so no clipping can hide the gradient of the weighted tokens
+        value, _ = loss(log_probs, log_probs.detach().clone(), adv, mask, is_weights=weights)
+        value.backward()
+        assert (log_probs.grad[:, ::2] == 0).all()
+        assert log_probs.grad[:, 1::2][mask[:, 1::2] > 0].abs().sum() > 0
+
+    def test_micro_batch_invariance(self, loss):
+        """Summing micro-batch losses normalized by the whole batch's counts reproduces the full-batch
+        loss and gradient (to 1e-6), for every aggregation mode, whatever the split."""
+        import torch
+
+        from posttrain.core.losses import batch_counts
+
+        for fn in with_aggregations(loss):
+            log_probs, old, adv, mask = make_inputs(b=7, seed=7)
+            mask = mask.clone()
+            mask[4] = 0.0  # a sequence with no training tokens must not change the counts' meaning
+            weights = torch.rand(mask.shape, generator=torch.Generator().manual_seed(8)) + 0.5
+            tokens, seqs = batch_counts(mask)
+            full_lp = log_probs.detach().clone().requires_grad_(True)
+            full, _ = fn(full_lp, old, adv, mask, is_weights=weights)
+            full.backward()
+            for splits in ([2, 5], [1, 3, 3], [7]):
+                lp = log_probs.detach().clone().requires_grad_(True)
+                total, start = 0.0, 0
+                for size in splits:
+                    rows = slice(start, start + size)
+                    part, _ = fn(lp[rows], old[rows], adv[rows], mask[rows], is_weights=weights[rows],
+                                 global_tokens=tokens, global_seqs=seqs)
+                    total = total + part
+                    start += size
+                total.backward()
+                what = f"{fn.config.aggregation if hasattr(fn.config, 'aggregation') else ''} split {splits}"
+                torch.testing.assert_close(total, full, atol=1e-6, rtol=1e-6, msg=f"loss differs: {what}")
+                torch.testing.assert_close(lp.grad, full_lp.grad, atol=1e-6, rtol=1e-6,
+                                           msg=f"gradient differs: {what}")
+
+    def test_mismatched_shapes_raise(self, loss):
+        log_probs, old, adv, mask = make_inputs()
+        with pytest.raises(ValueError, match=r"\[B, T\]"):
+            loss(log_probs, old[:, :-1], adv, mask)
