@@ -38,9 +38,19 @@ def check_batch(batch: AdvantageBatch, needs_values: bool = False) -> torch.Tens
     return check_finite(batch.rewards)
 
 
+def masked_token_rewards(batch: AdvantageBatch) -> torch.Tensor | None:
+    """``token_rewards [B, T]`` as float32 with 0 outside the mask (whatever padding held), or None."""
+    import torch
+
+    if batch.token_rewards is None:
+        return None
+    return torch.where(batch.response_mask > 0, batch.token_rewards.float(), 0.0)
+
+
 def sequence_scores(batch: AdvantageBatch) -> torch.Tensor:
     """``[B]`` outcome reward plus the sum of the masked ``token_rewards`` of each sample."""
     rewards = check_batch(batch)
-    if batch.token_rewards is not None:
-        rewards = rewards + (batch.token_rewards.float() * batch.response_mask).sum(-1)
+    token_rewards = masked_token_rewards(batch)
+    if token_rewards is not None:
+        rewards = rewards + token_rewards.sum(-1)
     return rewards

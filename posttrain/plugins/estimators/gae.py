@@ -47,12 +47,12 @@ class GAE:
         import torch
 
         from posttrain.core.group_stats import masked_whiten, outcome_token_rewards
-        from posttrain.plugins.estimators._common import check_batch
+        from posttrain.plugins.estimators._common import check_batch, masked_token_rewards
 
         rewards = check_batch(batch, needs_values=True)
         mask = batch.response_mask.float()
         values = torch.where(mask > 0, batch.values.float(), 0.0)
-        token_rewards = outcome_token_rewards(rewards, mask, batch.token_rewards)
+        token_rewards = outcome_token_rewards(rewards, mask, masked_token_rewards(batch))
         gamma, lam = self.config.gamma, self.config.lam
         advantages = torch.zeros_like(values)
         next_value = torch.zeros_like(values[:, 0])

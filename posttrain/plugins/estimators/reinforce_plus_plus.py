@@ -37,11 +37,11 @@ class ReinforcePlusPlus:
 
     def advantages(self, batch: AdvantageBatch):
         from posttrain.core.group_stats import discounted_returns, masked_whiten, outcome_token_rewards
-        from posttrain.plugins.estimators._common import check_batch
+        from posttrain.plugins.estimators._common import check_batch, masked_token_rewards
 
         rewards = check_batch(batch)
         mask = batch.response_mask.float()
-        token_rewards = outcome_token_rewards(rewards, mask, batch.token_rewards)
+        token_rewards = outcome_token_rewards(rewards, mask, masked_token_rewards(batch))
         returns = discounted_returns(token_rewards, self.config.gamma) * mask
         return masked_whiten(returns, mask), returns
 

@@ -35,14 +35,15 @@ class ReinforcePlusPlusBaseline:
 
     def advantages(self, batch: AdvantageBatch):
         from posttrain.core.group_stats import group_mean_std, masked_whiten
-        from posttrain.plugins.estimators._common import check_batch
+        from posttrain.plugins.estimators._common import check_batch, masked_token_rewards
 
         rewards = check_batch(batch)
         mask = batch.response_mask.float()
         mean, _ = group_mean_std(rewards, batch.group_index)
         returns = (rewards - mean).unsqueeze(-1).expand_as(mask)
-        if batch.token_rewards is not None:
-            returns = returns + batch.token_rewards.float()
+        token_rewards = masked_token_rewards(batch)
+        if token_rewards is not None:
+            returns = returns + token_rewards
         returns = returns * mask
         return masked_whiten(returns, mask), returns
 

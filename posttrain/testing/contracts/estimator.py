@@ -107,6 +107,19 @@ class EstimatorContract(ComponentContract):
         assert not (torch.allclose(adv_t, adv) and torch.allclose(ret_t, ret)), \
             "token_rewards were silently ignored"
 
+    def test_padding_garbage_does_not_leak(self, estimator):
+        """NaN in ``values``/``token_rewards`` outside the mask (padding) must not reach the output."""
+        import torch
+
+        batch = self._batch(estimator)
+        outside = batch.response_mask == 0
+        assert outside.any()
+        batch.token_rewards = torch.where(outside, float("nan"), 0.1)
+        if batch.values is not None:
+            batch.values = torch.where(outside, float("nan"), batch.values)
+        adv, ret = estimator.advantages(batch)
+        assert torch.isfinite(adv).all() and torch.isfinite(ret).all()
+
     def test_wrong_shapes_raise(self, estimator):
         batch = self._batch(estimator)
         batch.rewards = batch.rewards[:-1]
