@@ -39,8 +39,8 @@ def group_sum_count(values: torch.Tensor, group_index: torch.Tensor,
     """
     inverse, n = group_inverse(group_index)
     w = torch.ones_like(values) if weights is None else weights.to(values.dtype)
-    total = torch.zeros(n, dtype=values.dtype).index_add_(0, inverse, values * w)
-    count = torch.zeros(n, dtype=values.dtype).index_add_(0, inverse, w)
+    total = torch.zeros(n, dtype=values.dtype, device=values.device).index_add_(0, inverse, values * w)
+    count = torch.zeros(n, dtype=values.dtype, device=values.device).index_add_(0, inverse, w)
     return total[inverse], count[inverse]
 
 
@@ -51,9 +51,12 @@ def group_mean_std(values: torch.Tensor, group_index: torch.Tensor) -> tuple[tor
     A group of one sample gets mean 0 and std 1, so standardizing leaves its value unchanged.
     """
     inverse, n_groups = group_inverse(group_index)
-    count = torch.zeros(n_groups, dtype=values.dtype).index_add_(0, inverse, torch.ones_like(values))
-    mean = torch.zeros(n_groups, dtype=values.dtype).index_add_(0, inverse, values) / count
-    sq = torch.zeros(n_groups, dtype=values.dtype).index_add_(0, inverse, (values - mean[inverse]) ** 2)
+    def per_group_sum(x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(n_groups, dtype=values.dtype, device=values.device).index_add_(0, inverse, x)
+
+    count = per_group_sum(torch.ones_like(values))
+    mean = per_group_sum(values) / count
+    sq = per_group_sum((values - mean[inverse]) ** 2)
     std = (sq / (count - 1).clamp(min=1)).sqrt()
     single = count[inverse] == 1
     mean_b, std_b = mean[inverse], std[inverse]

@@ -15,6 +15,7 @@ pytest then runs every inherited check. posttrain runs the same suites over all 
 """
 
 from posttrain.testing.contracts.common import ComponentContract
+from posttrain.testing.contracts.correction import CorrectionContract
 from posttrain.testing.contracts.estimator import EstimatorContract
 from posttrain.testing.contracts.generator import GeneratorContract
 from posttrain.testing.contracts.loss import LossContract
@@ -25,10 +26,11 @@ from posttrain.testing.contracts.reward import RewardContract
 CONTRACTS = {
     "estimators": ("EstimatorContract", "estimator"),
     "losses": ("LossContract", "loss"),
+    "corrections": ("CorrectionContract", "correction"),
     "rewards": ("RewardContract", "reward"),
     "generators": ("GeneratorContract", "generator"),
     "models": ("ModelSpecContract", "model_spec"),
 }
 
-__all__ = ["CONTRACTS", "ComponentContract", "EstimatorContract", "GeneratorContract", "LossContract",
-           "ModelSpecContract", "RewardContract"]
+__all__ = ["CONTRACTS", "ComponentContract", "CorrectionContract", "EstimatorContract", "GeneratorContract",
+           "LossContract", "ModelSpecContract", "RewardContract"]

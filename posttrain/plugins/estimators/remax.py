@@ -44,7 +44,7 @@ class ReMax:
         if baseline is None:
             raise ValueError("remax needs batch.metadata['baseline_rewards'] ([B] reward of the greedy sample "
                              "per prompt); the generator must produce a greedy sample for each prompt")
-        baseline = torch.as_tensor(baseline)
+        baseline = torch.as_tensor(baseline, device=rewards.device)
         if tuple(baseline.shape) != tuple(rewards.shape):
             raise ValueError(f"metadata['baseline_rewards'] has shape {tuple(baseline.shape)}, expected "
                              f"{tuple(rewards.shape)}")
