@@ -108,9 +108,10 @@ def discounted_returns(token_rewards: torch.Tensor, gamma: float) -> torch.Tenso
     """
     if gamma == 1.0:
         return token_rewards.flip(-1).cumsum(-1).flip(-1)
-    out = torch.empty_like(token_rewards)
-    running = torch.zeros_like(token_rewards[:, 0])
-    for t in range(token_rewards.shape[-1] - 1, -1, -1):
-        running = token_rewards[:, t] + gamma * running
-        out[:, t] = running
-    return out
+    rewards_tb = token_rewards.T.contiguous()  # [T, B]: each step of the scan reads one contiguous row
+    out = torch.empty_like(rewards_tb)
+    running = torch.zeros_like(rewards_tb[0])
+    for t in range(rewards_tb.shape[0] - 1, -1, -1):
+        running = rewards_tb[t] + gamma * running
+        out[t] = running
+    return out.T

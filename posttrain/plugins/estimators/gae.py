@@ -54,14 +54,17 @@ class GAE:
         values = torch.where(mask > 0, batch.values.float(), 0.0)
         token_rewards = outcome_token_rewards(rewards, mask, masked_token_rewards(batch))
         gamma, lam = self.config.gamma, self.config.lam
-        advantages = torch.zeros_like(values)
-        next_value = torch.zeros_like(values[:, 0])
-        running = torch.zeros_like(values[:, 0])
-        for t in range(values.shape[-1] - 1, -1, -1):
-            delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        # scan over time on [T, B] copies: each step then reads and writes one contiguous row
+        rewards_tb, values_tb = token_rewards.T.contiguous(), values.T.contiguous()
+        advantages_tb = torch.empty_like(values_tb)
+        next_value = torch.zeros_like(values_tb[0])
+        running = torch.zeros_like(values_tb[0])
+        for t in range(values_tb.shape[0] - 1, -1, -1):
+            delta = rewards_tb[t] + gamma * next_value - values_tb[t]
             running = delta + gamma * lam * running
-            advantages[:, t] = running
-            next_value = values[:, t]
+            advantages_tb[t] = running
+            next_value = values_tb[t]
+        advantages = advantages_tb.T
         advantages = advantages * mask
         returns = (advantages + values) * mask
         if self.config.whiten:
