@@ -11,11 +11,9 @@ from posttrain.core.types import AdvantageBatch
 class DrGRPO:
     """Dr. GRPO (Liu et al., 2025): ``A_i = r_i - mean_g`` on every response token (no std).
 
-    Dr. GRPO, "GRPO done right" (Liu et al., 2025): ``A_i = r_i - mean_g`` on every response token.
-
-    Dropping the std division removes GRPO's question-difficulty bias; pair it with the loss aggregation
-    ``seq-mean-token-sum-norm`` (a constant length normalizer) to remove the length bias too, as the paper
-    and verl do (``norm_adv_by_std_in_grpo=False``). A group of one sample keeps its raw reward.
+    "GRPO done right": dropping the std division removes GRPO's question-difficulty bias; pair it with
+    the loss aggregation ``seq-mean-token-sum-norm`` (a constant length normalizer) to remove the length
+    bias too, as the paper and verl do (``norm_adv_by_std_in_grpo=False``). A group of one sample keeps its raw reward.
     ``token_rewards`` are summed per sample into ``r_i`` first (as in ``grpo``).
 
     Shapes: ``rewards [B]``, ``group_index [B]``, ``response_mask [B, T]`` -> advantages = returns

@@ -11,10 +11,8 @@ from posttrain.core.types import AdvantageBatch
 class GRPO:
     """GRPO (Shao et al., 2024): ``A_i = (r_i - mean_g) / (std_g + epsilon)`` on every response token.
 
-    Group Relative Policy Optimization (Shao et al., 2024), outcome supervision.
-
-    ``A_i = (r_i - mean_g) / (std_g + epsilon)`` for every response token of sample ``i`` in group
-    ``g``, with the Bessel-corrected (unbiased) std, as slime and verl compute it.
+    Group Relative Policy Optimization with outcome supervision: sample ``i`` of group ``g`` gets the same
+    advantage on every response token; ``std_g`` is Bessel-corrected (unbiased), as slime and verl compute it.
     ``normalize_std=False`` gives the mean-centred form. A group of one sample keeps its raw reward
     (mean 0, std 1), since there is nothing to compare it with. A group whose rewards are all equal
     gets advantage 0.
