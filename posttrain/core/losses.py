@@ -159,7 +159,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     """The critic's clipped value loss (PPO): ``0.5 * max((V - R)^2, (V_clip - R)^2)`` aggregated by ``mode``.
 
     ``V_clip = V_old + clip(V - V_old, -clip, +clip)``; ``clip=None`` gives the plain ``0.5 (V - R)^2``.
-    All inputs ``[B, T]``; ``returns`` come from the estimator (``gae``), ``old_values`` from the critic
+    All inputs ``[B, T]``; ``returns`` come from a critic estimator (GAE), ``old_values`` from the critic
     before this update. Metrics: ``vf_clipfrac`` (tokens where the clipped term is the larger),
     ``vf_loss``, ``value_mean``. Returns ``(scalar loss, metrics)``.
     """
@@ -189,10 +189,10 @@ class PolicyLoss:
                                 is_weights=None, global_tokens=None, global_seqs=None)
 
     ``log_probs`` (with gradient), ``old_log_probs``, ``advantages``, ``response_mask``, ``is_weights``:
-    all ``[B, T]``. Per-token losses are multiplied by ``is_weights`` (detached; from a correction such as
-    ``tis``), then reduced with :func:`aggregate`. ``metrics`` are floats over this micro-batch's tokens:
-    ``pg_loss``, ``clipfrac``, ``approx_kl`` (``k3`` of pi_old against pi, >= 0), ``ratio_mean``, and any
-    other flag fractions the subclass reports.
+    all ``[B, T]``. Per-token losses are multiplied by ``is_weights`` (detached; from a rollout/training
+    mismatch correction), then reduced with :func:`aggregate`. ``metrics`` are floats over this
+    micro-batch's tokens: ``pg_loss``, ``clipfrac``, ``approx_kl`` (``k3`` of pi_old against pi, >= 0),
+    ``ratio_mean``, and any other flag fractions the subclass reports.
     """
 
     name = ""
