@@ -11,6 +11,8 @@ How the trainer combines the terms (the policy loss itself stays pure)::
     ent = aggregate(entropy, mask, mode, global_tokens, global_seqs, max_len)
     total = pg_loss + kl_loss_coef * kl - entropy_coef * ent
 
+:func:`total_loss` does exactly this in one call (and refuses a coefficient without its input).
+
 KL can instead go into the reward, per token: ``token_rewards = kl_penalty_rewards(lp_old, ref_lp, mask,
 kl_in_reward_coef, kind)`` passed as ``AdvantageBatch.token_rewards`` (every built-in estimator uses
 ``token_rewards``; see each estimator's docstring for how). Use one or the other, not both.
@@ -237,6 +239,44 @@ class PolicyLoss:
             }
             metrics.update({key: float(masked_mean(flag.float(), mask).item()) for key, flag in flags.items()})
         return loss, metrics
+
+
+def total_loss(pg_loss: torch.Tensor, response_mask: torch.Tensor, *, log_probs: torch.Tensor | None = None,
+               ref_log_probs: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
+               kl_loss_coef: float = 0.0, kl_kind: str = "k3", entropy_coef: float = 0.0,
+               aggregation: str = "token-mean", global_tokens: Any = None, global_seqs: Any = None,
+               max_response_len: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """``total = pg_loss + kl_loss_coef * kl - entropy_coef * ent``: the trainer's one call per micro-batch.
+
+    ``kl = aggregate(kl_divergence(log_probs, ref_log_probs, kl_kind), ...)`` and
+    ``ent = aggregate(entropy, ...)`` use the policy loss's ``aggregation`` and the same global counts, so
+    the total stays micro-batch invariant. A coefficient that is set without its input raises (a KL term
+    is never silently dropped); an input given with a zero coefficient is still measured and reported.
+    Metrics: ``kl_loss`` and ``entropy`` (each only when its input is given), ``total_loss``.
+    All tensors ``[B, T]`` except ``pg_loss`` (a scalar).
+    """
+    import torch
+
+    if kl_loss_coef and (log_probs is None or ref_log_probs is None):
+        raise ValueError(f"kl_loss_coef={kl_loss_coef} needs log_probs and ref_log_probs (the reference model's)")
+    if entropy_coef and entropy is None:
+        raise ValueError(f"entropy_coef={entropy_coef} needs the per-token entropy [B, T]")
+    counts = dict(global_tokens=global_tokens, global_seqs=global_seqs, max_response_len=max_response_len)
+    total, metrics = pg_loss, {}
+    if log_probs is not None and ref_log_probs is not None:
+        kl = aggregate(kl_divergence(log_probs, ref_log_probs.detach(), kl_kind), response_mask, aggregation,
+                       **counts)
+        metrics["kl_loss"] = float(kl.detach().item())
+        if kl_loss_coef:
+            total = total + kl_loss_coef * kl
+    if entropy is not None:
+        ent = aggregate(entropy, response_mask, aggregation, **counts)
+        metrics["entropy"] = float(ent.detach().item())
+        if entropy_coef:
+            total = total - entropy_coef * ent
+    with torch.no_grad():
+        metrics["total_loss"] = float(total.item())
+    return total, metrics
 
 
 def mismatch_metrics(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor,

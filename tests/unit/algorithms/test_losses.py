@@ -228,3 +228,24 @@ def test_kl_entropy_and_value_terms_are_micro_batch_invariant(mode):
     total.backward()
     torch.testing.assert_close(total, full, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(x.grad, full_x.grad, atol=1e-6, rtol=1e-6)
+
+
+def test_total_loss_combines_terms_and_refuses_missing_inputs():
+    from posttrain.core.losses import total_loss
+
+    lp, old, adv, mask = _inputs([1.2, 0.9], [1.0, -1.0])
+    ref, entropy = old - 0.1, torch.tensor([[0.7, 0.3]])
+    pg, _ = loss_of("ppo_clip")(lp, old, adv, mask)
+    total, metrics = total_loss(pg, mask, log_probs=lp, ref_log_probs=ref, entropy=entropy, kl_loss_coef=0.1,
+                                entropy_coef=0.01)
+    kl = aggregate(kl_divergence(lp, ref, "k3"), mask, "token-mean")
+    assert total.item() == pytest.approx((pg + 0.1 * kl - 0.01 * 0.5).item())
+    assert metrics["kl_loss"] == pytest.approx(kl.item()) and metrics["entropy"] == pytest.approx(0.5)
+    total.backward()
+    assert torch.isfinite(lp.grad).all()
+    with pytest.raises(ValueError, match="ref_log_probs"):
+        total_loss(pg, mask, log_probs=lp, kl_loss_coef=0.1)
+    with pytest.raises(ValueError, match="entropy"):
+        total_loss(pg, mask, entropy_coef=0.01)
+    same, metrics = total_loss(pg, mask, log_probs=lp, ref_log_probs=ref)  # coefficient 0: measured only
+    assert same is pg and "kl_loss" in metrics
