@@ -221,8 +221,10 @@ class PolicyLoss:
             if tensor.shape != log_probs.shape:
                 raise ValueError(f"{self.name}: {key} has shape {tuple(tensor.shape)}, log_probs "
                                  f"{tuple(log_probs.shape)}; all must be [B, T]")
-        mask = response_mask.to(log_probs.dtype)
-        old_log_probs, advantages = old_log_probs.detach(), advantages.detach()
+        # fp32 math whatever the inputs (bf16 sums over millions of tokens lose the gradient's scale)
+        log_probs = log_probs.float()
+        mask = response_mask.float()
+        old_log_probs, advantages = old_log_probs.detach().float(), advantages.detach().float()
         per_token, ratio, flags = self.token_losses(log_probs, old_log_probs, advantages, mask)
         if is_weights is not None:
             per_token = per_token * is_weights.detach().to(per_token.dtype)

@@ -249,3 +249,17 @@ def test_total_loss_combines_terms_and_refuses_missing_inputs():
         total_loss(pg, mask, entropy_coef=0.01)
     same, metrics = total_loss(pg, mask, log_probs=lp, ref_log_probs=ref)  # coefficient 0: measured only
     assert same is pg and "kl_loss" in metrics
+
+
+@pytest.mark.parametrize("name", sorted(PLUGINS.losses))
+def test_bf16_inputs_are_reduced_in_fp32(name):
+    from posttrain.testing.contracts.loss import make_inputs
+
+    lp, old, adv, mask = make_inputs(seed=9)
+    ref, _ = loss_of(name)(lp, old, adv, mask)
+    lp16 = lp.detach().bfloat16().requires_grad_(True)
+    value, _ = loss_of(name)(lp16, old.bfloat16(), adv.bfloat16(), mask.bfloat16())
+    assert value.dtype == torch.float32
+    value.backward()
+    assert lp16.grad.dtype == torch.bfloat16 and torch.isfinite(lp16.grad.float()).all()
+    assert value.item() == pytest.approx(ref.item(), abs=0.05)
