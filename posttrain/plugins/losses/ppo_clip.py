@@ -17,10 +17,14 @@ class PPOClip(PolicyLoss):
 
         L_t = max(-A_t * ratio, -A_t * clip(ratio, 1 - clip_low, 1 + clip_high))
         L_t = min(L_t, -dual_clip * A_t)      where A_t < 0, if dual_clip (c > 1) is set
+        L_t = 0                               if opsm_delta is set, A_t < 0 and kl_i > opsm_delta
 
-    then multiplied by ``is_weights`` and reduced with ``aggregation`` (``posttrain.core.losses.aggregate``).
+    with ``kl_i = sum_t m_it (logp_old - logp)_it / n_i`` (no gradient): Off-Policy Sequence Masking, as
+    slime's ``--use-opsm``, drops negative-advantage sequences the policy has already moved far from.
+    Then multiplied by ``is_weights`` and reduced with ``aggregation`` (``posttrain.core.losses.aggregate``).
     Metrics: ``clipfrac`` (tokens where the clipped term is the larger, i.e. the gradient is cut),
-    ``approx_kl`` (k3 of pi_old against pi), ``ratio_mean``, ``pg_loss``, ``dual_clipfrac``.
+    ``approx_kl`` (k3 of pi_old against pi), ``ratio_mean``, ``pg_loss``, ``dual_clipfrac``,
+    ``opsm_frac`` (tokens masked by OPSM).
 
     Shapes: ``log_probs, old_log_probs, advantages, response_mask, is_weights``: ``[B, T]`` -> scalar.
     """
@@ -32,6 +36,8 @@ class PPOClip(PolicyLoss):
         clip_low: float = option(0.2, ge=0.0, help="lower clip: ratio >= 1 - clip_low")
         clip_high: float = option(0.28, ge=0.0, help="upper clip: ratio <= 1 + clip_high (DAPO clip-higher)")
         dual_clip: float | None = option(None, gt=1.0, help="dual-clip constant c > 1 for A < 0 (None: off)")
+        opsm_delta: float | None = option(None, gt=0.0, help="mask sequences with A < 0 whose mean "
+                                                             "log(pi_old/pi) exceeds this (None: off)")
         aggregation: AggregationMode = option("token-mean", help="how per-token losses become one scalar")
         max_response_len: int | None = option(None, ge=1, help="constant normalizer of seq-mean-token-sum-norm "
                                                               "(None: the padded T)")
@@ -52,7 +58,13 @@ class PPOClip(PolicyLoss):
             lower = -c.dual_clip * advantages
             dual = (advantages < 0) & (loss > lower)
             loss = torch.where(dual, lower, loss)
-        return loss, ratio, {"clipfrac": was_clipped | dual, "dual_clipfrac": dual}
+        opsm = torch.zeros_like(was_clipped)
+        if c.opsm_delta is not None:
+            with torch.no_grad():
+                seq_kl = ((old_log_probs - log_probs) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+                opsm = (advantages < 0) & (seq_kl > c.opsm_delta).unsqueeze(-1)
+            loss = torch.where(opsm, torch.zeros_like(loss), loss)
+        return loss, ratio, {"clipfrac": was_clipped | dual, "dual_clipfrac": dual, "opsm_frac": opsm}
 
 
 @hookimpl

@@ -263,3 +263,18 @@ def test_bf16_inputs_are_reduced_in_fp32(name):
     value.backward()
     assert lp16.grad.dtype == torch.bfloat16 and torch.isfinite(lp16.grad.float()).all()
     assert value.item() == pytest.approx(ref.item(), abs=0.05)
+
+
+def test_ppo_opsm_masks_far_negative_sequences():
+    # seq 0: log(old/new) = 0.2, 0.4 -> kl 0.3 > 0.1, A < 0 -> masked (loss 0, no gradient)
+    # seq 1: same drift but A > 0 -> kept; seq 2: A < 0, kl 0.05 -> kept
+    old = torch.full((3, 2), -1.0)
+    lp = (old - torch.tensor([[0.2, 0.4], [0.2, 0.4], [0.05, 0.05]])).requires_grad_(True)
+    adv = torch.tensor([[-1.0, -1.0], [1.0, 1.0], [-1.0, -1.0]])
+    loss, metrics = loss_of("ppo_clip", opsm_delta=0.1)(lp, old, adv, torch.ones(3, 2))
+    r = torch.exp(-torch.tensor([0.2, 0.4, 0.05]))
+    kept = -r[0] - r[1] + 2 * r[2]  # seq 1 (A > 0): -ratio per token; seq 2 (A < 0): +ratio per token
+    assert loss.item() == pytest.approx(kept.item() / 6, rel=1e-5)
+    assert metrics["opsm_frac"] == pytest.approx(2 / 6)
+    loss.backward()
+    assert (lp.grad[0] == 0).all() and (lp.grad[2] != 0).all()
