@@ -106,7 +106,7 @@ def clamped_log_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
 
 
 def kl_divergence(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str = "k3",
-                  clamp: float | None = 10.0) -> torch.Tensor:
+                  clamp: float | None = 10.0, old_log_probs: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token KL(pi || pi_ref) estimates ``[B, T]`` from sampled-token log-probs (Schulman's estimators).
 
     With ``d = log_probs - ref_log_probs``:
@@ -118,6 +118,10 @@ def kl_divergence(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: st
     ``k3`` is clamped to ``[-clamp, clamp]`` as slime and verl do (``None`` disables); ``d`` is clamped
     to +-20 inside ``k3`` only, so that ``exp`` cannot overflow into a NaN gradient.
     Gradients flow into ``log_probs``; pass a detached ``ref_log_probs``.
+
+    With ``old_log_probs`` (the policy that sampled the tokens), the estimate is multiplied by the
+    importance ratio ``exp(log_probs - old_log_probs)`` (with its gradient): an unbiased estimate of
+    KL(pi || pi_ref) from off-policy samples (DeepSeek-V3.2; slime's ``--use-unbiased-kl``).
     """
     if kind not in KL_KINDS:
         from posttrain.core.errors import unknown
@@ -125,12 +129,16 @@ def kl_divergence(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: st
         raise ValueError(unknown("KL kind", kind, KL_KINDS))
     d = log_probs - ref_log_probs
     if kind == "k1":
-        return d
-    if kind == "k2":
-        return 0.5 * d * d
-    d = d.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-    k3 = (-d).exp() - 1 + d
-    return k3.clamp(-clamp, clamp) if clamp is not None else k3
+        kl = d
+    elif kind == "k2":
+        kl = 0.5 * d * d
+    else:
+        d = d.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+        kl = (-d).exp() - 1 + d
+        kl = kl.clamp(-clamp, clamp) if clamp is not None else kl
+    if old_log_probs is not None:
+        kl = kl * clamped_log_ratio(log_probs, old_log_probs.detach()).exp()
+    return kl
 
 
 def kl_penalty_rewards(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, mask: torch.Tensor,
@@ -246,14 +254,17 @@ class PolicyLoss:
 def total_loss(pg_loss: torch.Tensor, response_mask: torch.Tensor, *, log_probs: torch.Tensor | None = None,
                ref_log_probs: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
                kl_loss_coef: float = 0.0, kl_kind: str = "k3", entropy_coef: float = 0.0,
+               old_log_probs: torch.Tensor | None = None,
                aggregation: str = "token-mean", global_tokens: Any = None, global_seqs: Any = None,
                max_response_len: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """``total = pg_loss + kl_loss_coef * kl - entropy_coef * ent``: the trainer's one call per micro-batch.
 
     ``kl = aggregate(kl_divergence(log_probs, ref_log_probs, kl_kind), ...)`` and
     ``ent = aggregate(entropy, ...)`` use the policy loss's ``aggregation`` and the same global counts, so
-    the total stays micro-batch invariant. A coefficient that is set without its input raises (a KL term
-    is never silently dropped); an input given with a zero coefficient is still measured and reported.
+    the total stays micro-batch invariant. With ``old_log_probs`` the KL term is importance-weighted
+    (the unbiased off-policy form, see :func:`kl_divergence`). A coefficient that is set without its input
+    raises (a KL term is never silently dropped); an input given with a zero coefficient is still measured
+    and reported.
     Metrics: ``kl_loss`` and ``entropy`` (each only when its input is given), ``total_loss``.
     All tensors ``[B, T]`` except ``pg_loss`` (a scalar).
     """
@@ -266,8 +277,8 @@ def total_loss(pg_loss: torch.Tensor, response_mask: torch.Tensor, *, log_probs:
     counts = dict(global_tokens=global_tokens, global_seqs=global_seqs, max_response_len=max_response_len)
     total, metrics = pg_loss, {}
     if log_probs is not None and ref_log_probs is not None:
-        kl = aggregate(kl_divergence(log_probs, ref_log_probs.detach(), kl_kind), response_mask, aggregation,
-                       **counts)
+        per_token = kl_divergence(log_probs, ref_log_probs.detach(), kl_kind, old_log_probs=old_log_probs)
+        kl = aggregate(per_token, response_mask, aggregation, **counts)
         metrics["kl_loss"] = float(kl.detach().item())
         if kl_loss_coef:
             total = total + kl_loss_coef * kl

@@ -278,3 +278,15 @@ def test_ppo_opsm_masks_far_negative_sequences():
     assert metrics["opsm_frac"] == pytest.approx(2 / 6)
     loss.backward()
     assert (lp.grad[0] == 0).all() and (lp.grad[2] != 0).all()
+
+
+def test_unbiased_kl_is_importance_weighted():
+    # k1 with ratio: d * exp(lp - old); d = 0.5, lp - old = ln 2 -> 1.0; gradient d/dlp (d e^(lp-old)) = e(1 + d) = 3
+    lp = torch.tensor([[-1.0]], requires_grad=True)
+    ref, old = torch.tensor([[-1.5]]), torch.tensor([[-1.0 - LN(2)]])
+    kl = kl_divergence(lp, ref, "k1", old_log_probs=old)
+    assert kl.item() == pytest.approx(1.0)
+    kl.sum().backward()
+    assert lp.grad.item() == pytest.approx(3.0)
+    # on-policy (old == lp), the value equals the plain estimate
+    torch.testing.assert_close(kl_divergence(lp, ref, "k3", old_log_probs=lp.detach()), kl_divergence(lp, ref, "k3"))
