@@ -21,7 +21,10 @@ kl_in_reward_coef, kind)`` passed as ``AdvantageBatch.token_rewards`` (every bui
 WHOLE batch's counts, ``global_tokens, global_seqs = batch_counts(full_mask)``, to every micro-batch.
 Each micro-batch's loss is then already normalized by the global counts, so the *sum* of micro-batch
 losses (and of their gradients) equals the full-batch loss. With ``None``, the micro-batch's own counts
-are used (right for an unsplit batch).
+are used (right for an unsplit batch). Under data parallelism the same holds across ranks: pass the counts
+of the whole optimizer step's batch (all DP ranks, all micro-batches), and reduce gradients by *sum*;
+a DDP wrapper that averages over ``dp_size`` ranks needs the loss multiplied by ``dp_size`` (slime scales
+the same way).
 
 This module is import-light (torch is imported inside functions) so that loss plugins may subclass
 :class:`PolicyLoss` at module level.
