@@ -16,7 +16,7 @@ class ReMax:
     ``A_i = r_i - b_i`` on every response token, where ``b_i = batch.metadata["baseline_rewards"][i]``
     (``[B]``) is the reward of the greedy (temperature 0) response to sample ``i``'s prompt; the
     generator produces it and the loop puts it in the metadata. ``token_rewards`` are summed per sample
-    into ``r_i`` first. Unlike verl, no whitening: the paper uses the raw difference.
+    into ``r_i`` first. No whitening (as the paper and verl).
 
     Shapes: ``rewards [B]``, ``metadata["baseline_rewards"] [B]``, ``response_mask [B, T]`` ->
     advantages = returns ``[B, T]``, 0 where the mask is 0. A missing or misshapen baseline raises.

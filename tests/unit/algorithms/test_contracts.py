@@ -51,6 +51,6 @@ class TestCorrections(CorrectionContract):
 
 def test_every_algorithm_is_registered():
     assert {"grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae", "remax",
-            "opo"} <= set(PLUGINS.estimators)
+            "opo", "gpg", "grpo_passk"} <= set(PLUGINS.estimators)
     assert {"ppo_clip", "gspo", "cispo"} <= set(PLUGINS.losses)
     assert {"tis", "mis", "icepop"} <= set(PLUGINS.corrections)

@@ -107,6 +107,33 @@ def test_remax_without_baseline_says_what_is_missing(batch):
         est("remax").advantages(batch)
 
 
+def test_gpg_rescales_by_the_share_of_nonzero_rewards(batch):
+    # all 5 rewards non-zero -> alpha = 1: the Dr. GRPO numerators
+    adv, _ = est("gpg").advantages(batch)
+    torch.testing.assert_close(adv, broadcast([-1.0, 0.75, 1.0, -0.75, 4.0], batch.response_mask))
+    # one non-zero reward out of 4 -> alpha = 4; group 0 mean 0.5 -> 4 * (+-0.5); group 1 all zero -> 0
+    b = AdvantageBatch(rewards=torch.tensor([1.0, 0.0, 0.0, 0.0]), group_index=torch.tensor([0, 0, 1, 1]),
+                       response_mask=mask_of([2, 2, 2, 2], t=2))
+    adv, _ = est("gpg", f_norm=2.0).advantages(b)
+    torch.testing.assert_close(adv, broadcast([1.0, -1.0, 0.0, 0.0], b.response_mask))
+
+
+def test_grpo_passk_only_the_best_sample_learns(batch):
+    # group 7: best is sample 2 (3 vs 1): margin 2 / std sqrt2; group 9: best is sample 1: 1.5 / (0.75 sqrt2)
+    # group 4 alone: raw reward 4 / (1 + eps); everybody else 0
+    eps = 1e-6
+    adv, _ = est("grpo_passk").advantages(batch)
+    expected = [0.0, 1.5 / (0.75 * S2 + eps), 2 / (S2 + eps), 0.0, 4 / (1 + eps)]
+    torch.testing.assert_close(adv, broadcast(expected, batch.response_mask))
+    # three samples 1, 5, 3: margin 2, std 2 -> 1 for the best; a tie at the top gives the group 0
+    b = AdvantageBatch(rewards=torch.tensor([1.0, 5.0, 3.0, 1.0, 1.0, 0.0]),
+                       group_index=torch.tensor([0, 0, 0, 1, 1, 1]), response_mask=mask_of([1] * 6, t=1))
+    adv, _ = est("grpo_passk", epsilon=1e-12).advantages(b)
+    torch.testing.assert_close(adv, torch.tensor([[0.0], [1.0], [0.0], [0.0], [0.0], [0.0]]))
+    adv, _ = est("grpo_passk", normalize_std=False).advantages(b)
+    assert adv[1, 0].item() == 2.0
+
+
 def _whiten(x, mask):
     # reference: mean and unbiased variance over masked tokens, written out with python floats
     vals = [float(v) for v, m in zip(x.flatten(), mask.flatten()) if m > 0]

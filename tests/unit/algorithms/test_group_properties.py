@@ -29,6 +29,13 @@ def reference(name: str, rewards: list[float], groups: list[int], lengths: list[
             out.append(r if n == 1 else r - statistics.fmean(rs))
         elif name == "rloo":
             out.append(r if n == 1 else r - (sum(rs) - r) / (n - 1))
+        elif name == "grpo_passk":
+            if n == 1:
+                out.append(r / (1 + 1e-6))
+                continue
+            top = sorted(rs, reverse=True)
+            best_once = r == top[0] and rs.count(r) == 1
+            out.append((top[0] - top[1]) / (statistics.stdev(rs) + 1e-6) if best_once else 0.0)
         elif name == "opo":
             ls = [lengths[j] for j in members]
             baseline = 0.0 if n == 1 or sum(ls) == 0 else sum(l * x for l, x in zip(ls, rs)) / sum(ls)
@@ -41,7 +48,7 @@ samples = st.lists(st.tuples(st.sampled_from([-1.0, 0.0, 0.5, 1.0, 3.0]), st.int
 
 
 @settings(max_examples=60, deadline=None)
-@given(samples=samples, name=st.sampled_from(["grpo", "dr_grpo", "rloo", "opo"]))
+@given(samples=samples, name=st.sampled_from(["grpo", "dr_grpo", "rloo", "opo", "grpo_passk"]))
 def test_matches_reference(samples, name):
     rewards, groups, lengths = (list(x) for x in zip(*samples))
     mask = (torch.arange(4)[None, :] < torch.tensor(lengths)[:, None]).float()

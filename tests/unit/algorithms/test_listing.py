@@ -11,7 +11,7 @@ from posttrain.cli.main import app
 ALGORITHMS = {
     "estimator": {"grpo": "std_g + epsilon", "dr_grpo": "r_i - mean_g", "rloo": "(n_g - 1)", "opo": "l_j r_j",
                   "remax": "r_greedy", "reinforce_plus_plus": "gamma^k", "reinforce_plus_plus_baseline": "whiten",
-                  "gae": "delta_t"},
+                  "gae": "delta_t", "gpg": "alpha", "grpo_passk": "r_max - r_2nd"},
     "loss": {"ppo_clip": "clip(ratio", "gspo": "exp(mean_t", "cispo": "-sg(clip(ratio"},
     "correction": {"tis": "clamp(exp(", "mis": "exp(sum_t", "icepop": "0 outside"},
 }
