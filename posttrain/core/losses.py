@@ -68,7 +68,9 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean"
     - ``seq-mean-token-sum``: ``sum_i sum_t x_it m_it / S``.
     - ``seq-mean-token-sum-norm``: ``sum_i sum_t x_it m_it / (L * S)`` (Dr. GRPO: a constant length
       normalizer, so long and short answers are not reweighted). Pass ``max_response_len`` (the rollout's
-      ``max_new_tokens``) so that micro-batches padded to different ``T`` agree.
+      ``max_new_tokens``) so that micro-batches padded to different ``T`` agree. verl leaves out the
+      ``1 / S`` (a sum over sequences); here it is a mean, as the name says, so the scale does not grow
+      with the batch size.
 
     Counts are clamped to at least 1, so an all-masked batch gives 0, not NaN.
     """

@@ -15,7 +15,8 @@ class ReinforcePlusPlus:
 
     Per-token rewards ``r_t`` = the outcome reward on each sample's last response token plus the optional
     dense ``token_rewards`` (e.g. ``-kl_coef * KL_t``), times the mask. Returns are discounted sums
-    ``G_t = sum_{k >= 0} gamma^k r_{t+k}`` (every position counts one step), and the advantages are
+    ``G_t = sum_{k >= 0} gamma^k r_{t+k}`` (every position counts one step; a masked position in the middle
+    of a response, such as tool output, passes the return through, where verl resets it), and the advantages are
     ``G`` whitened over all response tokens of the batch: ``(G - mean) / sqrt(var + 1e-8)``, Bessel-
     corrected variance (slime asserts ``--normalize-advantages`` for this estimator; here it is built in).
     No group baseline: whitening uses batch statistics only.
