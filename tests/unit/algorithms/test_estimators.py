@@ -53,11 +53,13 @@ def test_grpo_without_std_and_epsilon(batch):
     torch.testing.assert_close(adv[0, 0], torch.tensor(-1 / (S2 + 1)))
 
 
-def test_grpo_all_equal_rewards_give_zero():
-    b = AdvantageBatch(rewards=torch.full((4,), 0.7), group_index=torch.zeros(4, dtype=torch.long),
-                       response_mask=mask_of([4, 3, 2, 1]))
-    adv, _ = est("grpo").advantages(b)
-    assert (adv == 0).all()
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "opo", "gpg", "grpo_passk",
+                                  "reinforce_plus_plus_baseline"])
+def test_all_equal_rewards_in_every_group_give_zero(name):
+    b = AdvantageBatch(rewards=torch.tensor([0.7, 0.7, 0.7, -2.0, -2.0]),
+                       group_index=torch.tensor([0, 0, 0, 1, 1]), response_mask=mask_of([4, 3, 2, 1, 4]))
+    adv, _ = est(name).advantages(b)
+    torch.testing.assert_close(adv, torch.zeros_like(adv), atol=1e-6, rtol=0)  # float rounding of the mean
 
 
 def test_grpo_token_rewards_sum_into_the_score():
