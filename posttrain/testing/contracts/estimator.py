@@ -89,27 +89,6 @@ class EstimatorContract(ComponentContract):
         adv_s, _ = estimator.advantages(shifted)
         torch.testing.assert_close(adv_s, adv, atol=1e-4, rtol=1e-4)
 
-    def test_nan_reward_raises_with_sample_index(self, estimator):
-        import math
-
-        batch = self._batch(estimator)
-        batch.rewards = batch.rewards.clone()
-        batch.rewards[5] = math.nan
-        with pytest.raises(ValueError, match=r"sample 5\b"):
-            estimator.advantages(batch)
-
-    def test_token_rewards_are_not_ignored(self, estimator):
-        """Dense ``token_rewards`` (a KL penalty in the reward) must change the result, never vanish."""
-        import torch
-
-        batch = self._batch(estimator)
-        adv, ret = estimator.advantages(batch)
-        gen = torch.Generator().manual_seed(2)
-        batch.token_rewards = torch.randn(batch.response_mask.shape, generator=gen) * batch.response_mask
-        adv_t, ret_t = estimator.advantages(batch)
-        assert not (torch.allclose(adv_t, adv) and torch.allclose(ret_t, ret)), \
-            "token_rewards were silently ignored"
-
     def test_padding_garbage_does_not_leak(self, estimator):
         """NaN in ``values``/``token_rewards`` outside the mask (padding) must not reach the output."""
         import torch
@@ -122,9 +101,3 @@ class EstimatorContract(ComponentContract):
             batch.values = torch.where(outside, float("nan"), batch.values)
         adv, ret = estimator.advantages(batch)
         assert torch.isfinite(adv).all() and torch.isfinite(ret).all()
-
-    def test_wrong_shapes_raise(self, estimator):
-        batch = self._batch(estimator)
-        batch.rewards = batch.rewards[:-1]
-        with pytest.raises(ValueError, match="rewards"):
-            estimator.advantages(batch)
