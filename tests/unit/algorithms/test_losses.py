@@ -290,3 +290,14 @@ def test_unbiased_kl_is_importance_weighted():
     assert lp.grad.item() == pytest.approx(3.0)
     # on-policy (old == lp), the value equals the plain estimate
     torch.testing.assert_close(kl_divergence(lp, ref, "k3", old_log_probs=lp.detach()), kl_divergence(lp, ref, "k3"))
+
+
+@pytest.mark.parametrize("name", sorted(PLUGINS.losses))
+def test_builtin_losses_report_the_standard_metrics_and_check_shapes(name):
+    from posttrain.testing.contracts.loss import make_inputs
+
+    lp, old, adv, mask = make_inputs()
+    _, metrics = loss_of(name)(lp, old, adv, mask)
+    assert {"pg_loss", "clipfrac", "approx_kl", "ratio_mean"} <= set(metrics), sorted(metrics)
+    with pytest.raises(ValueError, match=r"old_log_probs has shape \(6, 8\), log_probs \(6, 9\); all must be \[B, T\]"):
+        loss_of(name)(lp, old[:, :-1], adv, mask)
