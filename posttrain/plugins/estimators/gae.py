@@ -46,8 +46,7 @@ class GAE:
     def advantages(self, batch: AdvantageBatch):
         import torch
 
-        from posttrain.core.group_stats import masked_whiten, outcome_token_rewards
-        from posttrain.plugins.estimators._common import check_batch, masked_token_rewards
+        from posttrain.core.group_stats import check_batch, masked_token_rewards, masked_whiten, outcome_token_rewards
 
         rewards = check_batch(batch, needs_values=True)
         mask = batch.response_mask.float()

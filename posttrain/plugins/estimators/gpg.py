@@ -33,8 +33,7 @@ class GPG:
         self.config = config or self.Config()
 
     def advantages(self, batch: AdvantageBatch):
-        from posttrain.core.group_stats import group_mean_std
-        from posttrain.plugins.estimators._common import sequence_scores
+        from posttrain.core.group_stats import group_mean_std, sequence_scores
 
         rewards = sequence_scores(batch)
         mean, _ = group_mean_std(rewards, batch.group_index)

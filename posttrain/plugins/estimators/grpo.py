@@ -38,8 +38,7 @@ class GRPO:
         self.config = config or self.Config()
 
     def advantages(self, batch: AdvantageBatch):
-        from posttrain.core.group_stats import group_mean_std
-        from posttrain.plugins.estimators._common import sequence_scores
+        from posttrain.core.group_stats import group_mean_std, sequence_scores
 
         rewards = sequence_scores(batch)
         mean, std = group_mean_std(rewards, batch.group_index)

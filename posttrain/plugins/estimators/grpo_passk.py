@@ -36,8 +36,7 @@ class GRPOPassK:
     def advantages(self, batch: AdvantageBatch):
         import torch
 
-        from posttrain.core.group_stats import group_inverse, group_mean_std, group_sum_count
-        from posttrain.plugins.estimators._common import sequence_scores
+        from posttrain.core.group_stats import group_inverse, group_mean_std, group_sum_count, sequence_scores
 
         rewards = sequence_scores(batch)
         inverse, n_groups = group_inverse(batch.group_index)

@@ -38,8 +38,7 @@ class OPO:
     def advantages(self, batch: AdvantageBatch):
         import torch
 
-        from posttrain.core.group_stats import group_sum_count
-        from posttrain.plugins.estimators._common import sequence_scores
+        from posttrain.core.group_stats import group_sum_count, sequence_scores
 
         rewards = sequence_scores(batch)
         lengths = batch.response_mask.float().sum(-1)

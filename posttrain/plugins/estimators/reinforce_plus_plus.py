@@ -37,8 +37,8 @@ class ReinforcePlusPlus:
         self.config = config or self.Config()
 
     def advantages(self, batch: AdvantageBatch):
-        from posttrain.core.group_stats import discounted_returns, masked_whiten, outcome_token_rewards
-        from posttrain.plugins.estimators._common import check_batch, masked_token_rewards
+        from posttrain.core.group_stats import (check_batch, discounted_returns, masked_token_rewards, masked_whiten,
+                                                outcome_token_rewards)
 
         rewards = check_batch(batch)
         mask = batch.response_mask.float()

@@ -34,8 +34,7 @@ class ReinforcePlusPlusBaseline:
         self.config = config or self.Config()
 
     def advantages(self, batch: AdvantageBatch):
-        from posttrain.core.group_stats import group_mean_std, masked_whiten
-        from posttrain.plugins.estimators._common import check_batch, masked_token_rewards
+        from posttrain.core.group_stats import check_batch, group_mean_std, masked_token_rewards, masked_whiten
 
         rewards = check_batch(batch)
         mask = batch.response_mask.float()

@@ -36,8 +36,7 @@ class ReMax:
     def advantages(self, batch: AdvantageBatch):
         import torch
 
-        from posttrain.core.group_stats import check_finite
-        from posttrain.plugins.estimators._common import sequence_scores
+        from posttrain.core.group_stats import check_finite, sequence_scores
 
         rewards = sequence_scores(batch)
         baseline = batch.metadata.get("baseline_rewards")

@@ -37,8 +37,7 @@ class RLOO:
     def advantages(self, batch: AdvantageBatch):
         import torch
 
-        from posttrain.core.group_stats import group_sum_count
-        from posttrain.plugins.estimators._common import sequence_scores
+        from posttrain.core.group_stats import group_sum_count, sequence_scores
 
         rewards = sequence_scores(batch)
         total, count = group_sum_count(rewards, batch.group_index)
