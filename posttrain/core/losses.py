@@ -246,13 +246,15 @@ class PolicyLoss:
         loss = aggregate(per_token, mask, self.config.aggregation, global_tokens, global_seqs,
                          self.config.max_response_len)
         with torch.no_grad():
-            d = clamped_log_ratio(old_log_probs, log_probs.detach())
+            n = mask.sum().clamp(min=1)
+            d = clamped_log_ratio(log_probs.detach(), old_log_probs)  # k3 of pi_old vs pi: e^d - 1 - d
             metrics = {
                 "pg_loss": float(loss.item()),
-                "approx_kl": float(masked_mean((-d).exp() - 1 + d, mask).item()),
-                "ratio_mean": float(masked_mean(ratio.detach().float(), mask).item()),
+                "approx_kl": float(((d.exp() - 1 - d) * mask).sum() / n),
+                "ratio_mean": float((ratio.detach() * mask).sum() / n),
             }
-            metrics.update({key: float(masked_mean(flag.float(), mask).item()) for key, flag in flags.items()})
+            on = mask > 0
+            metrics.update({key: float((flag & on).sum() / n) for key, flag in flags.items()})
         return loss, metrics
 
 

@@ -23,8 +23,8 @@ class PPOClip(PolicyLoss):
     slime's ``--use-opsm``, drops negative-advantage sequences the policy has already moved far from.
     Then multiplied by ``is_weights`` and reduced with ``aggregation`` (``posttrain.core.losses.aggregate``).
     Metrics: ``clipfrac`` (tokens where the clipped term is the larger, i.e. the gradient is cut),
-    ``approx_kl`` (k3 of pi_old against pi), ``ratio_mean``, ``pg_loss``, ``dual_clipfrac``,
-    ``opsm_frac`` (tokens masked by OPSM).
+    ``approx_kl`` (k3 of pi_old against pi), ``ratio_mean``, ``pg_loss``, and with the
+    options on, ``dual_clipfrac`` and ``opsm_frac`` (tokens masked by OPSM).
 
     Shapes: ``log_probs, old_log_probs, advantages, response_mask, is_weights``: ``[B, T]`` -> scalar.
     """
@@ -47,24 +47,27 @@ class PPOClip(PolicyLoss):
 
         from posttrain.core.losses import clamped_log_ratio
 
-        ratio = clamped_log_ratio(log_probs, old_log_probs).exp()
         c = self.config
-        unclipped = -advantages * ratio
-        clipped = -advantages * ratio.clamp(1 - c.clip_low, 1 + c.clip_high)
-        loss = torch.maximum(unclipped, clipped)
-        was_clipped = clipped > unclipped
-        dual = torch.zeros_like(was_clipped)
+        ratio = clamped_log_ratio(log_probs, old_log_probs).exp()
+        # max(-A r, -A clip(r)) = -A min(r, 1 + clip_high) for A > 0 and -A max(r, 1 - clip_low) for A < 0:
+        # one clamp per sign instead of both surrogates (fewer passes over [B, T])
+        positive = advantages > 0
+        bounded = torch.where(positive, ratio.clamp(max=1 + c.clip_high), ratio.clamp(min=1 - c.clip_low))
+        loss = -advantages * bounded
+        clipped = torch.where(positive, ratio > 1 + c.clip_high, (ratio < 1 - c.clip_low) & (advantages < 0))
+        flags = {"clipfrac": clipped}
         if c.dual_clip is not None:
             lower = -c.dual_clip * advantages
             dual = (advantages < 0) & (loss > lower)
             loss = torch.where(dual, lower, loss)
-        opsm = torch.zeros_like(was_clipped)
+            flags = {"clipfrac": clipped | dual, "dual_clipfrac": dual}
         if c.opsm_delta is not None:
             with torch.no_grad():
                 seq_kl = ((old_log_probs - log_probs) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
                 opsm = (advantages < 0) & (seq_kl > c.opsm_delta).unsqueeze(-1)
             loss = torch.where(opsm, torch.zeros_like(loss), loss)
-        return loss, ratio, {"clipfrac": was_clipped | dual, "dual_clipfrac": dual, "opsm_frac": opsm}
+            flags["opsm_frac"] = opsm
+        return loss, ratio, flags
 
 
 @hookimpl
