@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 AGGREGATION_MODES: tuple[str, ...] = get_args(AggregationMode)
-KLKind = Literal["k1", "k2", "k3"]
+KLKind = Literal["k1", "k2", "k3", "abs", "k1+", "k3+"]
 KL_KINDS: tuple[str, ...] = get_args(KLKind)
 LOG_RATIO_LIMIT = 20.0  # |log pi/pi_old| above this is numerically meaningless; exp(20) ~ 5e8
 
@@ -118,7 +118,11 @@ def kl_divergence(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: st
 
     - ``k1 = d`` (unbiased, high variance, can be negative);
     - ``k2 = d^2 / 2`` (biased, low variance; its gradient is the reverse-KL gradient);
-    - ``k3 = exp(-d) - 1 + d`` (unbiased, >= 0, low variance; verl's ``low_var_kl``).
+    - ``k3 = exp(-d) - 1 + d`` (unbiased, >= 0, low variance; verl's ``low_var_kl``);
+    - ``abs = |d|`` (verl's ``abs``);
+    - ``k1+``, ``k3+``: the value of ``k1``/``k3`` with the gradient of ``k2`` (straight-through, verl's ``+``
+      kinds): ``k2``'s gradient is the unbiased gradient of KL(pi || pi_ref) for on-policy samples, which the
+      gradients of ``k1`` and ``k3`` are not.
 
     ``k3`` is clamped to ``[-clamp, clamp]`` as slime and verl do (``None`` disables); ``d`` is clamped
     to +-20 inside ``k3`` only, so that ``exp`` cannot overflow into a NaN gradient.
@@ -133,14 +137,20 @@ def kl_divergence(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: st
 
         raise ValueError(unknown("KL kind", kind, KL_KINDS))
     d = log_probs - ref_log_probs
-    if kind == "k1":
+    base = kind.rstrip("+")
+    if base == "k1":
         kl = d
-    elif kind == "k2":
+    elif base == "k2":
         kl = 0.5 * d * d
+    elif base == "abs":
+        kl = d.abs()
     else:
-        d = d.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-        kl = (-d).exp() - 1 + d
+        dc = d.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+        kl = (-dc).exp() - 1 + dc
         kl = kl.clamp(-clamp, clamp) if clamp is not None else kl
+    if kind.endswith("+"):
+        k2 = 0.5 * d * d
+        kl = k2 - k2.detach() + kl.detach()
     if old_log_probs is not None:
         kl = kl * clamped_log_ratio(log_probs, old_log_probs.detach()).exp()
     return kl

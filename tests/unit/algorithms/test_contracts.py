@@ -52,5 +52,5 @@ class TestCorrections(CorrectionContract):
 def test_every_algorithm_is_registered():
     assert {"grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae", "remax",
             "opo", "gpg", "grpo_passk"} <= set(PLUGINS.estimators)
-    assert {"ppo_clip", "gspo", "cispo"} <= set(PLUGINS.losses)
+    assert {"ppo_clip", "gspo", "cispo", "gmpo", "reinforce"} <= set(PLUGINS.losses)
     assert {"tis", "mis", "icepop"} <= set(PLUGINS.corrections)

@@ -64,7 +64,8 @@ def test_every_estimator_learns_with_ppo_clip(estimator):
     assert train(estimator, "ppo_clip") > 0.8
 
 
-@pytest.mark.parametrize("loss, config", [("gspo", {}), ("cispo", {}), ("ppo_clip", {"dual_clip": 3.0}),
+@pytest.mark.parametrize("loss, config", [("gspo", {}), ("cispo", {}), ("gmpo", {}), ("reinforce", {}),
+                                          ("ppo_clip", {"dual_clip": 3.0}),
                                           ("ppo_clip", {"aggregation": "seq-mean-token-sum-norm"})])
 def test_every_loss_learns_with_grpo(loss, config):
     assert train("grpo", loss, **config) > 0.8

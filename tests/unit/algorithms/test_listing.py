@@ -12,7 +12,8 @@ ALGORITHMS = {
     "estimator": {"grpo": "std_g + epsilon", "dr_grpo": "r_i - mean_g", "rloo": "(n_g - 1)", "opo": "l_j r_j",
                   "remax": "r_greedy", "reinforce_plus_plus": "gamma^k", "reinforce_plus_plus_baseline": "whiten",
                   "gae": "delta_t", "gpg": "alpha", "grpo_passk": "r_max - r_2nd"},
-    "loss": {"ppo_clip": "clip(ratio", "gspo": "exp(mean_t", "cispo": "-sg(clip(ratio"},
+    "loss": {"ppo_clip": "clip(ratio", "gspo": "exp(mean_t", "cispo": "-sg(clip(ratio", "gmpo": "exp(mean_t",
+             "reinforce": "-A_t * logp_t"},
     "correction": {"tis": "clamp(exp(", "mis": "exp(sum_t", "icepop": "0 outside"},
 }
 

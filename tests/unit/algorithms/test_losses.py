@@ -301,3 +301,38 @@ def test_builtin_losses_report_the_standard_metrics_and_check_shapes(name):
     assert {"pg_loss", "clipfrac", "approx_kl", "ratio_mean"} <= set(metrics), sorted(metrics)
     with pytest.raises(ValueError, match=r"old_log_probs has shape \(6, 8\), log_probs \(6, 9\); all must be \[B, T\]"):
         loss_of(name)(lp, old[:, :-1], adv, mask)
+
+
+def test_gmpo_geometric_mean_of_sign_aware_clipped_log_ratios():
+    # seq 0, A = +1, d = (0.1, 0.6): clipped pessimistically to (0.1, 0.4) -> r = e^0.25, L = -e^0.25
+    # seq 1, A = -1, d = (-0.6, 0.2): clipped to (-0.4, 0.2) -> r = e^-0.1, L = +e^-0.1
+    # seq-mean-token-mean over 2 sequences; gradient flows only through unclipped tokens: -A r / (n S)
+    old = torch.full((2, 2), -1.0)
+    lp = (old + torch.tensor([[0.1, 0.6], [-0.6, 0.2]])).requires_grad_(True)
+    adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0]])
+    loss, metrics = loss_of("gmpo")(lp, old, adv, torch.ones(2, 2))
+    assert loss.item() == pytest.approx((-math.exp(0.25) + math.exp(-0.1)) / 2, rel=1e-6)
+    assert metrics["clipfrac"] == 0.5
+    loss.backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([[-math.exp(0.25) / 4, 0.0], [0.0, math.exp(-0.1) / 4]]))
+
+
+def test_reinforce_is_minus_advantage_times_logp():
+    lp = torch.tensor([[-0.5, -2.0]], requires_grad=True)
+    loss, metrics = loss_of("reinforce")(lp, lp.detach() - 0.1, torch.tensor([[2.0, -1.0]]), torch.ones(1, 2))
+    assert loss.item() == pytest.approx((1.0 - 2.0) / 2)
+    assert metrics["clipfrac"] == 0.0 and metrics["ratio_mean"] == pytest.approx(math.exp(0.1))
+    loss.backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([[-1.0, 0.5]]))
+
+
+def test_kl_abs_and_straight_through_kinds():
+    lp = torch.tensor([[0.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[-0.5, -0.5]])  # d = +0.5, -0.5
+    torch.testing.assert_close(kl_divergence(lp, ref, "abs"), torch.tensor([[0.5, 0.5]]))
+    for kind in ("k1+", "k3+"):
+        lp.grad = None
+        kl = kl_divergence(lp, ref, kind)
+        torch.testing.assert_close(kl, kl_divergence(lp, ref, kind[:-1]))  # the value of k1 / k3
+        kl.sum().backward()
+        torch.testing.assert_close(lp.grad, torch.tensor([[0.5, -0.5]]))  # the gradient of k2: d
