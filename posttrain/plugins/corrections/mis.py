@@ -1,4 +1,4 @@
-"""MIS: sequence-level importance weights, masking whole sequences outside the bounds."""
+"""MIS: importance weights at token, sequence or geometric level, masked, truncated or clipped to bounds."""
 
 from __future__ import annotations
 
@@ -11,28 +11,35 @@ from posttrain import hookimpl, option
 class MIS:
     """MIS: sequence weights ``rho = exp(sum_t (logp_train - logp_rollout))``, 0 outside ``[low, high]``.
 
-    Masked Importance Sampling at the sequence level (slime's ``mis.py`` mask mode; verl's rollout IS).
+    Masked importance sampling for the rollout/training mismatch, with the options of slime's ``mis.py``.
+    From token log-ratios ``d_t = logp_train_old - logp_rollout`` over the mask, the raw weight is
+    ``level="token"``: ``exp(d_t)``; ``level="sequence"`` (default): ``exp(sum_t d_t)``, the exact sequence
+    ratio, on every token of the sequence; ``level="geometric"``: ``exp(mean_t d_t)`` (length-normalized).
+    The exponent is clamped to +-20. Then ``mode="mask"`` (default) sets weights outside ``[low, high]`` to 0
+    (a sequence the engines disagree on is dropped whole), ``"truncate"`` caps them at ``high``, ``"clip"``
+    clamps them to ``[low, high]``. With ``veto_threshold``, a sequence with any token ratio below it gets
+    weight 0 everywhere. Without gradient.
 
-    Sequence ratio ``rho_i`` from token ratios ``r_it = exp(logp_train_old - logp_rollout)`` over the mask:
-    ``level="sequence"``: ``rho_i = prod_t r_it = exp(sum_t m_it d_it)`` (the exact sequence ratio);
-    ``level="geometric"``: ``rho_i = exp(sum_t m_it d_it / n_i)`` (length-normalized, as GSPO's ratio).
-    Every token of sequence ``i`` gets ``w_it = rho_i`` if ``low <= rho_i <= high`` else ``0``: a sequence the
-    trainer finds too unlikely (or too likely) under the rollout policy is dropped whole. The log-ratio sum
-    is clamped to +-20 before ``exp``. Without gradient.
+    Unlike slime, tokens with weight 0 stay in the aggregation's denominators (slime also removes masked
+    tokens from the loss mask); the trainer may drop them with ``response_mask * (is_weights > 0)``.
     Call ``mis(train_log_probs, rollout_log_probs, response_mask) -> (is_weights, metrics)``, all ``[B, T]``;
     ``is_weights`` is 0 outside the mask. Metrics: ``train_rollout_logprob_abs_diff``, ``is_weight_mean``,
-    ``is_masked_frac`` (tokens of masked sequences), ``is_clipped_frac`` (0), ``is_ratio_mean``,
-    ``is_seq_masked_frac`` (fraction of sequences masked).
+    ``is_masked_frac`` (tokens set to 0), ``is_clipped_frac`` (tokens truncated or clipped),
+    ``is_ratio_mean``, ``is_seq_masked_frac`` (sequences with every weight 0), ``is_veto_seq_frac``.
     """
 
     name = "mis"
 
     @dataclass
     class Config:
-        low: float = option(0.5, ge=0.0, help="sequences with ratio below this get weight 0")
-        high: float = option(2.0, gt=0.0, help="sequences with ratio above this get weight 0")
-        level: Literal["sequence", "geometric"] = option("sequence", help="product of token ratios, or their "
-                                                                          "geometric mean")
+        low: float = option(0.5, ge=0.0, help="lower bound of the weight (mask and clip modes)")
+        high: float = option(2.0, gt=0.0, help="upper bound of the weight")
+        level: Literal["token", "sequence", "geometric"] = option(
+            "sequence", help="token ratio, sequence ratio (product), or their geometric mean")
+        mode: Literal["mask", "truncate", "clip"] = option(
+            "mask", help="out-of-bounds weights: set to 0, capped at high, or clamped to [low, high]")
+        veto_threshold: float | None = option(None, gt=0.0, help="zero a whole sequence if any token ratio is "
+                                                                 "below this (None: off)")
 
         def validate(self) -> list[str]:
             return [] if self.low <= self.high else [f"low: {self.low} is above high {self.high}"]
@@ -43,23 +50,43 @@ class MIS:
     def __call__(self, train_log_probs, rollout_log_probs, response_mask):
         import torch
 
-        from posttrain.core.losses import mismatch_metrics
+        from posttrain.core.losses import LOG_RATIO_LIMIT, mismatch_metrics
 
+        c = self.config
         with torch.no_grad():
             mask = response_mask.to(train_log_probs.dtype)
-            d = (train_log_probs.detach() - rollout_log_probs.detach()) * mask
+            d = train_log_probs.detach() - rollout_log_probs.detach()
             d = torch.where(mask > 0, d, torch.zeros_like(d))
-            seq = d.sum(-1)
-            if self.config.level == "geometric":
-                seq = seq / mask.sum(-1).clamp(min=1)
-            rho = seq.clamp(-20.0, 20.0).exp()
-            outside = (rho < self.config.low) | (rho > self.config.high)
-            weights = torch.where(outside, torch.zeros_like(rho), rho).unsqueeze(-1) * mask
-            masked = outside.unsqueeze(-1).expand_as(mask)
-            metrics = mismatch_metrics(train_log_probs, rollout_log_probs, mask, weights, masked,
-                                       torch.zeros_like(masked))
+            if c.level == "token":
+                log_w = d
+            else:
+                log_w = d.sum(-1, keepdim=True)
+                if c.level == "geometric":
+                    log_w = log_w / mask.sum(-1, keepdim=True).clamp(min=1)
+                log_w = log_w.expand_as(d)
+            raw = log_w.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()
+            zero = torch.zeros_like(raw)
+            outside = (raw < c.low) | (raw > c.high)
+            masked = torch.zeros_like(outside)
+            clipped = torch.zeros_like(outside)
+            if c.mode == "mask":
+                weights, masked = torch.where(outside, zero, raw), outside
+            elif c.mode == "truncate":
+                weights, clipped = raw.clamp(max=c.high), raw > c.high
+            else:
+                weights, clipped = raw.clamp(c.low, c.high), outside
             has_tokens = mask.sum(-1) > 0
-            metrics["is_seq_masked_frac"] = float((outside & has_tokens).sum() / has_tokens.sum().clamp(min=1))
+            vetoed = torch.zeros_like(has_tokens)
+            if c.veto_threshold is not None:
+                vetoed = ((d.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp() < c.veto_threshold) & (mask > 0)).any(-1)
+                weights = torch.where(vetoed.unsqueeze(-1), zero, weights)
+                masked = masked | vetoed.unsqueeze(-1)
+            weights = weights * mask
+            metrics = mismatch_metrics(train_log_probs, rollout_log_probs, mask, weights, masked, clipped & ~masked)
+            n_seqs = has_tokens.sum().clamp(min=1)
+            all_zero = ((weights == 0) | (mask == 0)).all(-1) & has_tokens
+            metrics["is_seq_masked_frac"] = float(all_zero.sum() / n_seqs)
+            metrics["is_veto_seq_frac"] = float((vetoed & has_tokens).sum() / n_seqs)
         return weights, metrics
 
 

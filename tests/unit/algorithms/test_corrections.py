@@ -75,3 +75,25 @@ def test_weights_feed_the_loss():
     loss, _ = loss_fn(lp, train_old, torch.ones(1, 2), torch.ones(1, 2), is_weights=w)
     loss.backward()
     torch.testing.assert_close(lp.grad, torch.tensor([[0.0, -0.5]]))
+
+
+def test_mis_levels_modes_and_veto():
+    # one sequence, token ratios 3, 0.5, 1 (sequence ratio 1.5, geometric 1.5^(1/3))
+    rollout = torch.full((1, 3), -1.0)
+    train = rollout + torch.tensor([[LN(3), LN(0.5), 0.0]])
+    mask = torch.ones(1, 3)
+    w, m = corr("mis", level="token")(train, rollout, mask)  # mask mode: 3 is out of [0.5, 2]
+    torch.testing.assert_close(w, torch.tensor([[0.0, 0.5, 1.0]]))
+    assert m["is_masked_frac"] == pytest.approx(1 / 3) and m["is_seq_masked_frac"] == 0.0
+    w, m = corr("mis", level="token", mode="truncate", high=2.0)(train, rollout, mask)
+    torch.testing.assert_close(w, torch.tensor([[2.0, 0.5, 1.0]]))
+    assert m["is_clipped_frac"] == pytest.approx(1 / 3) and m["is_masked_frac"] == 0.0
+    w, _ = corr("mis", level="token", mode="clip", low=0.8, high=2.0)(train, rollout, mask)
+    torch.testing.assert_close(w, torch.tensor([[2.0, 0.8, 1.0]]))
+    w, _ = corr("mis", level="sequence", mode="clip", low=0.8, high=1.2)(train, rollout, mask)
+    torch.testing.assert_close(w, torch.full((1, 3), 1.2))
+    w, _ = corr("mis", level="geometric")(train, rollout, mask)
+    torch.testing.assert_close(w, torch.full((1, 3), 1.5 ** (1 / 3)))
+    # veto: a token ratio of 0.5 below 0.6 drops the whole sequence, whatever the mode
+    w, m = corr("mis", veto_threshold=0.6)(train, rollout, mask)
+    assert (w == 0).all() and m["is_veto_seq_frac"] == 1.0 and m["is_masked_frac"] == 1.0
