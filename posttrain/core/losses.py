@@ -99,9 +99,14 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean"
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``sum(x * m) / max(sum(m), 1)``: a scalar (used for metrics, which are micro-batch local)."""
-    mask = mask.to(values.dtype)
-    return (values * mask).sum() / mask.sum().clamp(min=1)
+    """``sum(x * m) / max(sum(m), 1)``: a scalar (used for metrics, which are micro-batch local).
+
+    Positions outside the mask are dropped, not multiplied by 0, so NaN or inf padding cannot leak in.
+    """
+    import torch
+
+    values = torch.where(mask > 0, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    return values.sum() / mask.to(values.dtype).sum().clamp(min=1)
 
 
 def clamped_log_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
@@ -245,14 +250,17 @@ class PolicyLoss:
                 raise ValueError(f"{self.name}: {key} has shape {tuple(tensor.shape)}, log_probs "
                                  f"{tuple(log_probs.shape)}; all must be [B, T]")
         # fp32 math whatever the inputs (bf16 sums over millions of tokens lose the gradient's scale)
-        log_probs = log_probs.float()
         mask = response_mask.float()
-        old_log_probs, advantages = old_log_probs.detach().float(), advantages.detach().float()
+        # padding may hold anything (NaN, -inf): zero it before any arithmetic, or a NaN on a padded token
+        # would reach the gradient through 0 * NaN in the backward pass
+        on = mask > 0
+        log_probs = torch.where(on, log_probs.float(), 0.0)
+        old_log_probs = torch.where(on, old_log_probs.detach().float(), 0.0)
+        advantages = torch.where(on, advantages.detach().float(), 0.0)
         per_token, ratio, flags = self.token_losses(log_probs, old_log_probs, advantages, mask)
         if is_weights is not None:
-            per_token = per_token * is_weights.detach().to(per_token.dtype)
-        # where() rather than a multiply: a non-finite value on a padded token must not reach the gradient
-        per_token = torch.where(mask > 0, per_token, torch.zeros_like(per_token))
+            per_token = per_token * torch.where(on, is_weights.detach().float(), 0.0)
+        per_token = torch.where(on, per_token, 0.0)
         loss = aggregate(per_token, mask, self.config.aggregation, global_tokens, global_seqs,
                          self.config.max_response_len)
         with torch.no_grad():
@@ -260,10 +268,9 @@ class PolicyLoss:
             d = clamped_log_ratio(log_probs.detach(), old_log_probs)  # k3 of pi_old vs pi: e^d - 1 - d
             metrics = {
                 "pg_loss": float(loss.item()),
-                "approx_kl": float(((d.exp() - 1 - d) * mask).sum() / n),
-                "ratio_mean": float((ratio.detach() * mask).sum() / n),
+                "approx_kl": float(masked_mean(d.exp() - 1 - d, mask)),
+                "ratio_mean": float(masked_mean(ratio.detach(), mask)),
             }
-            on = mask > 0
             metrics.update({key: float((flag & on).sum() / n) for key, flag in flags.items()})
         return loss, metrics
 

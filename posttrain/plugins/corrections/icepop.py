@@ -42,7 +42,7 @@ class IcePop:
             mask = response_mask.to(train_log_probs.dtype)
             ratio = clamped_log_ratio(train_log_probs.detach(), rollout_log_probs.detach()).exp()
             outside = (ratio < self.config.low) | (ratio > self.config.high)
-            weights = torch.where(outside, torch.zeros_like(ratio), ratio) * mask
+            weights = torch.where(outside | (mask == 0), torch.zeros_like(ratio), ratio)
             metrics = mismatch_metrics(train_log_probs, rollout_log_probs, mask, weights, outside,
                                        torch.zeros_like(outside))
         return weights, metrics

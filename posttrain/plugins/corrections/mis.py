@@ -81,7 +81,7 @@ class MIS:
                 vetoed = ((d.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp() < c.veto_threshold) & (mask > 0)).any(-1)
                 weights = torch.where(vetoed.unsqueeze(-1), zero, weights)
                 masked = masked | vetoed.unsqueeze(-1)
-            weights = weights * mask
+            weights = torch.where(mask > 0, weights, zero)
             metrics = mismatch_metrics(train_log_probs, rollout_log_probs, mask, weights, masked, clipped & ~masked)
             n_seqs = has_tokens.sum().clamp(min=1)
             all_zero = ((weights == 0) | (mask == 0)).all(-1) & has_tokens

@@ -43,7 +43,7 @@ class TIS:
         with torch.no_grad():
             mask = response_mask.to(train_log_probs.dtype)
             ratio = clamped_log_ratio(train_log_probs.detach(), rollout_log_probs.detach()).exp()
-            weights = ratio.clamp(self.config.low, self.config.high) * mask
+            weights = torch.where(mask > 0, ratio.clamp(self.config.low, self.config.high), 0.0)
             clipped = (ratio < self.config.low) | (ratio > self.config.high)
             metrics = mismatch_metrics(train_log_probs, rollout_log_probs, mask, weights,
                                        torch.zeros_like(clipped), clipped)

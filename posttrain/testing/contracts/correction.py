@@ -46,6 +46,18 @@ class CorrectionContract(ComponentContract):
         assert metrics["train_rollout_logprob_abs_diff"] == 0.0
         assert metrics["is_masked_frac"] == 0.0 and metrics["is_clipped_frac"] == 0.0
 
+    def test_padding_garbage_does_not_leak(self, correction):
+        import torch
+
+        train, rollout, mask = make_log_probs(seed=3)
+        assert (mask == 0).any()
+        with torch.no_grad():
+            train[mask == 0] = float("nan")
+        rollout = torch.where(mask > 0, rollout, float("-inf"))
+        weights, metrics = correction(train, rollout, mask)
+        assert torch.isfinite(weights).all() and (weights[mask == 0] == 0).all()
+        assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), metrics
+
     def test_reports_the_mismatch(self, correction):
         import torch
 

@@ -60,15 +60,17 @@ class LossContract(ComponentContract):
                 assert metrics[key] == pytest.approx(value, abs=1e-6), (key, metrics[key])
 
     def test_no_gradient_through_masked_tokens(self, loss):
+        import math
+
         import torch
 
         for fn in with_aggregations(loss):
             log_probs, old, adv, mask = make_inputs(seed=3)
-            with torch.no_grad():  # garbage on padding must not leak into the loss or the gradient
-                old[mask == 0] = 50.0
-            value, _ = fn(log_probs, old, adv, mask)
+            with torch.no_grad():  # garbage on padding must not leak into the loss, metrics or gradient
+                old[mask == 0] = float("nan")
+            value, metrics = fn(log_probs, old, adv, mask)
             value.backward()
-            assert torch.isfinite(value)
+            assert torch.isfinite(value) and all(math.isfinite(v) for v in metrics.values()), metrics
             assert (log_probs.grad[mask == 0] == 0).all()
 
     def test_inputs_not_mutated(self, loss):
