@@ -83,7 +83,7 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean"
     if values.shape != mask.shape:
         raise ValueError(f"aggregate: values {tuple(values.shape)} and mask {tuple(mask.shape)} differ in shape")
     mask = mask.to(values.dtype)
-    masked = values * mask
+    masked = torch.where(mask > 0, values * mask, 0.0)  # where(): NaN padding must not leak into the sum
     if mode == "token-mean":
         tokens = mask.sum() if global_tokens is None else torch.as_tensor(global_tokens, dtype=values.dtype)
         return masked.sum() / tokens.clamp(min=1)
@@ -195,6 +195,9 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     """
     import torch
 
+    on = mask > 0  # zero the padding first, so that NaN there reaches neither the loss nor the gradient
+    values = torch.where(on, values, 0.0)
+    old_values, returns = torch.where(on, old_values.detach(), 0.0), torch.where(on, returns.detach(), 0.0)
     unclipped = (values - returns) ** 2
     if clip is None:
         per_token, clipped = unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
@@ -301,13 +304,17 @@ def total_loss(pg_loss: torch.Tensor, response_mask: torch.Tensor, *, log_probs:
     counts = dict(global_tokens=global_tokens, global_seqs=global_seqs, max_response_len=max_response_len)
     total, metrics = pg_loss, {}
     if log_probs is not None and ref_log_probs is not None:
-        per_token = kl_divergence(log_probs, ref_log_probs.detach(), kl_kind, old_log_probs=old_log_probs)
+        on = response_mask > 0  # zero the padding first: NaN there must not reach the gradient
+        log_probs, ref_log_probs = torch.where(on, log_probs, 0.0), torch.where(on, ref_log_probs.detach(), 0.0)
+        if old_log_probs is not None:
+            old_log_probs = torch.where(on, old_log_probs.detach(), 0.0)
+        per_token = kl_divergence(log_probs, ref_log_probs, kl_kind, old_log_probs=old_log_probs)
         kl = aggregate(per_token, response_mask, aggregation, **counts)
         metrics["kl_loss"] = float(kl.detach().item())
         if kl_loss_coef:
             total = total + kl_loss_coef * kl
     if entropy is not None:
-        ent = aggregate(entropy, response_mask, aggregation, **counts)
+        ent = aggregate(torch.where(response_mask > 0, entropy, 0.0), response_mask, aggregation, **counts)
         metrics["entropy"] = float(ent.detach().item())
         if entropy_coef:
             total = total - entropy_coef * ent

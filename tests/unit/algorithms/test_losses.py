@@ -336,3 +336,20 @@ def test_kl_abs_and_straight_through_kinds():
         torch.testing.assert_close(kl, kl_divergence(lp, ref, kind[:-1]))  # the value of k1 / k3
         kl.sum().backward()
         torch.testing.assert_close(lp.grad, torch.tensor([[0.5, -0.5]]))  # the gradient of k2: d
+
+
+def test_nan_padding_never_reaches_the_extra_terms():
+    from posttrain.core.losses import total_loss
+
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    lp = torch.tensor([[-1.0, -0.5, float("nan")]], requires_grad=True)
+    ref = torch.tensor([[-1.2, -0.4, float("nan")]])
+    entropy = torch.tensor([[0.5, 0.7, float("nan")]])
+    total, metrics = total_loss(torch.zeros(()), mask, log_probs=lp, ref_log_probs=ref, entropy=entropy,
+                                kl_loss_coef=0.1, entropy_coef=0.01, old_log_probs=ref)
+    values = torch.tensor([[0.3, 0.1, float("nan")]], requires_grad=True)
+    vf, _ = value_loss(values, torch.tensor([[0.2, 0.0, float("nan")]]), torch.tensor([[1.0, 1.0, float("nan")]]),
+                       mask)
+    (total + vf).backward()
+    assert torch.isfinite(total) and torch.isfinite(vf)
+    assert torch.isfinite(lp.grad).all() and lp.grad[0, 2] == 0 and values.grad[0, 2] == 0
