@@ -13,8 +13,11 @@ class DrGRPO:
 
     "GRPO done right": dropping the std division removes GRPO's question-difficulty bias; pair it with
     the loss aggregation ``seq-mean-token-sum-norm`` (a constant length normalizer) to remove the length
-    bias too, as the paper and verl do (``norm_adv_by_std_in_grpo=False``). A group of one sample keeps its raw reward.
-    ``token_rewards`` are summed per sample into ``r_i`` first (as in ``grpo``).
+    bias too, as the paper and verl do (``norm_adv_by_std_in_grpo=False``). A group of one sample keeps its
+    raw reward. ``token_rewards`` are summed per sample into ``r_i`` first (as in ``grpo``). The full recipe::
+
+        estimator: {name: dr_grpo}
+        loss: {name: ppo_clip, aggregation: seq-mean-token-sum-norm, max_response_len: 4096}
 
     Shapes: ``rewards [B]``, ``group_index [B]``, ``response_mask [B, T]`` -> advantages = returns
     ``[B, T]``, 0 where the mask is 0.
