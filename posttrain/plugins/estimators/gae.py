@@ -53,17 +53,23 @@ class GAE:
         values = torch.where(mask > 0, batch.values.float(), 0.0)
         token_rewards = outcome_token_rewards(rewards, mask, masked_token_rewards(batch))
         gamma, lam = self.config.gamma, self.config.lam
-        # scan over time on [T, B] copies: each step then reads and writes one contiguous row
-        rewards_tb, values_tb = token_rewards.T.contiguous(), values.T.contiguous()
-        advantages_tb = torch.empty_like(values_tb)
-        next_value = torch.zeros_like(values_tb[0])
-        running = torch.zeros_like(values_tb[0])
-        for t in range(values_tb.shape[0] - 1, -1, -1):
-            delta = rewards_tb[t] + gamma * next_value - values_tb[t]
-            running = delta + gamma * lam * running
-            advantages_tb[t] = running
-            next_value = values_tb[t]
-        advantages = advantages_tb.T
+        if gamma * lam == 1.0:
+            # gamma = lam = 1 (the default): A_t = sum_{k >= t} delta_k, a reverse cumulative sum
+            next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)
+            delta = token_rewards + gamma * next_values - values
+            advantages = delta.flip(-1).cumsum(-1).flip(-1)
+        else:
+            # scan over time on [T, B] copies: each step then reads and writes one contiguous row
+            rewards_tb, values_tb = token_rewards.T.contiguous(), values.T.contiguous()
+            advantages_tb = torch.empty_like(values_tb)
+            next_value = torch.zeros_like(values_tb[0])
+            running = torch.zeros_like(values_tb[0])
+            for t in range(values_tb.shape[0] - 1, -1, -1):
+                delta = rewards_tb[t] + gamma * next_value - values_tb[t]
+                running = delta + gamma * lam * running
+                advantages_tb[t] = running
+                next_value = values_tb[t]
+            advantages = advantages_tb.T
         advantages = advantages * mask
         returns = (advantages + values) * mask
         if self.config.whiten:

@@ -264,3 +264,14 @@ def test_wrong_shapes_raise_a_clear_error(name):
     batch.token_rewards = torch.zeros(3, 3)
     with pytest.raises(ValueError, match=r"token_rewards has shape \(3, 3\)"):
         est(name).advantages(batch)
+
+
+def test_gae_fast_path_equals_the_scan():
+    """gamma = lam = 1 uses a reverse cumsum; it must agree with the step-by-step recursion."""
+    from posttrain.testing.contracts.estimator import make_batch
+
+    batch = make_batch(b=16, t=9, critic=True, seed=4)
+    fast, fast_ret = est("gae", whiten=False).advantages(batch)
+    slow, slow_ret = est("gae", gamma=1.0, lam=1.0 - 1e-9, whiten=False).advantages(batch)  # forces the scan
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast_ret, slow_ret, atol=1e-5, rtol=1e-5)
