@@ -70,8 +70,12 @@ def posttrain_register_losses(registry: Registry) -> None:
     :param registry: the loss registry; call ``registry.add(LossClass)``.
 
     A loss is constructed as ``Loss(Loss.Config(...))`` and called as
-    ``loss_fn(log_probs, old_log_probs, advantages, response_mask, is_weights=None)``, all ``[B, T]``,
-    returning ``(loss, metrics)``: a scalar tensor with gradient and a ``dict[str, float]``.
+    ``loss_fn(log_probs, old_log_probs, advantages, response_mask, is_weights=None, global_tokens=None,
+    global_seqs=None)``, tensors ``[B, T]``, returning ``(loss, metrics)``: a scalar tensor with gradient
+    and a ``dict[str, float]`` (at least ``clipfrac``, ``approx_kl``, ``ratio_mean``). A micro-batch passes
+    the whole batch's token and sequence counts (``posttrain.core.losses.batch_counts``) so that the sum of
+    micro-batch losses equals the full-batch loss. Subclass ``posttrain.core.losses.PolicyLoss`` to get the
+    shape checks, IS weights, aggregation modes and metrics for free.
 
     Fires once per process inside ``load_plugins()``. Use in ``--plugin`` files: yes.
     """

@@ -20,6 +20,7 @@ import importlib
 # plugin can register assertion rewriting for the contracts before they are imported.
 _LAZY = {
     "ComponentContract": "common",
+    "CorrectionContract": "correction",
     "EstimatorContract": "estimator",
     "GeneratorContract": "generator",
     "LossContract": "loss",
@@ -38,10 +39,11 @@ def __getattr__(name: str):
 CONTRACTS = {
     "estimators": ("EstimatorContract", "estimator"),
     "losses": ("LossContract", "loss"),
+    "corrections": ("CorrectionContract", "correction"),
     "rewards": ("RewardContract", "reward"),
     "generators": ("GeneratorContract", "generator"),
     "models": ("ModelSpecContract", "model_spec"),
 }
 
-__all__ = ["CONTRACTS", "ComponentContract", "EstimatorContract", "GeneratorContract", "LossContract",
-           "ModelSpecContract", "RewardContract"]
+__all__ = ["CONTRACTS", "ComponentContract", "CorrectionContract", "EstimatorContract", "GeneratorContract",
+           "LossContract", "ModelSpecContract", "RewardContract"]

@@ -3,7 +3,7 @@
 import pytest
 
 from posttrain.core.plugins import load_plugins
-from posttrain.testing import (EstimatorContract, GeneratorContract, LossContract, ModelSpecContract,
+from posttrain.testing import (CorrectionContract, EstimatorContract, GeneratorContract, LossContract, ModelSpecContract,
                                RewardContract)
 
 PLUGINS = load_plugins(autoload=False)  # posttrain's own components only
@@ -30,6 +30,12 @@ class TestLosses(LossContract):
     @pytest.fixture(params=_ours("losses"))
     def loss(self, request):
         return _instance("losses", request.param)
+
+
+class TestCorrections(CorrectionContract):
+    @pytest.fixture(params=_ours("corrections"))
+    def correction(self, request):
+        return _instance("corrections", request.param)
 
 
 class TestRewards(RewardContract):

@@ -9,12 +9,17 @@ from posttrain.core.types import AdvantageBatch
 
 
 class GRPO:
-    """Group Relative Policy Optimization (Shao et al., 2024), outcome supervision.
+    """GRPO (Shao et al., 2024): ``A_i = (r_i - mean_g) / (std_g + epsilon)`` on every response token.
 
-    ``A_i = (r_i - mean_g) / (std_g + epsilon)`` for every response token of sample ``i`` in group
-    ``g``, with the Bessel-corrected (unbiased) std, as slime and verl compute it.
+    Group Relative Policy Optimization with outcome supervision: sample ``i`` of group ``g`` gets the same
+    advantage on every response token; ``std_g`` is Bessel-corrected (unbiased), as slime and verl compute it.
     ``normalize_std=False`` gives the mean-centred form. A group of one sample keeps its raw reward
-    (mean 0, std 1), since there is nothing to compare it with.
+    (mean 0, std 1), since there is nothing to compare it with. A group whose rewards are all equal
+    gets advantage 0.
+
+    ``token_rewards`` (e.g. a KL penalty in the reward) are summed per sample into ``r_i`` before the
+    group statistics (verl's convention: the sequence score is the sum of its token rewards).
+    Unlike slime, groups are found by ``group_index``, not by position.
 
     Shapes: ``rewards [B]``, ``group_index [B]``, ``response_mask [B, T]`` -> advantages and
     returns ``[B, T]`` (equal for GRPO), exactly 0 where the mask is 0.
@@ -33,9 +38,9 @@ class GRPO:
         self.config = config or self.Config()
 
     def advantages(self, batch: AdvantageBatch):
-        from posttrain.core.group_stats import check_finite, group_mean_std
+        from posttrain.core.group_stats import group_mean_std, sequence_scores
 
-        rewards = check_finite(batch.rewards)
+        rewards = sequence_scores(batch)
         mean, std = group_mean_std(rewards, batch.group_index)
         scores = rewards - mean
         if self.config.normalize_std:

@@ -1,4 +1,4 @@
-"""The estimator contract: shapes, masks, purity, and group invariances."""
+"""The estimator contract: shapes, masks, purity, input checks and group invariances."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ from posttrain.testing.contracts.common import ComponentContract
 
 
 def make_batch(b: int = 12, g: int = 4, t: int = 7, seed: int = 0, critic: bool = False):
-    """A synthetic ``AdvantageBatch``: ``b // g`` groups with non-contiguous ids and right padding."""
+    """A synthetic ``AdvantageBatch``: ``b // g`` groups with non-contiguous ids and right padding.
+
+    ``metadata["baseline_rewards"]`` (``[B]``) is filled for estimators with a per-sample baseline (ReMax).
+    """
     import torch
 
     from posttrain.core.types import AdvantageBatch
@@ -19,7 +22,16 @@ def make_batch(b: int = 12, g: int = 4, t: int = 7, seed: int = 0, critic: bool 
     mask = (torch.arange(t)[None, :] < lengths[:, None]).float()
     values = torch.randn(b, t, generator=gen) * mask if critic else None
     return AdvantageBatch(rewards=torch.randn(b, generator=gen), group_index=group_index, response_mask=mask,
-                          values=values)
+                          values=values, metadata={"baseline_rewards": torch.randn(b, generator=gen)})
+
+
+def _permuted(batch, perm):
+    """``batch`` with every per-sample tensor (metadata included) reordered by ``perm``."""
+    def take(v):
+        return v[perm] if hasattr(v, "shape") else v
+
+    fields = {k: take(v) for k, v in vars(batch).items() if k != "metadata"}
+    return type(batch)(**fields, metadata={k: take(v) for k, v in batch.metadata.items()})
 
 
 class EstimatorContract(ComponentContract):
@@ -43,27 +55,34 @@ class EstimatorContract(ComponentContract):
             assert (out[batch.response_mask == 0] == 0).all(), "values outside the response mask must be 0"
 
     def test_inputs_not_mutated(self, estimator):
+        import torch
+
         batch = self._batch(estimator)
-        before = {k: v.clone() for k, v in vars(batch).items() if hasattr(v, "clone")}
+        batch.token_rewards = 0.1 * torch.ones_like(batch.response_mask)
+        tensors = {**{k: v for k, v in vars(batch).items() if hasattr(v, "clone")}, **batch.metadata}
+        before = {k: v.clone() for k, v in tensors.items()}
         estimator.advantages(batch)
         for k, v in before.items():
-            assert (getattr(batch, k) == v).all(), f"advantages() mutated batch.{k}"
+            assert (tensors[k] == v).all(), f"advantages() mutated batch.{k}"
 
     def test_equivariant_to_permuting_samples(self, estimator):
+        """Permuting samples (within and across groups) permutes the advantages the same way."""
         import torch
 
         batch = self._batch(estimator)
         adv, _ = estimator.advantages(batch)
         perm = torch.randperm(len(batch.rewards), generator=torch.Generator().manual_seed(1))
-        permuted = type(batch)(**{k: (v[perm] if hasattr(v, "shape") else v) for k, v in vars(batch).items()})
-        adv_p, _ = estimator.advantages(permuted)
+        adv_p, _ = estimator.advantages(_permuted(batch, perm))
         torch.testing.assert_close(adv_p, adv[perm], atol=1e-5, rtol=1e-5)
 
     def test_group_baseline_invariant_to_group_shift(self, estimator):
+        """``group_baseline = True`` promises: a constant added to one group's rewards changes nothing."""
         import torch
 
-        if not getattr(estimator, "group_baseline", False):
-            pytest.skip("not a group-baseline estimator")
+        declared = getattr(estimator, "group_baseline", False)
+        assert isinstance(declared, bool), "group_baseline must be a bool class attribute"
+        if not declared:
+            pytest.skip("not a group-baseline estimator (group_baseline = False)")
         batch = self._batch(estimator)
         adv, _ = estimator.advantages(batch)
         shifted = type(batch)(**vars(batch))
@@ -71,3 +90,16 @@ class EstimatorContract(ComponentContract):
         shifted.rewards = batch.rewards + 5.0 * one_group
         adv_s, _ = estimator.advantages(shifted)
         torch.testing.assert_close(adv_s, adv, atol=1e-4, rtol=1e-4)
+
+    def test_padding_garbage_does_not_leak(self, estimator):
+        """NaN in ``values``/``token_rewards`` outside the mask (padding) must not reach the output."""
+        import torch
+
+        batch = self._batch(estimator)
+        outside = batch.response_mask == 0
+        assert outside.any()
+        batch.token_rewards = torch.where(outside, float("nan"), 0.1)
+        if batch.values is not None:
+            batch.values = torch.where(outside, float("nan"), batch.values)
+        adv, ret = estimator.advantages(batch)
+        assert torch.isfinite(adv).all() and torch.isfinite(ret).all()

@@ -1,0 +1,1 @@
+"""Built-in rollout/training mismatch corrections (registered through ``posttrain_register_corrections``)."""

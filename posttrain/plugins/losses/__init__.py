@@ -1,0 +1,1 @@
+"""Built-in policy losses (registered through ``posttrain_register_losses``)."""
