@@ -33,6 +33,7 @@ class RouterProcess:
         self.host, self.port = host, port or free_port(host)
         self.model_path, self.policy, self.extra_args = model_path, policy, list(extra_args)
         self.log_path = log_path
+        self.prometheus_port = free_port(host)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -41,7 +42,9 @@ class RouterProcess:
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", self.host, "--port", str(self.port),
-               "--policy", self.policy, "--log-level", "warn"]
+               "--policy", self.policy, "--log-level", "warn",
+               # its metrics exporter binds 0.0.0.0:29000 by default: keep it on loopback, on a free port
+               "--prometheus-host", self.host, "--prometheus-port", str(self.prometheus_port)]
         if self.worker_urls:
             cmd += ["--worker-urls", *self.worker_urls]
         if self.model_path:
