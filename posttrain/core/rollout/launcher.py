@@ -47,6 +47,20 @@ class SGLangSpec:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def sglang_spec_from_config(rollout: Any, resources: Any, model_path: str, port: int, engine_index: int = 0,
+                            seed: int = 0, cli_options: dict[str, Any] | None = None) -> SGLangSpec:
+    """The spec of engine ``engine_index`` from the run config's ``rollout`` and ``resources`` sections.
+
+    ``tp_size`` is ``resources.gpus_per_engine``; the memory saver is on when trainer and engines are
+    colocated; ``rollout.sglang`` and then ``cli_options`` (``--sglang-*`` from the command line) are passed
+    through; each engine gets its own seed (``seed + engine_index x gpus_per_engine``, as slime does).
+    """
+    extra = {**dict(rollout.sglang), **(cli_options or {})}
+    return SGLangSpec(model_path=str(model_path), port=port, tp_size=resources.gpus_per_engine, dp_size=1,
+                      mem_fraction_static=rollout.mem_fraction_static, enable_memory_saver=resources.colocate,
+                      random_seed=seed + engine_index * resources.gpus_per_engine, extra=extra)
+
+
 def _flag(key: str) -> str:
     return "--" + key.replace("_", "-")
 

@@ -25,15 +25,11 @@ class GeneratorContract(ComponentContract):
     @pytest.fixture(scope="class")
     @classmethod
     def local_engine_url(cls, tmp_path_factory):
-        from posttrain.core.rollout.launcher import ManagedServer, local_engine_command
-        from posttrain.core.rollout.procs import free_port
+        from posttrain.testing.engine import start_local_engine
         from posttrain.testing.tiny import make_tiny_checkpoint
 
         ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("generator_contract") / "qwen3")
-        port = free_port()
-        server = ManagedServer(local_engine_command(str(ckpt), port, context_length=512, max_running_requests=8),
-                               f"http://127.0.0.1:{port}", env={"OMP_NUM_THREADS": "1"}, ready_timeout_s=120)
-        server.start()
+        server = start_local_engine(ckpt, context_length=512)
         yield server.base_url
         server.stop()
 

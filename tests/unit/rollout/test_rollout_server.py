@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 
 from posttrain.core.rollout.client import EngineClient, EngineRequestError, tokens_and_logprobs
-from tests.unit.rollout.conftest import hf_greedy
+from posttrain.testing.engine import hf_greedy
 
 PROMPTS = [[5, 6, 7, 8], [40, 41], [60, 70, 80, 90, 11, 12, 13], [99], [20, 21, 22]]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}

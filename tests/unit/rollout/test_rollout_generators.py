@@ -33,7 +33,7 @@ class TestMultiTurnContract(GeneratorContract):
 
 
 async def test_single_turn_fills_tokens_logprobs_mask_and_status(engine_url, hf_model):
-    from tests.unit.rollout.conftest import hf_greedy
+    from posttrain.testing.engine import hf_greedy
 
     group = [Sample(prompt="2+2=", group_index=3), Sample(prompt=[{"role": "user", "content": "hi"}], group_index=3)]
     async with EngineClient(engine_url) as engine:

@@ -71,3 +71,18 @@ def test_engine_serve_rejects_a_directory_without_a_checkpoint(tmp_path):
     out = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "engine", "serve", str(tmp_path)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "no config.json" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_sglang_spec_from_the_run_config():
+    from posttrain.core.config import load_config
+    from posttrain.core.rollout.launcher import sglang_spec_from_config
+
+    cfg = load_config(None, ["rollout.sglang.attention_backend=fa3", "rollout.mem_fraction_static=0.6"],
+                      data={"estimator": "grpo", "trainer": {"global_batch_size": 64},
+                            "resources": {"gpus_per_engine": 2, "colocate": True}})
+    spec = sglang_spec_from_config(cfg.rollout, cfg.resources, "/m", 30002, engine_index=3, seed=10,
+                                   cli_options={"enable_metrics": True})
+    cmd = sglang_command(spec)
+    assert cmd[cmd.index("--tp-size") + 1] == "2" and cmd[cmd.index("--mem-fraction-static") + 1] == "0.6"
+    assert cmd[cmd.index("--random-seed") + 1] == "16" and "--enable-memory-saver" in cmd
+    assert cmd[cmd.index("--attention-backend") + 1] == "fa3" and "--enable-metrics" in cmd

@@ -6,7 +6,7 @@ import pytest
 
 from posttrain.core.rollout.client import EngineClient
 from posttrain.core.rollout.weight_sync import WeightSender
-from tests.unit.rollout.conftest import hf_greedy, start_engine
+from posttrain.testing.engine import hf_greedy, start_local_engine as start_engine
 
 PROMPT = [5, 6, 7, 8]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}

@@ -11,7 +11,7 @@ import pytest
 
 from posttrain.core.rollout.client import EngineClient
 from posttrain.core.rollout.router import RouterProcess
-from tests.unit.rollout.conftest import hf_greedy, start_engine
+from posttrain.testing.engine import hf_greedy, start_local_engine as start_engine
 
 
 @pytest.mark.slow
