@@ -261,7 +261,7 @@ class LocalEngine:
             self._free_slots.append(req.slot)
             req.slot = -1
         s = req.sampling
-        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=s.skip_special_tokens)
+        text = "" if self.tokenizer is None else self.tokenizer.decode(req.output_ids, skip_special_tokens=s.skip_special_tokens)
         if req.text_cut is not None:
             text = text[: req.text_cut]
         meta: dict[str, Any] = {

@@ -16,7 +16,7 @@ owns one slot from prefill until it finishes; slot ``i`` holds its keys and valu
 The weights, projections, norms, rotary embedding and MLP are the ``transformers`` modules of the
 checkpoint's own class (Llama, Qwen2, Qwen3 and other models with the same decoder layout); only the
 attention over the slot cache is ours. On CUDA the decode step over a fixed ``(nb, S_max)`` can be
-captured in a CUDA graph per batch bucket (``cuda_graphs=True``).
+captured in a CUDA graph per (batch bucket, span bucket) (``cuda_graphs=True``).
 """
 
 from __future__ import annotations
@@ -31,17 +31,19 @@ import torch.nn.functional as F
 class ModelRunner:
     """Owns the model and its slot KV cache. Not thread-safe: the engine thread alone calls it."""
 
-    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: str = "auto", max_slots: int = 32,
-                 context_length: int | None = None, cuda_graphs: bool = False):
-        from transformers import AutoConfig, AutoModelForCausalLM
+    def __init__(self, model_dir: str | Path | None, device: str = "cpu", dtype: str = "auto", max_slots: int = 32,
+                 context_length: int | None = None, cuda_graphs: bool = False, model: Any = None):
+        from transformers import AutoModelForCausalLM
 
-        self.model_dir = str(model_dir)
+        self.model_dir = str(model_dir) if model_dir is not None else None
         self.device = torch.device(device)
         if dtype == "auto":
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.dtype = getattr(torch, dtype)
-        self.hf_config = AutoConfig.from_pretrained(self.model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype).to(self.device).eval()
+        if model is None:  # ``model``: an already built HF model (benchmarks of random large shapes)
+            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.hf_config = self.model.config
         cfg = self.hf_config
         self.layers = self.model.model.layers
         self.num_layers = len(self.layers)
@@ -59,7 +61,9 @@ class ModelRunner:
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
-        self._graphs: dict[int, tuple[Any, dict[str, torch.Tensor]]] = {}
+        self._graphs: dict[tuple[int, int], tuple[Any, dict[str, torch.Tensor]]] = {}
+        # graphs share one memory pool: they never run at the same time
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
 
     # -- weights --------------------------------------------------------------------------------
     def named_weights(self) -> dict[str, torch.Tensor]:
@@ -133,7 +137,6 @@ class ModelRunner:
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One step for slots ``0 .. nb - 1``: ``tokens``/``positions`` ``[nb]`` -> logits ``[nb, V]``."""
-        nb = tokens.shape[0]
         if self.cuda_graphs:
             return self._decode_graphed(tokens, positions)
         span = int(positions.max()) + 1
@@ -151,9 +154,14 @@ class ModelRunner:
             self.v_cache[l][rows, :, positions] = v[:, :, 0]
 
         def attend(l, q, k, v):
+            # GQA with one query token: the G query heads sharing a KV head become G query rows of that
+            # head ([nb, Hkv, G, D]), so the kernel reads each cached K/V once instead of expanding it.
             kc = self.k_cache[l, :nb, :, :span]
             vc = self.v_cache[l, :nb, :, :span]
-            return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scaling, enable_gqa=True)
+            heads = q.shape[1]
+            qg = q.reshape(nb, self.num_kv_heads, heads // self.num_kv_heads, self.head_dim)
+            o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=self.scaling)
+            return o.reshape(nb, heads, 1, self.head_dim)
 
         for layer in self.layers:
             h = self._attention_block(layer, h, positions, write, attend)
@@ -165,24 +173,31 @@ class ModelRunner:
             b *= 2
         return min(b, self.max_slots)
 
+    def _span(self, positions) -> int:
+        """Attention span of a graph: the longest context rounded up to 256 (capped at the context length)."""
+        need = int(positions.max()) + 1
+        return min(self.context_length, -(-need // 256) * 256)
+
     def _decode_graphed(self, tokens, positions):
-        """CUDA-graph decode: one graph per power-of-two batch bucket over the full context span."""
+        """CUDA-graph decode: one graph per (power-of-two batch bucket, 256-token span bucket)."""
         nb = tokens.shape[0]
         bucket = self._bucket(nb)
-        if bucket not in self._graphs:
+        span = self._span(positions)
+        key = (bucket, span)
+        if key not in self._graphs:
             static = {"tokens": torch.zeros(bucket, dtype=torch.long, device=self.device),
                       "positions": torch.zeros(bucket, dtype=torch.long, device=self.device)}
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm up kernels outside the graph
-                    self._decode_eager(static["tokens"], static["positions"], self.context_length)
+                    self._decode_eager(static["tokens"], static["positions"], span)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                static["logits"] = self._decode_eager(static["tokens"], static["positions"], self.context_length)
-            self._graphs[bucket] = (graph, static)
-        graph, static = self._graphs[bucket]
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                static["logits"] = self._decode_eager(static["tokens"], static["positions"], span)
+            self._graphs[key] = (graph, static)
+        graph, static = self._graphs[key]
         static["tokens"][:nb].copy_(tokens)
         static["positions"][:nb].copy_(positions)
         if bucket > nb:

@@ -34,7 +34,13 @@ async def test_router_routes_generate_and_survives_a_dead_engine(engine_url, tin
             long = {"temperature": 1.0, "max_new_tokens": 200, "ignore_eos": True}
             tasks = [asyncio.create_task(client.generate(input_ids=[5 + i, 6], sampling_params=long))
                      for i in range(16)]
-            await asyncio.sleep(0.05)
+            async with EngineClient(victim.base_url) as direct:  # kill it while it holds requests
+                for _ in range(200):
+                    state = (await direct.get_server_info())["internal_states"][0]
+                    if state["num_requests"] > 0:
+                        break
+                    await asyncio.sleep(0.01)
+            assert state["num_requests"] > 0, "the router sent nothing to the second engine"
             os.killpg(victim.proc.pid, signal.SIGKILL)
             results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
         errors = [r for r in results if isinstance(r, BaseException)]
