@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from aiohttp import web
 
 from posttrain.core.rollout.client import EngineClient
 from posttrain.core.types import Sample, SampleStatus, SamplingParams
@@ -45,52 +44,6 @@ async def test_single_turn_fills_tokens_logprobs_mask_and_status(engine_url, hf_
         assert s.status is SampleStatus.TRUNCATED and s.finish_reason == "length"
         assert s.tokens[-6:] == hf_greedy(hf_model, s.tokens[:-6], 6)
     assert "<|im_start|>" not in out[0].response and out[1].prompt_length > 10  # chat template applied
-
-
-class ScriptedEngine:
-    """SGLang-protocol /generate answering from a script (one entry per call), recording the inputs."""
-
-    def __init__(self, tokenizer, model_path, script):
-        self.tokenizer, self.model_path, self.script, self.inputs = tokenizer, model_path, list(script), []
-
-    async def generate(self, request):
-        body = await request.json()
-        self.inputs.append(body["input_ids"])
-        text = self.script.pop(0)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return web.json_response({"text": text, "output_ids": ids, "meta_info": {
-            "id": "x", "finish_reason": {"type": "stop", "matched": "</tool_call>"}, "prompt_tokens": len(body["input_ids"]),
-            "completion_tokens": len(ids), "weight_version": "2",
-            "output_token_logprobs": [[-0.5, t, None] for t in ids]}})
-
-    async def model_info(self, request):
-        return web.json_response({"model_path": self.model_path, "tokenizer_path": self.model_path})
-
-
-@pytest.fixture
-async def scripted(tiny_ckpt):
-    from transformers import AutoTokenizer
-
-    from posttrain.core.rollout.procs import free_port
-
-    tok = AutoTokenizer.from_pretrained(str(tiny_ckpt))
-    holder = {}
-
-    async def start(script):
-        eng = ScriptedEngine(tok, str(tiny_ckpt), script)
-        app = web.Application()
-        app.router.add_post("/generate", eng.generate)
-        app.router.add_get("/get_model_info", eng.model_info)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        holder["runner"] = runner
-        return eng, EngineClient(f"http://127.0.0.1:{port}"), tok
-
-    yield start
-    if "runner" in holder:
-        await holder["runner"].cleanup()
 
 
 def call(name, **args):
