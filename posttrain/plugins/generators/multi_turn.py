@@ -44,7 +44,7 @@ class MultiTurn:
 
             registry = load_plugins().tools
             names = self.config.tools or list(registry)
-            self._tools = {n: registry.get_or_raise(n) for n in names}
+            self._tools = {n: _tool_callable(registry.get_or_raise(n)) for n in names}
         return self._tools
 
     async def __call__(self, group, engine, sampling):
@@ -99,6 +99,17 @@ class MultiTurn:
         sample.metadata.setdefault("turns", 0)
         sample.metadata["turns"] = turn + 1
         return fill(sample, prompt, ids, mask, lps, text, finish, version)
+
+
+def _tool_callable(component):
+    """The callable behind a registered tool: the registry wraps plain functions in a class (``.function``);
+    a tool class is built from its ``Config`` and called."""
+    if hasattr(component, "function"):
+        return component.function
+    if isinstance(component, type):
+        config = getattr(component, "Config", None)
+        return component(config() if config is not None else None)
+    return component
 
 
 @hookimpl

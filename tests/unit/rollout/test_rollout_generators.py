@@ -105,3 +105,24 @@ def test_tools_registered_and_calculator_is_safe(plugins):
     with pytest.raises(ValueError):
         calculator("__import__('os').system('true')")
     assert search("highest mountain").startswith("Mount Everest")
+
+
+async def test_multi_turn_takes_its_tools_from_the_plugin_registry(scripted):
+    eng, client, tok = await scripted([call("calculator", expression="2**10"), "ok"])
+    gen = MultiTurn(MultiTurn.Config(tools=["calculator"]))
+    [s] = await gen([Sample(prompt="q")], client, SamplingParams(max_new_tokens=500))
+    await client.close()
+    assert "<tool_response>\n1024\n</tool_response>" in s.response
+    assert set(gen.tools()) == {"calculator"}
+
+
+async def test_a_slow_tool_times_out_into_error_text():
+    import asyncio
+
+    from posttrain.core.rollout.tools import ToolCall, run_tool
+
+    async def slow(**_):
+        await asyncio.sleep(5)
+
+    assert "timed out" in await run_tool(ToolCall("slow", {}), {"slow": slow}, timeout_s=0.05)
+    assert "unknown tool" in await run_tool(ToolCall("x", {}), {}, timeout_s=1)
