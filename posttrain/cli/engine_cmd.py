@@ -20,7 +20,7 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
           device: str = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N"),
           dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16"),
           max_running_requests: int = typer.Option(32, "--max-running-requests", help="KV-cache slots (requests decoded together)"),
-          context_length: int = typer.Option(0, "--context-length", help="tokens per request (prompt + output); 0: the model's max_position_embeddings"),
+          context_length: int = typer.Option(0, "--context-length", help="tokens per request (prompt + output); 0: the model's max_position_embeddings, at most 4096"),
           cuda_graphs: bool = typer.Option(False, "--cuda-graphs", help="capture the decode step in CUDA graphs (GPU only)")) -> None:
     """Serve MODEL_DIR: /generate, /health_generate, abort/pause, weight updates, /model_info, /server_info."""
     if not (model_dir / "config.json").is_file():

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+DEFAULT_MAX_CONTEXT = 4096
+
 
 class ModelRunner:
     """Owns the model and its slot KV cache. Not thread-safe: the engine thread alone calls it."""
@@ -52,7 +54,8 @@ class ModelRunner:
         self.num_kv_heads = cfg.num_key_value_heads
         self.scaling = attn.scaling
         self.vocab_size = cfg.vocab_size
-        self.context_length = int(context_length or cfg.max_position_embeddings)
+        # default: the model's maximum, capped so a long-context model does not allocate a huge cache
+        self.context_length = int(context_length or min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT))
         self.max_slots = int(max_slots)
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 

@@ -89,7 +89,10 @@ async def test_abort_request_ends_in_flight_requests_with_abort(engine_url):
     async with EngineClient(engine_url) as engine:
         one = asyncio.create_task(engine.generate(input_ids=[5, 6], sampling_params=long, rid="victim"))
         rest = [asyncio.create_task(engine.generate(input_ids=[7, 8], sampling_params=long)) for _ in range(3)]
-        await asyncio.sleep(0.05)
+        for _ in range(500):  # until all four reached the engine (bounded: 5 s)
+            if (await engine.get_server_info())["internal_states"][0]["num_requests"] >= 4:
+                break
+            await asyncio.sleep(0.01)
         await engine.abort_request(rid="victim")
         out = await one
         assert out["meta_info"]["finish_reason"]["type"] == "abort"
