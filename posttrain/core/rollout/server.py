@@ -154,6 +154,8 @@ class EngineServer:
             raise BadRequest(f"sampling_params: {len(sps)} entries for {n} prompts")
         rids = body.get("rid")
         rids = rids if isinstance(rids, list) else [rids] * n
+        if len(rids) != n:
+            raise BadRequest(f"rid: {len(rids)} ids for {n} prompts")
         return_logprob = body.get("return_logprob", False)
         if not isinstance(return_logprob, bool):
             raise BadRequest("return_logprob: expected true or false")
