@@ -242,11 +242,14 @@ class LocalEngine:
             if tok in s.stop_token_ids or (not s.ignore_eos and tok in self.eos_token_ids):
                 req.finish = {"type": "stop", "matched": tok}
                 return
-            if s.stop:
-                text = self.tokenizer.decode(req.output_ids, skip_special_tokens=s.skip_special_tokens)
-                tail_from = max(0, len(text) - max(map(len, s.stop)) - 16)  # only the newly decoded tail
-                hits = [(text.find(stop, tail_from), stop) for stop in s.stop if text.find(stop, tail_from) >= 0]
-                if hits:
+            if s.stop and self.tokenizer is not None:
+                # Only a stop string that ends in the newest token can be new: decode a short tail of
+                # tokens (cheap) and look there; decode everything only on a hit, to find the cut.
+                window = max(map(len, s.stop)) + 8
+                tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=s.skip_special_tokens)
+                if any(stop in tail for stop in s.stop):
+                    text = self.tokenizer.decode(req.output_ids, skip_special_tokens=s.skip_special_tokens)
+                    hits = [(text.find(stop), stop) for stop in s.stop if stop in text]
                     at, stop = min(hits)
                     req.finish = {"type": "stop", "matched": stop}
                     req.text_cut = at if not s.no_stop_trim else at + len(stop)

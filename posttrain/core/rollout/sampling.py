@@ -141,7 +141,7 @@ def _truncate(probs, params: list[RequestSampling]):
     sorted_p, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(probs.shape[1], device=device)[None, :]
     cum_before = sorted_p.cumsum(dim=-1) - sorted_p  # mass strictly above this token
-    keep = (rank < top_k[:, None]) & (cum_before < top_p[:, None])
+    keep = (rank < top_k[:, None]) & (cum_before <= top_p[:, None])  # SGLang drops cum_before > top_p
     keep &= sorted_p >= min_p[:, None] * sorted_p[:, :1]
     keep[:, 0] = True  # the most likely token always survives
     sorted_p = sorted_p * keep
