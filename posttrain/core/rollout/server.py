@@ -287,6 +287,10 @@ class EngineServer:
         return web.json_response({"success": True, "message": f"Succeeded to update weights (version {version})."})
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        from posttrain.core.rollout.weight_sync import close_group
+
+        if self.receiver is not None:
+            close_group(self.receiver.group)
         self.receiver = None
         return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 

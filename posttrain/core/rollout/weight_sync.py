@@ -44,21 +44,64 @@ def _dtype(name: str):
     return dtype
 
 
+def _is_loopback(address: str) -> bool:
+    import ipaddress
+
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
 def open_group(backend: str, master_address: str, master_port: int, world_size: int, rank: int,
                group_name: str = DEFAULT_GROUP, timeout_s: float = 120.0):
-    """A standalone process group (not the default group): rank 0 hosts the TCP store."""
+    """A standalone process group (not the default group): rank 0 hosts the TCP store.
+
+    Rank 0's store listens on ``master_address`` only (a socket bound there and handed to the store),
+    and with a loopback master Gloo's transport is bound to 127.0.0.1 too, so a single-machine group
+    never listens beyond loopback.
+    """
+    import socket
+
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, int(master_port), world_size, rank == 0, timeout=timeout)
+    listener = None
+    if rank == 0:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((master_address, int(master_port)))
+        listener.listen()
+    store = dist.TCPStore(master_address, int(master_port), world_size, rank == 0, timeout=timeout,
+                          **({"master_listen_fd": listener.fileno()} if listener else {}))
     store = dist.PrefixStore(group_name, store)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    if backend == "nccl":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        loopback = _is_loopback(master_address)
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1") if loopback
+                         else dist.ProcessGroupGloo.create_default_device()]
+        group = dist.ProcessGroupGloo(store, rank, world_size, opts)
+    elif backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
-    raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        group = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    else:
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    _KEEP[id(group)] = (store, listener)  # the store (and its socket) must live as long as the group
+    return group
+
+
+_KEEP: dict[int, Any] = {}
+
+
+def close_group(group) -> None:
+    """Drop the store and listening socket kept for ``group``."""
+    store, listener = _KEEP.pop(id(group), (None, None))
+    if listener is not None:
+        listener.close()
 
 
 def broadcast(group, tensor) -> None:
@@ -195,6 +238,7 @@ class WeightSender:
         if self.group is None:
             return
         self._fan_out("/destroy_weights_update_group", [{"group_name": self.group_name}] * len(self.engine_urls))
+        close_group(self.group)
         self.group = None
 
 
