@@ -92,11 +92,16 @@ class EngineClient:
 
     # -- generation -----------------------------------------------------------------------------
     async def generate(self, input_ids: list[int] | None = None, text: str | None = None,
-                       sampling_params: dict[str, Any] | None = None, return_logprob: bool = True,
+                       sampling_params: Any = None, return_logprob: bool = True,
                        rid: str | None = None, **extra: Any) -> dict[str, Any]:
-        """``POST /generate`` for one prompt; returns ``{text, output_ids, meta_info}``."""
+        """``POST /generate`` for one prompt; returns ``{text, output_ids, meta_info}``.
+
+        ``sampling_params`` is SGLang's mapping or a :class:`~posttrain.core.types.SamplingParams`.
+        """
         if (input_ids is None) == (text is None):
             raise ValueError("give exactly one of input_ids and text")
+        if hasattr(sampling_params, "to_sglang"):
+            sampling_params = sampling_params.to_sglang()
         payload: dict[str, Any] = {"sampling_params": sampling_params or {}, "return_logprob": return_logprob}
         if input_ids is not None:
             payload["input_ids"] = list(input_ids)

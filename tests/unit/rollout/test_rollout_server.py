@@ -78,6 +78,15 @@ async def test_stop_token_and_stop_string(engine_url, hf_model):
     assert kept["text"] == text[: at + len(stop)]
 
 
+async def test_client_takes_sampling_params_objects(engine_url, hf_model):
+    from posttrain.core.types import SamplingParams
+
+    async with EngineClient(engine_url) as engine:
+        out = await engine.generate(input_ids=PROMPTS[3], sampling_params=SamplingParams(
+            temperature=0.0, max_new_tokens=12, extra={"ignore_eos": True}))
+    assert out["output_ids"] == hf_greedy(hf_model, PROMPTS[3], 12)
+
+
 async def test_batched_request_returns_a_list(engine_url, hf_model):
     async with EngineClient(engine_url) as engine:
         outs = await engine.request("POST", "/generate", {"input_ids": PROMPTS[:2], "sampling_params": GREEDY})
