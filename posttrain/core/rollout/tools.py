@@ -1,6 +1,6 @@
 """Tool calls in model output and running tools for multi-turn generators (no heavy imports).
 
-The default format is Qwen's / Hermes': ``<tool_call>{"name": "calculator", "arguments": {...}}</tool_call>``.
+The default format is Qwen's / Hermes': ``<tool_call>{"name": "my_tool", "arguments": {...}}</tool_call>``.
 A parser is a function ``text -> list[ToolCall]``; :data:`PARSERS` maps names to parsers (plugins may add
 their own). Tools are plain callables (sync or async) taking the call's arguments as keywords and
 returning a string; :func:`run_tool` applies a timeout and turns every failure into error text for the
