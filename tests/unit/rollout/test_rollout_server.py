@@ -178,3 +178,11 @@ async def test_client_retries_connection_errors_then_gives_up():
     with pytest.raises(ConnectionError, match="3 attempt"):
         await client.generate(input_ids=[1])
     await client.close()
+
+
+async def test_release_and_resume_memory_keep_the_engine_serving(engine_url, hf_model):
+    async with EngineClient(engine_url) as engine:
+        assert (await engine.release_memory_occupation())["success"]
+        assert (await engine.resume_memory_occupation())["success"]
+        out = await engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+    assert out["output_ids"] == hf_greedy(hf_model, PROMPTS[0], 12)
