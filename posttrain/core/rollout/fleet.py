@@ -60,7 +60,8 @@ class EngineFleet:
                 device = f"cuda:{i}"
             cmd = local_engine_command(self.model_path, port, host=self.host, device=device,
                                        max_running_requests=self.rollout.engine_max_running_requests,
-                                       context_length=self.rollout.engine_context_length or None)
+                                       context_length=self.rollout.engine_context_length or None,
+                                       cuda_graphs=device.startswith("cuda"))
         return ManagedServer(cmd, f"http://{self.host}:{port}", log_path=self._log(f"engine-{i}.log"), env=self.env)
 
     def start(self) -> EngineFleet:
