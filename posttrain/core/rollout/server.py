@@ -13,7 +13,9 @@ answers as ``sglang.srt.entrypoints.http_server``):
 - ``POST /update_weights_from_disk {model_path, weight_version}``,
   ``POST /init_weights_update_group {master_address, master_port, rank_offset, world_size, group_name,
   backend}``, ``POST /update_weights_from_distributed {names, dtypes, shapes, group_name,
-  weight_version}``, ``POST /destroy_weights_update_group {group_name}``
+  weight_version}``, ``POST /destroy_weights_update_group {group_name}``,
+  ``POST /update_weights_from_tensor {serialized_named_tensors, weight_version}`` (colocated; a pickle,
+  as in SGLang: serve on loopback or a trusted network only)
 - ``POST /release_memory_occupation``, ``POST /resume_memory_occupation`` (GPU: weights and KV cache
   move to host memory and back)
 
@@ -286,6 +288,26 @@ class EngineServer:
         version = self._bump_version(body.get("weight_version"))
         return web.json_response({"success": True, "message": f"Succeeded to update weights (version {version})."})
 
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        """SGLang's colocated path: ``serialized_named_tensors`` holds one serialized list per TP rank."""
+        from posttrain.core.rollout.weight_sync import deserialize_named_tensors
+
+        body = await self._json(request)
+        data = body.get("serialized_named_tensors")
+        if not isinstance(data, list) or not data or not isinstance(data[0], str):
+            raise BadRequest("serialized_named_tensors: expected a list of serialized strings (one per TP rank)")
+        if body.get("load_format") not in (None, "direct"):
+            raise BadRequest(f"load_format: {body['load_format']!r} is not supported (only the default)")
+        try:
+            named = await asyncio.to_thread(deserialize_named_tensors, data[0])
+            missing = await asyncio.to_thread(self.engine.call_in_engine, lambda: self.runner.load_weights(dict(named)))
+        except Exception as exc:
+            return _error(400, f"update_weights_from_tensor: {exc!r}")
+        if missing:
+            return _error(400, f"unknown weight name(s): {', '.join(missing)}")
+        version = self._bump_version(body.get("weight_version"))
+        return web.json_response({"success": True, "message": f"Succeeded to update weights (version {version})."})
+
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         from posttrain.core.rollout.weight_sync import close_group
 
@@ -339,6 +361,7 @@ class EngineServer:
                          ("/update_weights_from_disk", self.update_weights_from_disk),
                          ("/init_weights_update_group", self.init_weights_update_group),
                          ("/update_weights_from_distributed", self.update_weights_from_distributed),
+                         ("/update_weights_from_tensor", self.update_weights_from_tensor),
                          ("/destroy_weights_update_group", self.destroy_weights_update_group),
                          ("/release_memory_occupation", self.release_memory),
                          ("/resume_memory_occupation", self.resume_memory)):

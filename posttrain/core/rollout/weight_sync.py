@@ -9,6 +9,7 @@ Two sides of one protocol (the same one real SGLang servers speak):
                                                 # joins the group as rank 0 (engines: ranks 1..)
     sender.send(buckets, version=3)             # buckets: iterable of [(hf_name, tensor), ...]
     sender.update_from_disk("/ckpt/hf-step3", version=3)   # the universal fallback
+    sender.update_from_tensors([(hf_name, tensor), ...], version=3)  # colocated: CUDA IPC handles
     sender.destroy()
 
 For each bucket ``send`` POSTs ``/update_weights_from_distributed {names, dtypes, shapes, group_name,
@@ -139,6 +140,43 @@ class ReceiverGroup:
         return out
 
 
+def serialize_named_tensors(named: list[tuple[str, Any]]) -> str:
+    """SGLang's ``MultiprocessingSerializer.serialize(named, output_str=True)`` format: base64 of a pickle.
+
+    CUDA tensors travel as CUDA IPC handles (``ForkingPickler``; the receiver must be on the same host
+    and the sender must keep the tensors alive until the call returns); CPU tensors by value.
+    """
+    import base64
+    import io
+    import pickle
+
+    if any(getattr(t, "is_cuda", False) for _, t in named):
+        from multiprocessing.reduction import ForkingPickler
+
+        import torch.multiprocessing  # noqa: F401  (registers the CUDA IPC reductions)
+
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump(list(named))
+        data = buf.getvalue()
+    else:
+        data = pickle.dumps([(n, t.detach().contiguous()) for n, t in named])
+    return base64.b64encode(data).decode()
+
+
+def deserialize_named_tensors(data: str | bytes) -> list[tuple[str, Any]]:
+    """The inverse of :func:`serialize_named_tensors` (a pickle: only accept it from trusted senders)."""
+    import base64
+    import pickle
+
+    import torch.multiprocessing  # noqa: F401  (rebuild functions for shared tensors)
+
+    raw = base64.b64decode(data) if isinstance(data, str) else data
+    named = pickle.loads(raw)
+    if not isinstance(named, (list, tuple)) or not all(isinstance(x, (list, tuple)) and len(x) == 2 for x in named):
+        raise ValueError("serialized_named_tensors: expected a list of (name, tensor) pairs")
+    return [(str(n), t) for n, t in named]
+
+
 def post_json(url: str, payload: dict[str, Any] | None = None, timeout: float = 600.0) -> dict[str, Any]:
     """POST JSON and return the decoded answer; an HTTP error raises ``RuntimeError`` with its body."""
     data = json.dumps(payload or {}).encode()
@@ -233,6 +271,14 @@ class WeightSender:
         """Every engine reloads its weights from an HF checkpoint directory."""
         payload = {"model_path": str(model_dir), "weight_version": None if version is None else str(version)}
         self._fan_out("/update_weights_from_disk", [payload] * len(self.engine_urls))
+
+    def update_from_tensors(self, named: list[tuple[str, Any]], version: int | str | None = None) -> None:
+        """Colocated engines (same host): ``/update_weights_from_tensor`` with the tensors serialized
+        (CUDA IPC handles for GPU tensors, values for CPU tensors)."""
+        payload = {"serialized_named_tensors": [serialize_named_tensors(named)] * self.ranks_per_engine,
+                   "load_format": None, "flush_cache": True,
+                   "weight_version": None if version is None else str(version)}
+        self._fan_out("/update_weights_from_tensor", [payload] * len(self.engine_urls))
 
     def destroy(self) -> None:
         if self.group is None:

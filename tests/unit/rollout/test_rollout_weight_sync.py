@@ -49,6 +49,9 @@ async def test_gloo_update_gives_the_new_weights_output_then_disk_restores(own_e
         await asyncio.to_thread(sender.update_from_disk, str(tiny_ckpt), 6)
         restored = await engine.generate(input_ids=PROMPT, sampling_params=GREEDY)
         assert restored["output_ids"] == old_out and restored["meta_info"]["weight_version"] == "6"
+        await asyncio.to_thread(sender.update_from_tensors, list(new_model.state_dict().items()), "7")
+        again = await engine.generate(input_ids=PROMPT, sampling_params=GREEDY)
+        assert again["output_ids"] == new_out and again["meta_info"]["weight_version"] == "7"
         await asyncio.to_thread(sender.destroy)
 
 
@@ -61,6 +64,8 @@ async def test_bad_weight_updates_are_400s(own_engine, tmp_path):
             await engine.update_weights_from_disk(str(tmp_path))
         with pytest.raises(EngineRequestError, match="init_weights_update_group first"):
             await engine.update_weights_from_distributed(["x"], ["float32"], [[1]])
+        with pytest.raises(EngineRequestError, match="serialized_named_tensors"):
+            await engine.request("POST", "/update_weights_from_tensor", {"serialized_named_tensors": "x"})
         assert await engine.get_weight_version() == "0"
         out = await engine.generate(input_ids=PROMPT, sampling_params=GREEDY)
         assert out["meta_info"]["weight_version"] == "0"
