@@ -279,6 +279,7 @@ class LocalEngine:
         }
         if req.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)]
+            meta["input_token_logprobs"] = []  # SGLang's default logprob_start_len=-1: an empty input window
         try:
             req.on_done({"text": text, "output_ids": list(req.output_ids), "meta_info": meta})
         except Exception:  # the waiter went away (client disconnected): nothing to deliver to
