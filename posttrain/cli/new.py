@@ -62,10 +62,17 @@ BODIES = {
         self.config = config or self.Config()
 
     async def __call__(self, group, engine, sampling):
-        """One ``/generate`` per sample; returns the completed samples."""
+        """One ``/generate`` per sample, token in and token out; returns the completed samples."""
+        from posttrain.core.rollout.client import tokens_and_logprobs, weight_version_int
+        from posttrain.core.rollout.samples import engine_tokenizer, fill, finish_type, prompt_ids
+
+        tokenizer = await engine_tokenizer(engine)
+        params = {**sampling.to_sglang(), "max_new_tokens": self.config.max_new_tokens}
         for sample in group:
-            out = await engine.generate(text=sample.prompt, sampling_params=sampling.to_sglang())
-            sample.response = out["text"]
+            prompt = prompt_ids(sample, tokenizer)
+            out = await engine.generate(input_ids=prompt, sampling_params=params, return_logprob=True)
+            ids, logprobs = tokens_and_logprobs(out)
+            fill(sample, prompt, ids, [1] * len(ids), logprobs, out["text"], finish_type(out), weight_version_int(out))
         return group
 '''),
     "model": ("posttrain_register_models", "ModelSpecContract", "model_spec", '''

@@ -114,6 +114,30 @@ class RolloutConfig:
     top_k: int = option(-1, help="-1 disables")
     max_new_tokens: int = option(128, ge=1)
     mode: Literal["sync", "async"] = option("sync", help="async overlaps generation N+1 with training N")
+    min_p: float = option(0.0, ge=0.0, le=1.0, help="drop tokens below min_p x the top probability")
+    stop: list[str] = option(default_factory=list, help="stop strings")
+    stop_token_ids: list[int] = option(default_factory=list, help="stop token ids (EOS always stops)")
+    engine: Literal["local", "sglang", "external"] = option(
+        "local", help="local: posttrain's engine server; sglang: launch SGLang servers; external: engine_urls")
+    engine_urls: list[str] = option(default_factory=list, help="running engines (engine: external)")
+    use_router: bool = option(True, help="route /generate through sglang-router")
+    router_args: list[str] = option(default_factory=list, help="extra sglang_router.launch_router options")
+    engine_device: str = option("cpu", help="local engine device: cpu | cuda[:N]")
+    engine_max_running_requests: int = option(32, ge=1, help="local engine KV-cache slots")
+    engine_context_length: int = option(0, ge=0, help="local engine tokens per request; 0: the model's maximum")
+    mem_fraction_static: float | None = option(None, gt=0.0, lt=1.0, help="SGLang --mem-fraction-static")
+    sglang: dict[str, Any] = option(default_factory=dict, help="extra SGLang server options by name (--sglang-* pass-through)")
+    server_concurrency: int = option(512, ge=1, help="requests in flight per engine client")
+    weight_sync: Literal["distributed", "disk"] = option("distributed", help="how weights reach the engines")
+    weight_bucket_mb: int = option(512, ge=1, help="bucket size of a distributed weight update")
+
+    def sampling_params(self):
+        """The run's :class:`~posttrain.core.types.SamplingParams`."""
+        from posttrain.core.types import SamplingParams
+
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                              max_new_tokens=self.max_new_tokens, stop=list(self.stop) or None,
+                              stop_token_ids=list(self.stop_token_ids) or None)
 
 
 @dataclass

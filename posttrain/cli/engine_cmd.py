@@ -1,0 +1,41 @@
+"""``rl-cli engine``: the embedded local engine (SGLang's HTTP API over a HF checkpoint)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from posttrain.core.errors import UsageError
+
+app = typer.Typer(help="Serve a HF checkpoint over SGLang's native HTTP API (CPU, or one GPU).",
+                  no_args_is_help=True)
+
+
+@app.command()
+def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (config.json, *.safetensors, tokenizer)",
+                                           show_default=False),
+          port: int = typer.Option(30000, "--port", help="TCP port"),
+          host: str = typer.Option("127.0.0.1", "--host", help="address to bind (loopback by default)"),
+          device: str = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N"),
+          dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16"),
+          max_running_requests: int = typer.Option(32, "--max-running-requests", help="KV-cache slots (requests decoded together)"),
+          context_length: int = typer.Option(0, "--context-length", help="tokens per request (prompt + output); 0: the model's max_position_embeddings, at most 4096"),
+          cuda_graphs: bool = typer.Option(False, "--cuda-graphs", help="capture the decode step in CUDA graphs (GPU only)")) -> None:
+    """Serve MODEL_DIR: /generate, /health_generate, abort/pause, weight updates, /model_info, /server_info."""
+    if not (model_dir / "config.json").is_file():
+        raise UsageError(f"{model_dir}: not a HF checkpoint directory (no config.json)")
+    if not any(model_dir.glob("*.safetensors")):
+        raise UsageError(f"{model_dir}: no *.safetensors weights")
+    if not 0 < port < 65536:
+        raise UsageError(f"--port: {port} is not a TCP port")
+    if max_running_requests < 1:
+        raise UsageError("--max-running-requests: must be >= 1")
+    if dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise UsageError(f"--dtype: expected auto, float32, bfloat16 or float16, got {dtype!r}")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise UsageError(f"--device: expected cpu or cuda[:N], got {device!r}")
+    from posttrain.core.rollout.server import serve as run
+
+    run(str(model_dir), host=host, port=port, device=device, dtype=dtype,
+        max_running_requests=max_running_requests, context_length=context_length or None, cuda_graphs=cuda_graphs)

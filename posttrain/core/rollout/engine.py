@@ -1,0 +1,286 @@
+"""The local engine's scheduler: continuous batching over :class:`ModelRunner` in one thread.
+
+Requests arrive from the HTTP server (any thread) through :meth:`LocalEngine.submit`; the engine
+thread loops:
+
+1. take new requests and aborts; while paused, do nothing else;
+2. admit waiting requests into free slots (one batched prefill per step) and sample their first token;
+3. run one decode step for every running request and sample the next token per request;
+4. finish requests on a stop token, a stop string, ``max_new_tokens``, the context end, or an abort,
+   and hand each result to its callback.
+
+Work that must not interleave with a forward pass (weight loads) goes through :meth:`call_in_engine`,
+which runs a function in the engine thread between two steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from posttrain.core.rollout.sampling import RequestSampling
+
+
+@dataclass
+class Request:
+    """One generation request inside the engine."""
+
+    rid: str
+    prompt_ids: list[int]
+    sampling: RequestSampling
+    return_logprob: bool
+    on_done: Callable[[dict[str, Any]], None]
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    slot: int = -1
+    finish: dict[str, Any] | None = None
+    text_cut: int | None = None  # char offset of a matched stop string (trimmed unless no_stop_trim)
+    generator: Any = None
+    created: float = field(default_factory=time.monotonic)
+
+
+class LocalEngine:
+    """Continuous-batching generation over a HF checkpoint. Thread-safe public methods."""
+
+    def __init__(self, runner, tokenizer, eos_token_ids: list[int]):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.weight_version = "0"
+        self._inbox: queue.Queue = queue.Queue()
+        self._waiting: deque[Request] = deque()
+        self._running: dict[int, Request] = {}
+        self._free_slots = list(range(runner.max_slots))
+        self._abort_rids: set[str] = set()
+        self._abort_all = False
+        self._paused = False
+        self._calls: queue.Queue = queue.Queue()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="posttrain-engine", daemon=True)
+        self.steps = 0
+        self._ids = itertools.count()
+        self._thread.start()
+
+    # -- public, any thread ---------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], sampling: RequestSampling, return_logprob: bool,
+               on_done: Callable[[dict[str, Any]], None], rid: str | None = None) -> str:
+        rid = rid or uuid.uuid4().hex
+        req = Request(rid, list(prompt_ids), sampling, return_logprob, on_done)
+        if sampling.sampling_seed is not None:
+            import torch
+
+            req.generator = torch.Generator(device=self.runner.device).manual_seed(sampling.sampling_seed)
+        self._inbox.put(req)
+        self._wake.set()
+        return rid
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> None:
+        """End matching requests (queued or running) with finish reason ``abort``."""
+        self._inbox.put(("abort", rid, abort_all))
+        self._wake.set()
+
+    def pause(self, mode: str = "abort") -> None:
+        """Stop stepping. ``abort`` ends in-flight requests first; ``in_place``/``retract`` keep them."""
+        if mode == "abort":
+            self.abort(abort_all=True)
+        self._inbox.put(("pause", True))
+        self._wake.set()
+        self.call_in_engine(lambda: None)  # returns once the engine has taken the pause
+
+    def resume(self) -> None:
+        self._inbox.put(("pause", False))
+        self._wake.set()
+
+    def call_in_engine(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+        """Run ``fn`` in the engine thread between two steps (runs even while paused); return its value."""
+        done = threading.Event()
+        box: dict[str, Any] = {}
+        self._calls.put((fn, done, box))
+        self._wake.set()
+        if not done.wait(timeout):
+            raise TimeoutError("engine did not run the call in time")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._running) + len(self._waiting) + self._inbox.qsize()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # -- engine thread --------------------------------------------------------------------------
+    def _loop(self) -> None:
+        import torch
+
+        torch.set_grad_enabled(False)
+        while not self._stop:
+            self._drain()
+            self._run_calls()
+            if self._paused or not (self._waiting or self._running):
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                self._admit()
+                if self._running:
+                    self._decode()
+            except Exception as exc:  # a failing step must answer its requests, not hang them
+                for req in list(self._running.values()) + list(self._waiting):
+                    req.finish = {"type": "abort", "message": f"engine error: {exc!r}"}
+                    self._complete(req)
+                self._waiting.clear()
+            self.steps += 1
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, done, box = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # handed back to the caller
+                box["error"] = exc
+            done.set()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, Request):
+                self._waiting.append(item)
+            elif item[0] == "abort":
+                _, rid, abort_all = item
+                for req in list(self._waiting) + list(self._running.values()):
+                    if abort_all or req.rid == rid:
+                        req.finish = {"type": "abort", "message": "aborted by /abort_request"}
+                        self._complete(req)
+                self._waiting = deque(r for r in self._waiting if r.finish is None)
+            elif item[0] == "pause":
+                self._paused = item[1]
+
+    def _admit(self) -> None:
+        batch: list[Request] = []
+        budget = 8192  # prompt tokens per prefill batch: bounds the prefill activation memory
+        while self._waiting and self._free_slots and (not batch or budget > 0):
+            req = self._waiting.popleft()
+            limit = self.runner.context_length
+            if len(req.prompt_ids) >= limit:  # checked by the server too; kept for direct callers
+                req.finish = {"type": "abort", "message": f"prompt of {len(req.prompt_ids)} tokens exceeds the context"}
+                self._complete(req)
+                continue
+            if req.sampling.max_new_tokens == 0:
+                req.finish = {"type": "length", "length": 0}
+                self._complete(req)
+                continue
+            self._free_slots.sort()
+            req.slot = self._free_slots.pop(0)
+            batch.append(req)
+            budget -= len(req.prompt_ids)
+        if not batch:
+            return
+        logits = self.runner.prefill([r.slot for r in batch], [r.prompt_ids for r in batch])
+        for req in batch:
+            self._running[req.slot] = req
+        self._sample_and_advance(batch, logits)
+
+    def _decode(self) -> None:
+        import torch
+
+        slots = sorted(self._running)
+        nb = slots[-1] + 1
+        tokens, positions = [0] * nb, [0] * nb  # plain lists: per-element tensor writes cost ~10 us each
+        for slot in slots:
+            req = self._running[slot]
+            tokens[slot] = req.output_ids[-1]
+            positions[slot] = len(req.prompt_ids) + len(req.output_ids) - 1
+        device = self.runner.device
+        logits = self.runner.decode(torch.tensor(tokens, device=device), torch.tensor(positions, device=device))
+        if len(slots) != nb:  # idle slots below the highest busy one: keep the busy rows only
+            logits = logits[torch.tensor(slots, device=device)]
+        self._sample_and_advance([self._running[s] for s in slots], logits)
+
+    def _sample_and_advance(self, reqs: list[Request], logits) -> None:
+        from posttrain.core.rollout.sampling import sample_tokens
+
+        gens = [r.generator for r in reqs]
+        tokens, logprobs = sample_tokens(logits, [r.sampling for r in reqs], gens if any(gens) else None)
+        tokens, logprobs = tokens.tolist(), logprobs.tolist()
+        for req, tok, lp in zip(reqs, tokens, logprobs):
+            req.output_ids.append(tok)
+            req.logprobs.append(lp)
+            self._check_finish(req, tok)
+            if req.finish is not None:
+                self._complete(req)
+
+    def _check_finish(self, req: Request, tok: int) -> None:
+        s = req.sampling
+        n = len(req.output_ids)
+        if n >= s.min_new_tokens:
+            if tok in s.stop_token_ids or (not s.ignore_eos and tok in self.eos_token_ids):
+                req.finish = {"type": "stop", "matched": tok}
+                return
+            if s.stop and self.tokenizer is not None:
+                # Only a stop string that ends in the newest token can be new: decode a short tail of
+                # tokens (cheap) and look there; decode everything only on a hit, to find the cut.
+                window = max(map(len, s.stop)) + 8
+                tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=s.skip_special_tokens)
+                if any(stop in tail for stop in s.stop):
+                    text = self.tokenizer.decode(req.output_ids, skip_special_tokens=s.skip_special_tokens)
+                    hits = [(text.find(stop), stop) for stop in s.stop if stop in text]
+                    at, stop = min(hits)
+                    req.finish = {"type": "stop", "matched": stop}
+                    req.text_cut = at if not s.no_stop_trim else at + len(stop)
+                    return
+        if n >= s.max_new_tokens:
+            req.finish = {"type": "length", "length": s.max_new_tokens}
+        elif len(req.prompt_ids) + n >= self.runner.context_length:
+            req.finish = {"type": "length", "length": n}
+
+    def _complete(self, req: Request) -> None:
+        if req.slot >= 0:
+            self._running.pop(req.slot, None)
+            self._free_slots.append(req.slot)
+            req.slot = -1
+        s = req.sampling
+        text = "" if self.tokenizer is None else self.tokenizer.decode(req.output_ids, skip_special_tokens=s.skip_special_tokens)
+        if req.text_cut is not None:
+            text = text[: req.text_cut]
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "finish_reason": req.finish,
+            "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": 0,
+            "weight_version": self.weight_version,
+            "e2e_latency": time.monotonic() - req.created,
+        }
+        if req.return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)]
+            meta["input_token_logprobs"] = []  # SGLang's default logprob_start_len=-1: an empty input window
+        try:
+            req.on_done({"text": text, "output_ids": list(req.output_ids), "meta_info": meta})
+        except Exception:  # the waiter went away (client disconnected): nothing to deliver to
+            pass

@@ -1,0 +1,57 @@
+"""Small helpers for the server processes rollout starts: free ports, HTTP readiness, clean stops."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (bind to 0 and read it back)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def http_ok(url: str, timeout: float = 5.0) -> bool:
+    """True when GET ``url`` answers 2xx within ``timeout`` seconds."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return 200 <= resp.status < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def wait_http_ok(url: str, timeout_s: float, proc: subprocess.Popen | None = None, interval_s: float = 0.5) -> None:
+    """Poll ``url`` until it answers 2xx; raise ``TimeoutError`` (or ``RuntimeError`` if ``proc`` exits)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with code {proc.returncode} before {url} answered")
+        if http_ok(url, timeout=min(5.0, interval_s * 10)):
+            return
+        time.sleep(interval_s)
+    raise TimeoutError(f"{url} did not answer 2xx within {timeout_s:.0f} s")
+
+
+def stop_process(proc: subprocess.Popen | None, grace_s: float = 10.0) -> None:
+    """SIGTERM the process group started for ``proc``, then SIGKILL after ``grace_s``."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            proc.kill()
+        proc.wait(grace_s)

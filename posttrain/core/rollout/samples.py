@@ -1,0 +1,60 @@
+"""Shared steps of generators: the engine's tokenizer, prompt token ids, and filling a Sample from answers.
+
+Token in, token out: prompts are tokenized here once; response tokens and log-probs come from the
+engine's ``output_token_logprobs``; ``Sample.response`` is the engine's text, never re-tokenized.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from posttrain.core.types import Sample, SampleStatus
+
+_TOKENIZERS: dict[str, Any] = {}
+
+
+async def engine_tokenizer(engine) -> Any:
+    """The tokenizer at the engine's ``tokenizer_path`` (``/get_model_info``), loaded once per process."""
+    info = await engine.get_model_info()
+    path = info.get("tokenizer_path") or info["model_path"]
+    if path not in _TOKENIZERS:
+        import asyncio
+
+        from transformers import AutoTokenizer
+
+        _TOKENIZERS[path] = await asyncio.to_thread(AutoTokenizer.from_pretrained, path)
+    return _TOKENIZERS[path]
+
+
+def prompt_ids(sample: Sample, tokenizer: Any, chat_template: bool = True) -> list[int]:
+    """Token ids of the prompt: chat messages go through the chat template (with the generation prompt)."""
+    if sample.tokens and sample.response_length == 0:
+        return list(sample.tokens)
+    if isinstance(sample.prompt, list):
+        if not chat_template:
+            raise ValueError("a chat-message prompt needs chat_template: true")
+        text = tokenizer.apply_chat_template(sample.prompt, add_generation_prompt=True, tokenize=False)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(sample.prompt, add_special_tokens=False)
+
+
+STATUS = {"length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED, "stop": SampleStatus.COMPLETED}
+
+
+def finish_type(response: dict[str, Any]) -> str:
+    reason = response.get("meta_info", {}).get("finish_reason") or {}
+    return reason.get("type", "stop") if isinstance(reason, dict) else str(reason)
+
+
+def fill(sample: Sample, prompt: list[int], response_ids: list[int], mask: list[int], logprobs: list[float],
+         text: str, finish: str, weight_version: int) -> Sample:
+    """Write the rollout into ``sample`` (``tokens`` = prompt + response; mask/log-probs cover the response)."""
+    sample.tokens = list(prompt) + list(response_ids)
+    sample.response_length = len(response_ids)
+    sample.response = text
+    sample.loss_mask = list(mask)
+    sample.rollout_log_probs = list(logprobs)
+    sample.finish_reason = finish
+    sample.status = STATUS.get(finish, SampleStatus.COMPLETED)
+    sample.weight_version = weight_version
+    return sample

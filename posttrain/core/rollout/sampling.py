@@ -1,0 +1,148 @@
+"""Per-request sampling for the local engine: SGLang's ``sampling_params``, parsed and applied in a batch.
+
+Every row of a decode batch carries its own temperature ``T``, ``top_p``, ``top_k`` and ``min_p``.
+For a row of logits ``z`` (``[V]``):
+
+- greedy when ``T == 0`` (or ``top_k == 1``): ``token = argmax z``, ``logprob = log_softmax(z)[token]``;
+- otherwise ``p = softmax(z / T)``; the candidate set keeps the ``top_k`` most likely tokens, the
+  smallest prefix of the sorted distribution whose mass reaches ``top_p``, and tokens with
+  ``p >= min_p * max(p)``; the token is drawn from ``p`` renormalized over that set.
+
+The returned log-prob is ``log_softmax(z / T)[token]``: the temperature-scaled distribution *before*
+truncation, as SGLang reports it, so a trainer recomputing ``log_softmax(logits / T)`` gets the same
+number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# SGLang's SamplingParams fields this engine honours, with their defaults. Anything else in a request
+# is rejected with HTTP 400 unless it is in IGNORED_SAMPLING_KEYS (accepted and without effect here).
+SAMPLING_DEFAULTS: dict[str, Any] = {
+    "max_new_tokens": 128, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+    "stop": None, "stop_token_ids": None, "ignore_eos": False, "skip_special_tokens": True,
+    "no_stop_trim": False, "sampling_seed": None, "min_new_tokens": 0,
+}
+IGNORED_SAMPLING_KEYS = {"spaces_between_special_tokens", "n", "frequency_penalty", "presence_penalty",
+                         "repetition_penalty", "custom_params", "logit_bias", "stream_interval"}
+
+
+class SamplingError(ValueError):
+    """A bad ``sampling_params`` value: the server answers HTTP 400 with this message."""
+
+
+@dataclass
+class RequestSampling:
+    """Validated sampling parameters of one request."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    sampling_seed: int | None = None
+    min_new_tokens: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def parse_sampling(raw: Any) -> RequestSampling:
+    """Validate SGLang ``sampling_params`` (a mapping); raise :class:`SamplingError` naming the key."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise SamplingError(f"sampling_params: expected an object, got {type(raw).__name__}")
+    raw = {k: v for k, v in raw.items() if v is not None}  # explicit nulls (routers re-serialize) mean default
+    unknown = [k for k in raw if k not in SAMPLING_DEFAULTS and k not in IGNORED_SAMPLING_KEYS]
+    if unknown:
+        raise SamplingError(f"sampling_params: unknown field(s) {', '.join(sorted(unknown))}")
+    vals = {k: raw.get(k, v) for k, v in SAMPLING_DEFAULTS.items()}
+    for k in ("max_new_tokens", "top_k", "min_new_tokens"):
+        if isinstance(vals[k], bool) or not isinstance(vals[k], int):
+            raise SamplingError(f"sampling_params.{k}: expected an integer, got {vals[k]!r}")
+    for k in ("temperature", "top_p", "min_p"):
+        if isinstance(vals[k], bool) or not isinstance(vals[k], (int, float)):
+            raise SamplingError(f"sampling_params.{k}: expected a number, got {vals[k]!r}")
+        vals[k] = float(vals[k])
+    if vals["max_new_tokens"] < 0:
+        raise SamplingError(f"sampling_params.max_new_tokens: must be >= 0, got {vals['max_new_tokens']}")
+    if vals["temperature"] < 0:
+        raise SamplingError(f"sampling_params.temperature: must be >= 0, got {vals['temperature']}")
+    if not 0.0 < vals["top_p"] <= 1.0:
+        raise SamplingError(f"sampling_params.top_p: must be in (0, 1], got {vals['top_p']}")
+    if vals["top_k"] == 0 or vals["top_k"] < -1:
+        raise SamplingError(f"sampling_params.top_k: must be -1 (off) or >= 1, got {vals['top_k']}")
+    if not 0.0 <= vals["min_p"] <= 1.0:
+        raise SamplingError(f"sampling_params.min_p: must be in [0, 1], got {vals['min_p']}")
+    stop = vals["stop"]
+    stop = [stop] if isinstance(stop, str) else (stop or [])
+    if not all(isinstance(s, str) and s for s in stop):
+        raise SamplingError("sampling_params.stop: expected a string or a list of non-empty strings")
+    ids = vals["stop_token_ids"] or []
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise SamplingError("sampling_params.stop_token_ids: expected a list of integers")
+    seed = vals["sampling_seed"]
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise SamplingError(f"sampling_params.sampling_seed: expected an integer, got {seed!r}")
+    for k in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+        if not isinstance(vals[k], bool):
+            raise SamplingError(f"sampling_params.{k}: expected true or false, got {vals[k]!r}")
+    vals["stop"], vals["stop_token_ids"] = list(stop), list(ids)
+    return RequestSampling(**vals)
+
+
+def sample_tokens(logits, params: list[RequestSampling], generators: list[Any] | None = None):
+    """Pick one token per row and its log-prob under ``softmax(logits / T)``.
+
+    :param logits: ``[B, V]`` float logits of the next token.
+    :param params: ``B`` per-row parameters.
+    :param generators: optional per-row ``torch.Generator`` (rows with a ``sampling_seed``); ``None``
+        entries use the global RNG.
+    :returns: ``(tokens [B] int64, logprobs [B] float32)``.
+    """
+    import torch
+
+    logits = logits.float()
+    device = logits.device
+    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+    logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)
+    greedy = torch.tensor([p.greedy for p in params], device=device)
+    tokens = logits.argmax(dim=-1)
+    if not bool(greedy.all()):
+        probs = logprobs.exp()
+        if any(p.top_p < 1.0 or p.top_k > 0 or p.min_p > 0.0 for p in params if not p.greedy):
+            probs = _truncate(probs, params)
+        if generators and any(g is not None for g in generators):
+            sampled = torch.stack([torch.multinomial(probs[i], 1, generator=g).squeeze(0)
+                                   for i, g in enumerate(generators)])
+        else:
+            sampled = torch.multinomial(probs, 1).squeeze(1)
+        tokens = torch.where(greedy, tokens, sampled)
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _truncate(probs, params: list[RequestSampling]):
+    """Zero the tokens outside each row's top-k / top-p / min-p set (``probs`` ``[B, V]``)."""
+    import torch
+
+    device = probs.device
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else probs.shape[1] for p in params], device=device)
+    min_p = torch.tensor([p.min_p for p in params], device=device)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[1], device=device)[None, :]
+    cum_before = sorted_p.cumsum(dim=-1) - sorted_p  # mass strictly above this token
+    keep = (rank < top_k[:, None]) & (cum_before <= top_p[:, None])  # SGLang drops cum_before > top_p
+    keep &= sorted_p >= min_p[:, None] * sorted_p[:, :1]
+    keep[:, 0] = True  # the most likely token always survives
+    sorted_p = sorted_p * keep
+    return torch.zeros_like(probs).scatter_(1, order, sorted_p)

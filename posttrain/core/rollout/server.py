@@ -1,0 +1,381 @@
+"""The embedded local engine's HTTP server: SGLang's native API over a HF checkpoint (aiohttp).
+
+``rl-cli engine serve MODEL_DIR --port P`` runs :func:`serve`. Endpoints (same paths, bodies and
+answers as ``sglang.srt.entrypoints.http_server``):
+
+- ``POST /generate`` ``{text | input_ids, sampling_params, return_logprob, rid}`` (single or batched)
+  -> ``{text, output_ids, meta_info: {id, finish_reason, prompt_tokens, completion_tokens,
+  cached_tokens, weight_version, output_token_logprobs: [[logprob, token_id, null], ...]}}``
+- ``GET /health``, ``GET /health_generate`` (runs a one-token generation), ``GET|POST /flush_cache``
+- ``POST /abort_request {rid, abort_all}``, ``POST /pause_generation {mode}``, ``POST /continue_generation``
+- ``GET /model_info`` (``/get_model_info``), ``GET /server_info`` (``/get_server_info``),
+  ``GET /get_weight_version``
+- ``POST /update_weights_from_disk {model_path, weight_version}``,
+  ``POST /init_weights_update_group {master_address, master_port, rank_offset, world_size, group_name,
+  backend}``, ``POST /update_weights_from_distributed {names, dtypes, shapes, group_name,
+  weight_version}``, ``POST /destroy_weights_update_group {group_name}``,
+  ``POST /update_weights_from_tensor {serialized_named_tensors, weight_version}`` (colocated; a pickle,
+  as in SGLang: serve on loopback or a trusted network only)
+- ``POST /release_memory_occupation``, ``POST /resume_memory_occupation`` (GPU: weights and KV cache
+  move to host memory and back)
+
+Bad input (malformed JSON, unknown fields, bad sampling values, a prompt as long as the context) is
+answered with HTTP 400 ``{"error": {"message": ...}}`` and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from posttrain.core.rollout.sampling import SamplingError, parse_sampling
+
+log = logging.getLogger("posttrain.engine")
+
+# GenerateReqInput fields: honoured here, or accepted when they carry their default (a router or client
+# may send them explicitly). Anything else is a 400.
+GENERATE_KEYS = {"text", "input_ids", "sampling_params", "return_logprob", "rid"}
+DEFAULT_OK = {"stream": False, "logprob_start_len": -1, "top_logprobs_num": 0, "return_text_in_logprobs": False,
+              "lora_path": None, "image_data": None, "audio_data": None, "video_data": None,
+              "custom_logit_processor": None, "return_hidden_states": False, "bootstrap_host": None,
+              "bootstrap_port": None, "bootstrap_room": None, "token_ids_logprob": None, "input_embeds": None,
+              "data_parallel_rank": None, "return_routed_experts": False, "modalities": None,
+              "session_params": None, "log_metrics": True, "background": False, "model": None,
+              "no_logs": False, "return_bytes": False, "return_entropy": False}
+
+
+class BadRequest(Exception):
+    pass
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message}, "success": False, "message": message}, status=status)
+
+
+class EngineServer:
+    """Holds the engine, tokenizer and server args; builds the aiohttp application."""
+
+    def __init__(self, model_dir: str, host: str = "127.0.0.1", port: int = 30000, device: str = "cpu",
+                 dtype: str = "auto", max_running_requests: int = 32, context_length: int | None = None,
+                 cuda_graphs: bool = False):
+        from transformers import AutoTokenizer
+
+        from posttrain.core.rollout.engine import LocalEngine
+        from posttrain.core.rollout.model_runner import ModelRunner
+
+        self.model_dir = str(Path(model_dir).resolve())
+        self.host, self.port, self.device = host, port, device
+        self.runner = ModelRunner(self.model_dir, device=device, dtype=dtype, max_slots=max_running_requests,
+                                  context_length=context_length, cuda_graphs=cuda_graphs)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        eos = self.runner.hf_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
+            eos.append(self.tokenizer.eos_token_id)
+        self.engine = LocalEngine(self.runner, self.tokenizer, eos)
+        self.receiver = None
+        self.released = False
+        self.server_args = {
+            "model_path": self.model_dir, "tokenizer_path": self.model_dir, "host": host, "port": port,
+            "device": device, "dtype": str(self.runner.dtype).removeprefix("torch."),
+            "context_length": self.runner.context_length, "max_running_requests": max_running_requests,
+            "tp_size": 1, "dp_size": 1, "cuda_graphs": self.runner.cuda_graphs, "skip_tokenizer_init": False,
+        }
+
+    # -- helpers --------------------------------------------------------------------------------
+    @staticmethod
+    async def _json(request: web.Request, required: bool = True) -> dict[str, Any]:
+        raw = await request.read()
+        if not raw.strip():
+            if required:
+                raise BadRequest("request body: expected a JSON object, got nothing")
+            return {}
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise BadRequest(f"request body: malformed JSON ({exc})") from None
+        if not isinstance(body, dict):
+            raise BadRequest(f"request body: expected a JSON object, got {type(body).__name__}")
+        return body
+
+    def _prompt(self, text: Any, input_ids: Any) -> list[int]:
+        if input_ids is not None:
+            if not isinstance(input_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
+                raise BadRequest("input_ids: expected a list of integers")
+            bad = [t for t in input_ids if not 0 <= t < self.runner.vocab_size]
+            if bad:
+                raise BadRequest(f"input_ids: token id {bad[0]} is outside the vocabulary [0, {self.runner.vocab_size})")
+            ids = list(input_ids)
+        elif isinstance(text, str):
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            raise BadRequest("text: expected a string")
+        if not ids:
+            raise BadRequest("the prompt is empty")
+        if len(ids) >= self.runner.context_length:
+            raise BadRequest(f"the prompt has {len(ids)} tokens; the context length is {self.runner.context_length}")
+        return ids
+
+    async def _run_one(self, ids: list[int], sampling, return_logprob: bool, rid: str | None) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def done(result: dict[str, Any]) -> None:
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+
+        rid = self.engine.submit(ids, sampling, return_logprob, done, rid=rid)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:  # the client went away: free the slot
+            self.engine.abort(rid)
+            raise
+
+    # -- endpoints ------------------------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        unknown = sorted(k for k in body if k not in GENERATE_KEYS and not (k in DEFAULT_OK and body[k] == DEFAULT_OK[k]))
+        if unknown:
+            raise BadRequest(f"unknown or unsupported field(s): {', '.join(f'{k}={body[k]!r}' for k in unknown)}")
+        text, input_ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (input_ids is None):
+            raise BadRequest("give exactly one of `text` and `input_ids`")
+        batched = isinstance(text, list) or (isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list))
+        texts = text if isinstance(text, list) else [text]
+        ids_list = input_ids if batched and input_ids is not None else [input_ids]
+        n = len(texts) if text is not None else len(ids_list)
+        if batched and n == 0:
+            raise BadRequest("empty batch")
+        sp = body.get("sampling_params")
+        sps = sp if isinstance(sp, list) else [sp] * n
+        if len(sps) != n:
+            raise BadRequest(f"sampling_params: {len(sps)} entries for {n} prompts")
+        rids = body.get("rid")
+        rids = rids if isinstance(rids, list) else [rids] * n
+        if len(rids) != n:
+            raise BadRequest(f"rid: {len(rids)} ids for {n} prompts")
+        return_logprob = body.get("return_logprob", False)
+        if not isinstance(return_logprob, bool):
+            raise BadRequest("return_logprob: expected true or false")
+        try:
+            params = [parse_sampling(s) for s in sps]
+        except SamplingError as exc:
+            raise BadRequest(str(exc)) from None
+        prompts = [self._prompt(texts[i] if text is not None else None, ids_list[i] if input_ids is not None else None)
+                   for i in range(n)]
+        outs = await asyncio.gather(*[self._run_one(p, s, return_logprob, r) for p, s, r in zip(prompts, params, rids)])
+        return web.json_response(outs if batched else outs[0])
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.engine.alive else 503)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        if not self.engine.alive:
+            return web.Response(status=503, text="engine thread is dead")
+        if self.engine.paused or self.released:
+            return web.Response(status=200)
+        try:
+            await asyncio.wait_for(self._run_one([0], parse_sampling({"max_new_tokens": 1, "temperature": 0}),
+                                                 False, None), timeout=60)
+        except asyncio.TimeoutError:
+            return web.Response(status=503, text="health generation timed out")
+        return web.Response(status=200)
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        # There is no prefix cache to flush; the KV slots are private to their request.
+        return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are "
+                                 "running or waiting requests, the operation will not be performed.)\n")
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await self._json(request, required=False)
+        self.engine.abort(str(body.get("rid") or ""), bool(body.get("abort_all", False)))
+        return web.Response(status=200)
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        body = await self._json(request, required=False)
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise BadRequest(f"mode: expected abort, retract or in_place, got {mode!r}")
+        await asyncio.to_thread(self.engine.pause, mode)
+        return web.json_response({"success": True, "message": "Generation paused."})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        self.engine.resume()
+        return web.json_response({"success": True, "message": "Generation continued."})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        cfg = self.runner.hf_config
+        return web.json_response({
+            "model_path": self.model_dir, "tokenizer_path": self.model_dir, "is_generation": True,
+            "preferred_sampling_params": None, "weight_version": self.engine.weight_version,
+            "has_image_understanding": False, "has_audio_understanding": False,
+            "model_type": cfg.model_type, "architectures": getattr(cfg, "architectures", None)})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return web.json_response({**self.server_args, "version": "posttrain-local-engine",
+                                  "weight_version": self.engine.weight_version,
+                                  "internal_states": [{"num_requests": self.engine.num_requests,
+                                                       "steps": self.engine.steps}]})
+
+    async def weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.engine.weight_version})
+
+    def _bump_version(self, version: Any) -> str:
+        self.engine.weight_version = str(version) if version is not None else _next(self.engine.weight_version)
+        return self.engine.weight_version
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        path = body.get("model_path")
+        if not isinstance(path, str):
+            raise BadRequest("model_path: expected a directory path")
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            return _error(400, f"model_path: no *.safetensors files in {path}")
+
+        def load() -> dict[str, Any]:
+            from safetensors.torch import load_file
+
+            named = {}
+            for f in files:
+                named.update(load_file(str(f)))
+            return named
+
+        named = await asyncio.to_thread(load)
+        try:
+            missing = await asyncio.to_thread(self.engine.call_in_engine, lambda: self.runner.load_weights(named))
+        except ValueError as exc:
+            return _error(400, str(exc))
+        if body.get("abort_all_requests"):
+            self.engine.abort(abort_all=True)
+        version = self._bump_version(body.get("weight_version"))
+        return web.json_response({"success": True, "num_paused_requests": 0,
+                                  "message": f"Succeeded to update model weights (version {version}); "
+                                             f"{len(named) - len(missing)} tensors loaded, unknown: {missing}"})
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        from posttrain.core.rollout.weight_sync import ReceiverGroup
+
+        body = await self._json(request)
+        need = ("master_address", "master_port", "rank_offset", "world_size")
+        missing = [k for k in need if k not in body]
+        if missing:
+            raise BadRequest(f"missing field(s): {', '.join(missing)}")
+        try:
+            self.receiver = await asyncio.to_thread(
+                ReceiverGroup.open, body["master_address"], int(body["master_port"]), int(body["rank_offset"]),
+                int(body["world_size"]), body.get("group_name", "weight_update_group"), body.get("backend", "nccl"),
+                self.device)
+        except Exception as exc:
+            return _error(400, f"init_weights_update_group failed: {exc}")
+        return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        if self.receiver is None:
+            return _error(400, "no weight update group: call /init_weights_update_group first")
+        try:
+            named = await asyncio.to_thread(self.receiver.receive, body["names"], body["dtypes"], body["shapes"])
+            missing = await asyncio.to_thread(self.engine.call_in_engine, lambda: self.runner.load_weights(named))
+        except (KeyError, ValueError, TypeError) as exc:
+            return _error(400, f"update_weights_from_distributed: {exc!r}")
+        if missing:
+            return _error(400, f"unknown weight name(s): {', '.join(missing)}")
+        version = self._bump_version(body.get("weight_version"))
+        return web.json_response({"success": True, "message": f"Succeeded to update weights (version {version})."})
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        """SGLang's colocated path: ``serialized_named_tensors`` holds one serialized list per TP rank."""
+        from posttrain.core.rollout.weight_sync import deserialize_named_tensors
+
+        body = await self._json(request)
+        data = body.get("serialized_named_tensors")
+        if not isinstance(data, list) or not data or not isinstance(data[0], str):
+            raise BadRequest("serialized_named_tensors: expected a list of serialized strings (one per TP rank)")
+        if body.get("load_format") not in (None, "direct"):
+            raise BadRequest(f"load_format: {body['load_format']!r} is not supported (only the default)")
+        try:
+            named = await asyncio.to_thread(deserialize_named_tensors, data[0])
+            missing = await asyncio.to_thread(self.engine.call_in_engine, lambda: self.runner.load_weights(dict(named)))
+        except Exception as exc:
+            return _error(400, f"update_weights_from_tensor: {exc!r}")
+        if missing:
+            return _error(400, f"unknown weight name(s): {', '.join(missing)}")
+        version = self._bump_version(body.get("weight_version"))
+        return web.json_response({"success": True, "message": f"Succeeded to update weights (version {version})."})
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        from posttrain.core.rollout.weight_sync import close_group
+
+        if self.receiver is not None:
+            close_group(self.receiver.group)
+        self.receiver = None
+        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
+
+    async def release_memory(self, request: web.Request) -> web.Response:
+        await asyncio.to_thread(self.engine.call_in_engine, lambda: self._move("cpu"))
+        self.released = True
+        return web.json_response({"success": True, "message": "released"})
+
+    async def resume_memory(self, request: web.Request) -> web.Response:
+        await asyncio.to_thread(self.engine.call_in_engine, lambda: self._move(self.device))
+        self.released = False
+        return web.json_response({"success": True, "message": "resumed"})
+
+    def _move(self, device: str) -> None:
+        """Weights and KV cache to ``device`` (``cpu`` frees the GPU while a colocated trainer runs)."""
+        import torch
+
+        r = self.runner
+        if r.device.type == "cpu":
+            return
+        r.model.to(device)
+        r.k_cache, r.v_cache = r.k_cache.to(device), r.v_cache.to(device)
+        r._graphs.clear()
+        if device == "cpu":
+            torch.cuda.empty_cache()
+
+    def app(self) -> web.Application:
+        @web.middleware
+        async def errors(request: web.Request, handler):
+            try:
+                return await handler(request)
+            except BadRequest as exc:
+                return _error(400, str(exc))
+
+        app = web.Application(middlewares=[errors], client_max_size=1 << 30)
+        r = app.router
+        r.add_post("/generate", self.generate)
+        for path, fn in (("/health", self.health), ("/health_generate", self.health_generate),
+                         ("/flush_cache", self.flush_cache), ("/model_info", self.model_info),
+                         ("/get_model_info", self.model_info), ("/server_info", self.server_info),
+                         ("/get_server_info", self.server_info), ("/get_weight_version", self.weight_version)):
+            r.add_get(path, fn)
+            r.add_post(path, fn)
+        for path, fn in (("/abort_request", self.abort_request), ("/pause_generation", self.pause_generation),
+                         ("/continue_generation", self.continue_generation),
+                         ("/update_weights_from_disk", self.update_weights_from_disk),
+                         ("/init_weights_update_group", self.init_weights_update_group),
+                         ("/update_weights_from_distributed", self.update_weights_from_distributed),
+                         ("/update_weights_from_tensor", self.update_weights_from_tensor),
+                         ("/destroy_weights_update_group", self.destroy_weights_update_group),
+                         ("/release_memory_occupation", self.release_memory),
+                         ("/resume_memory_occupation", self.resume_memory)):
+            r.add_post(path, fn)
+        app.on_shutdown.append(lambda _: asyncio.to_thread(self.engine.shutdown))
+        return app
+
+
+def _next(version: str) -> str:
+    return str(int(version) + 1) if version.isdigit() else "1"
+
+
+def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, **kwargs: Any) -> None:
+    """Run the server until interrupted (``rl-cli engine serve``)."""
+    server = EngineServer(model_dir, host=host, port=port, **kwargs)
+    print(f"posttrain engine serving {server.model_dir} on http://{host}:{port}", flush=True)
+    web.run_app(server.app(), host=host, port=port, print=None, access_log=None)

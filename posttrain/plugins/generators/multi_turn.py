@@ -1,0 +1,117 @@
+"""The ``multi_turn`` generator: a tool-calling loop over the SGLang protocol."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from posttrain import hookimpl
+from posttrain.core.schema import option
+
+
+class MultiTurn:
+    """Generate, run the tools the model calls, append their results, generate again (up to ``max_turns``).
+
+    Each turn: ``/generate`` on ``prompt + response so far`` (stopping after ``</tool_call>``); tool calls
+    are parsed from the turn's text (``parser``, default Qwen/Hermes ``<tool_call>{json}</tool_call>``);
+    each tool runs with ``tool_timeout_s`` and a failure becomes error text for the model; the results,
+    wrapped by ``tool_response_template``, are tokenized and appended with ``loss_mask`` 0 and log-prob 0.
+    So ``loss_mask`` is 1 exactly on tokens the model generated. The total response is bounded by
+    ``max_new_tokens``; hitting it marks the sample ``truncated``. Tools come from the ``tools`` registry
+    (``posttrain_register_tools``); ``tools: []`` offers every registered tool.
+    """
+
+    name = "multi_turn"
+
+    @dataclass
+    class Config:
+        max_turns: int = option(4, ge=1, help="model turns per sample")
+        tool_timeout_s: float = option(10.0, gt=0, help="seconds each tool call may take")
+        tools: list[str] = option(default_factory=list, help="tool names to offer; empty: all registered")
+        parser: str = option("hermes", help="tool-call parser name (posttrain.core.rollout.tools.PARSERS)")
+        chat_template: bool = option(True, help="apply the chat template to chat-message prompts")
+        tool_response_template: str = option(
+            "<|im_end|>\n<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+            help="text appended after a turn with tool calls; {result} is the tools' answers joined by newlines")
+
+    def __init__(self, config=None, tools=None):
+        self.config = config or self.Config()
+        self._tools = tools  # name -> callable; None: from the plugin registry on first use
+
+    def tools(self) -> dict:
+        if self._tools is None:
+            from posttrain.core.plugins import load_plugins
+
+            registry = load_plugins().tools
+            names = self.config.tools or list(registry)
+            self._tools = {n: _tool_callable(registry.get_or_raise(n)) for n in names}
+        return self._tools
+
+    async def __call__(self, group, engine, sampling):
+        from posttrain.core.rollout.samples import engine_tokenizer
+
+        tokenizer = await engine_tokenizer(engine)
+        return list(await asyncio.gather(*[self.rollout(s, engine, sampling, tokenizer) for s in group]))
+
+    async def rollout(self, sample, engine, sampling, tokenizer):
+        from posttrain.core.rollout.client import tokens_and_logprobs, weight_version_int
+        from posttrain.core.rollout.samples import fill, finish_type, prompt_ids
+        from posttrain.core.rollout.tools import PARSERS, run_tool
+
+        parser = PARSERS[self.config.parser]
+        tools = self.tools()
+        prompt = prompt_ids(sample, tokenizer, self.config.chat_template)
+        ids: list[int] = []
+        mask: list[int] = []
+        lps: list[float] = []
+        text = ""
+        finish, version = "stop", 0
+        params = sampling.to_sglang()
+        stops = list(params.get("stop") or [])
+        params["stop"] = stops + ["</tool_call>"] if "</tool_call>" not in stops else stops
+        params["no_stop_trim"] = True  # keep the closing tag in the text the parser reads
+        for turn in range(self.config.max_turns):
+            budget = sampling.max_new_tokens - len(ids)
+            if budget <= 0:
+                finish = "length"
+                break
+            out = await engine.generate(input_ids=prompt + ids, sampling_params={**params, "max_new_tokens": budget})
+            new_ids, new_lps = tokens_and_logprobs(out)
+            ids += new_ids
+            mask += [1] * len(new_ids)
+            lps += new_lps or [0.0] * len(new_ids)
+            turn_text = out.get("text", "")
+            text += turn_text
+            finish, version = finish_type(out), weight_version_int(out)
+            if finish != "stop":
+                break
+            calls = parser(turn_text)
+            if not calls or turn == self.config.max_turns - 1:
+                break
+            results = await asyncio.gather(*[run_tool(c, tools, self.config.tool_timeout_s) for c in calls])
+            env_text = self.config.tool_response_template.format(result="\n".join(results))
+            env_ids = tokenizer.encode(env_text, add_special_tokens=False)
+            env_ids = env_ids[: max(0, sampling.max_new_tokens - len(ids))]
+            ids += env_ids
+            mask += [0] * len(env_ids)
+            lps += [0.0] * len(env_ids)
+            text += tokenizer.decode(env_ids)
+        sample.metadata.setdefault("turns", 0)
+        sample.metadata["turns"] = turn + 1
+        return fill(sample, prompt, ids, mask, lps, text, finish, version)
+
+
+def _tool_callable(component):
+    """The callable behind a registered tool: the registry wraps plain functions in a class (``.function``);
+    a tool class is built from its ``Config`` and called."""
+    if hasattr(component, "function"):
+        return component.function
+    if isinstance(component, type):
+        config = getattr(component, "Config", None)
+        return component(config() if config is not None else None)
+    return component
+
+
+@hookimpl
+def posttrain_register_generators(registry):
+    registry.add(MultiTurn)

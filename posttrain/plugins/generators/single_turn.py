@@ -1,0 +1,49 @@
+"""The ``single_turn`` generator: one ``/generate`` per sample."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from posttrain import hookimpl
+from posttrain.core.schema import option
+
+
+class SingleTurn:
+    """One ``/generate`` call per sample (token in, token out).
+
+    Fills ``tokens`` (prompt + response ids), ``response`` (the engine's text), ``rollout_log_probs``
+    (``log_softmax(logits / T)`` of each sampled token, from ``meta_info.output_token_logprobs``),
+    ``loss_mask`` (all ones: every response token is the model's), ``status`` (``truncated`` when
+    ``max_new_tokens`` is hit, ``aborted`` when the engine aborted it) and ``weight_version``.
+    Chat-message prompts go through the tokenizer's chat template.
+    """
+
+    name = "single_turn"
+
+    @dataclass
+    class Config:
+        chat_template: bool = option(True, help="apply the tokenizer's chat template to chat-message prompts")
+
+    def __init__(self, config=None):
+        self.config = config or self.Config()
+
+    async def __call__(self, group, engine, sampling):
+        from posttrain.core.rollout.client import tokens_and_logprobs, weight_version_int
+        from posttrain.core.rollout.samples import engine_tokenizer, fill, finish_type, prompt_ids
+
+        tokenizer = await engine_tokenizer(engine)
+
+        async def one(sample):
+            prompt = prompt_ids(sample, tokenizer, self.config.chat_template)
+            out = await engine.generate(input_ids=prompt, sampling_params=sampling.to_sglang(), return_logprob=True)
+            ids, lps = tokens_and_logprobs(out)
+            return fill(sample, prompt, ids, [1] * len(ids), lps or [0.0] * len(ids), out.get("text", ""),
+                        finish_type(out), weight_version_int(out))
+
+        return list(await asyncio.gather(*[one(s) for s in group]))
+
+
+@hookimpl
+def posttrain_register_generators(registry):
+    registry.add(SingleTurn)

@@ -1,0 +1,35 @@
+"""Test helpers for anything that needs a rollout engine: a local engine server on a free loopback port,
+and HF ``generate``'s greedy continuation to compare against."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ENGINE_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def start_local_engine(model_dir: str | Path, log_dir: str | Path | None = None, **options):
+    """Start ``rl-cli engine serve model_dir`` on a free 127.0.0.1 port and wait for ``/health_generate``.
+
+    Returns a started :class:`~posttrain.core.rollout.launcher.ManagedServer` (``.base_url``; call ``.stop()``).
+    Options are ``engine serve`` flags by name (defaults: ``context_length=256, max_running_requests=8``).
+    """
+    from posttrain.core.rollout.launcher import ManagedServer, local_engine_command
+    from posttrain.core.rollout.procs import free_port
+
+    port = free_port()
+    options.setdefault("context_length", 256)
+    options.setdefault("max_running_requests", 8)
+    log = os.path.join(str(log_dir), f"engine-{port}.log") if log_dir else None
+    return ManagedServer(local_engine_command(str(model_dir), port, **options), f"http://127.0.0.1:{port}",
+                         log_path=log, env=ENGINE_ENV, ready_timeout_s=120).start()
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """HF ``generate``'s greedy continuation of ``prompt`` for exactly ``n`` tokens (EOS does not stop it)."""
+    import torch
+
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                         pad_token_id=0, min_new_tokens=n)
+    return out[0, len(prompt):].tolist()

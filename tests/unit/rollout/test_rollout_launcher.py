@@ -1,0 +1,88 @@
+"""SGLang command lines from the run config, and readiness/restart logic against the local engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from posttrain.core.rollout.launcher import (ManagedServer, SGLangSpec, local_engine_command, sglang_command,
+                                             sglang_options_from_argv)
+from posttrain.core.rollout.procs import free_port, http_ok
+
+
+def test_sglang_command_line_carries_every_option():
+    spec = SGLangSpec(model_path="/ckpt", port=30001, tp_size=2, dp_size=2, mem_fraction_static=0.7,
+                      enable_memory_saver=True, random_seed=42,
+                      extra={"attention_backend": "fa3", "enable_metrics": True, "disable_radix_cache": False,
+                             "cuda_graph_bs": [1, 2, 4]})
+    cmd = sglang_command(spec, python="python")
+    assert cmd[:3] == ["python", "-m", "sglang.launch_server"]
+    pairs = {cmd[i]: cmd[i + 1] for i in range(3, len(cmd) - 1) if cmd[i].startswith("--")}
+    assert pairs["--model-path"] == "/ckpt" and pairs["--port"] == "30001" and pairs["--host"] == "127.0.0.1"
+    assert pairs["--tp-size"] == "2" and pairs["--dp-size"] == "2" and pairs["--mem-fraction-static"] == "0.7"
+    assert pairs["--attention-backend"] == "fa3" and pairs["--random-seed"] == "42"
+    assert "--enable-memory-saver" in cmd and "--enable-metrics" in cmd and "--skip-server-warmup" in cmd
+    assert "--disable-radix-cache" not in cmd
+    i = cmd.index("--cuda-graph-bs")
+    assert cmd[i + 1:i + 4] == ["1", "2", "4"]
+    assert "--enable-memory-saver" not in sglang_command(SGLangSpec(model_path="/ckpt"))
+
+
+def test_sglang_options_come_from_the_command_line_and_may_not_shadow_the_config():
+    opts, rest = sglang_options_from_argv(["run", "--sglang-attention-backend", "fa3", "--sglang-enable-metrics",
+                                           "--sglang-chunked-prefill-size=4096", "cfg.yaml"])
+    assert opts == {"attention_backend": "fa3", "enable_metrics": True, "chunked_prefill_size": "4096"}
+    assert rest == ["run", "cfg.yaml"]
+    with pytest.raises(ValueError, match="tp_size"):
+        sglang_command(SGLangSpec(model_path="/m", extra={"tp-size": 4}))
+
+
+@pytest.mark.slow
+def test_managed_server_waits_for_readiness_and_restarts_a_dead_server(tiny_ckpt, tmp_path):
+    port = free_port()
+    cmd = local_engine_command(str(tiny_ckpt), port, context_length=128, max_running_requests=2)
+    server = ManagedServer(cmd, f"http://127.0.0.1:{port}", log_path=tmp_path / "engine.log",
+                           env={"OMP_NUM_THREADS": "1"}, ready_timeout_s=120)
+    try:
+        server.start()
+        assert http_ok(server.base_url + "/health_generate")
+        assert server.ensure_running() is False  # healthy: left alone
+        os.killpg(server.proc.pid, signal.SIGKILL)
+        server.proc.wait(10)
+        assert server.ensure_running() is True and server.restarts == 1
+        assert http_ok(server.base_url + "/health_generate")
+    finally:
+        server.stop()
+    assert not http_ok(server.base_url + "/health", timeout=1)
+
+
+def test_managed_server_reports_a_server_that_exits_before_it_is_ready(tmp_path):
+    server = ManagedServer([sys.executable, "-c", "import sys; sys.exit(3)"], f"http://127.0.0.1:{free_port()}",
+                           ready_timeout_s=30)
+    with pytest.raises(RuntimeError, match="exited with code 3"):
+        server.start()
+
+
+def test_engine_serve_rejects_a_directory_without_a_checkpoint(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "engine", "serve", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "no config.json" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_sglang_spec_from_the_run_config():
+    from posttrain.core.config import load_config
+    from posttrain.core.rollout.launcher import sglang_spec_from_config
+
+    cfg = load_config(None, ["rollout.sglang.attention_backend=fa3", "rollout.mem_fraction_static=0.6"],
+                      data={"estimator": "grpo", "trainer": {"global_batch_size": 64},
+                            "resources": {"gpus_per_engine": 2, "colocate": True}})
+    spec = sglang_spec_from_config(cfg.rollout, cfg.resources, "/m", 30002, engine_index=3, seed=10,
+                                   cli_options={"enable_metrics": True})
+    cmd = sglang_command(spec)
+    assert cmd[cmd.index("--tp-size") + 1] == "2" and cmd[cmd.index("--mem-fraction-static") + 1] == "0.6"
+    assert cmd[cmd.index("--random-seed") + 1] == "16" and "--enable-memory-saver" in cmd
+    assert cmd[cmd.index("--attention-backend") + 1] == "fa3" and "--enable-metrics" in cmd

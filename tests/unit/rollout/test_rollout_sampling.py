@@ -1,0 +1,66 @@
+"""Per-request sampling: truncation sets, greedy rows, seeds, log-probs under the temperature, validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from posttrain.core.rollout.sampling import SamplingError, parse_sampling, sample_tokens
+
+PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
+LOGITS = PROBS.log()
+
+
+def draws(params: dict, n: int = 400) -> set[int]:
+    p = parse_sampling(params)
+    tokens, _ = sample_tokens(LOGITS.repeat(n, 1), [p] * n)
+    return set(tokens.tolist())
+
+
+@pytest.mark.parametrize("params, allowed", [
+    ({"top_k": 2}, {0, 1}),
+    ({"top_p": 0.4}, {0}),           # token 0 alone covers 0.4
+    ({"top_p": 0.7}, {0, 1}),        # 0.5 + 0.3 covers 0.7
+    ({"min_p": 0.5}, {0, 1}),        # p >= 0.25
+    ({"top_k": 1}, {0}),             # greedy
+    ({"temperature": 0}, {0}),
+    ({}, {0, 1, 2, 3}),
+])
+def test_truncation_sets(params, allowed):
+    torch.manual_seed(0)
+    assert draws(params) == allowed
+
+
+def test_rows_use_their_own_parameters_and_logprobs_follow_the_temperature():
+    params = [parse_sampling({"temperature": 0}), parse_sampling({"temperature": 2.0, "top_k": 1}),
+              parse_sampling({"temperature": 0.5})]
+    tokens, logprobs = sample_tokens(LOGITS.repeat(3, 1), params)
+    assert tokens[:2].tolist() == [0, 0]
+    assert math.isclose(logprobs[0].item(), math.log(0.5), rel_tol=1e-5)  # greedy: T treated as 1
+    scaled = torch.log_softmax(LOGITS / 0.5, -1)
+    assert math.isclose(logprobs[2].item(), scaled[tokens[2]].item(), rel_tol=1e-5)
+
+
+def test_seeded_rows_repeat():
+    p = parse_sampling({"sampling_seed": 5})
+    a = [sample_tokens(LOGITS[None], [p], [torch.Generator().manual_seed(5)])[0].item() for _ in range(20)]
+    b = [sample_tokens(LOGITS[None], [p], [torch.Generator().manual_seed(5)])[0].item() for _ in range(20)]
+    assert a == b
+
+
+@pytest.mark.parametrize("raw, key", [
+    ({"max_new_tokens": -1}, "max_new_tokens"), ({"max_new_tokens": 1.5}, "max_new_tokens"),
+    ({"temperature": -0.1}, "temperature"), ({"top_p": 1.5}, "top_p"), ({"top_k": 0}, "top_k"),
+    ({"min_p": 2}, "min_p"), ({"stop": [""]}, "stop"), ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+    ({"ignore_eos": "yes"}, "ignore_eos"), ({"temprature": 1}, "temprature"), ("x", "expected an object"),
+])
+def test_bad_values_name_the_key(raw, key):
+    with pytest.raises(SamplingError, match=key):
+        parse_sampling(raw)
+
+
+def test_nulls_mean_defaults_and_a_single_stop_string_is_a_list():
+    p = parse_sampling({"temperature": None, "stop": "###", "max_new_tokens": None})
+    assert p.temperature == 1.0 and p.stop == ["###"] and p.max_new_tokens == 128
