@@ -196,6 +196,14 @@ class RewardRunner:
         return self
 
     async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the worker pool and every reward that holds connections (an ``aclose()`` coroutine)."""
+        for part in self.parts:
+            closer = getattr(part.reward, "aclose", None)
+            if closer is not None:
+                await closer()
         self.close()
 
     def warm_up(self) -> None:
