@@ -6,6 +6,7 @@ imported here lazily inside :func:`math_equal`.
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 
@@ -70,6 +71,27 @@ def extract_answer(text: str, answer_pattern: str | None = None) -> tuple[str | 
     return None, "none"
 
 
+_PLAIN = re.compile(r"^-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?$|^-?\d+/\d+$|^-?\.\d+$")
+
+
+def _plain_number(text: str):
+    """A ``Fraction`` for plain numbers (``12``, ``-0.5``, ``1,000``, ``3/4``); None otherwise."""
+    from fractions import Fraction
+
+    t = text.strip().strip("$").strip()
+    if not _PLAIN.match(t):
+        return None
+    try:
+        return Fraction(t.replace(",", ""))
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+@functools.lru_cache(maxsize=8192)
+def _parse_cached(text: str, timeout: int):
+    return tuple(_parse(text, timeout))
+
+
 def _parse(text: str, timeout: int):
     from math_verify import parse
     from math_verify.parser import ExprExtractionConfig, LatexExtractionConfig
@@ -88,12 +110,19 @@ def math_equal(answer: str, label: str, timeout: int = 5) -> bool:
     they are disabled (the reward runner then relies on its process pool for isolation). Falls back
     to whitespace-insensitive string equality when either side does not parse.
     """
+    a, b = _plain_number(answer), _plain_number(str(label))
+    if a is not None and b is not None:  # fast path for plain numbers; near misses go to math-verify
+        if a == b:
+            return True
+        if abs(a - b) > 1e-6 * max(1, abs(b)):
+            return False
     if threading.current_thread() is not threading.main_thread():
         timeout = 0
     from math_verify import verify
 
-    gold, pred = _parse(str(label), timeout), _parse(answer, timeout)
-    if gold and pred and verify(gold, pred, timeout_seconds=timeout or None):
+    # parses are cached: a group's samples share one label and often the same answer
+    gold, pred = _parse_cached(str(label), timeout), _parse_cached(answer, timeout)
+    if gold and pred and verify(list(gold), list(pred), timeout_seconds=timeout or None):
         return True
     return _squash(answer) == _squash(str(label))
 

@@ -108,6 +108,15 @@ def _init_worker(payload: bytes) -> None:
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _WORKER_REWARDS.update(pickle.loads(payload))
+    for reward in _WORKER_REWARDS.values():  # pay lazy imports (sympy, ...) before the first batch
+        warm = getattr(reward, "warm_up", None)
+        if callable(warm):
+            warm()
+
+
+def _worker_pid(hold: float) -> int:
+    time.sleep(hold)
+    return __import__("os").getpid()
 
 
 def _run_chunk(label: str, units: list) -> list[tuple[bool, Any]]:
@@ -207,11 +216,19 @@ class RewardRunner:
         self.close()
 
     def warm_up(self) -> None:
-        """Start the worker processes now (they import posttrain and the rewards: ~1-2 s each)."""
+        """Start the worker processes now and call each reward's optional ``warm_up()`` (here and in
+        every worker), so lazy imports are not paid by the first batch."""
+        for part in self.parts:
+            warm = getattr(part.reward, "warm_up", None)
+            if callable(warm) and not (self.workers > 1 and not part.is_async):
+                warm()
         if self._sync_pool_parts():
             pool = self._get_pool()
-            for f in [pool.submit(_run_chunk, self._sync_pool_parts()[0].label, []) for _ in range(self.workers)]:
-                f.result()
+            pids: set[int] = set()
+            for _ in range(10):  # the executor starts processes on demand: keep them all busy at once
+                pids |= {f.result() for f in [pool.submit(_worker_pid, 0.05) for _ in range(self.workers)]}
+                if len(pids) >= self.workers:
+                    break
 
     # ---- scoring ----
     async def score_groups(self, groups: list[list[Sample]]) -> dict[str, float]:

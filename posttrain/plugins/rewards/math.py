@@ -42,6 +42,12 @@ class MathReward:
     def __init__(self, config: Config | None = None):
         self.config = config or self.Config()
 
+    def warm_up(self) -> None:
+        """Import math-verify and sympy now (about a second) rather than on the first sample."""
+        from posttrain.core.answers import math_equal
+
+        math_equal(r"\frac{1}{2}", r"\{0.5\}")
+
     def __call__(self, sample: Sample) -> dict[str, float]:
         from posttrain.core.answers import after_marker, extract_answer, math_equal
 
