@@ -64,6 +64,14 @@ class Choice:
                     return letters[i]
         raise ValueError(f"choice label {label!r} is not a letter in {letters}, an index, or one of the options")
 
+    @staticmethod
+    def contract_cases() -> list[tuple[Sample, float]]:
+        """Cases for the reward contract."""
+        meta = {"choices": ["red", "green", "blue"]}
+        return [(Sample(prompt="Pick", response="Answer: (B)", label="B", metadata=meta), 1.0),
+                (Sample(prompt="Pick", response=r"\boxed{C}", label="green", metadata=meta), 0.0),
+                (Sample(prompt="Pick", response="blue", label=2, metadata=meta), 1.0)]
+
     def __call__(self, sample: Sample) -> dict[str, float]:
         options = (sample.metadata or {}).get(self.config.choices_key)
         if options is not None and not isinstance(options, (list, tuple)):

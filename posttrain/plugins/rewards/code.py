@@ -154,6 +154,14 @@ class CodeReward:
         self._slots: asyncio.Semaphore | None = None
         self._loop = None
 
+    @staticmethod
+    def contract_cases() -> list[tuple[Sample, float]]:
+        """Cases for the reward contract (``posttrain.testing.contracts.reward``)."""
+        tests = [{"input": "1\n", "output": "2"}, {"input": "5\n", "output": "6"}]
+        return [(Sample(prompt="add one", response="```python\nprint(int(input()) + 1)\n```", label=tests), 1.0),
+                (Sample(prompt="add one", response="print(2)", label=tests), 0.5),
+                (Sample(prompt="add one", response="while True:\n    pass", label=tests[:1]), 0.0)]
+
     def check(self, sample: Sample) -> dict[str, float]:
         """Synchronous scoring (one sandbox run)."""
         from posttrain.core.sandbox import SandboxLimits, run_python

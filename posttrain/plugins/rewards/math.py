@@ -42,6 +42,12 @@ class MathReward:
     def __init__(self, config: Config | None = None):
         self.config = config or self.Config()
 
+    @staticmethod
+    def contract_cases() -> list[tuple[Sample, float]]:
+        """Cases for the reward contract."""
+        return [(Sample(prompt="1/2?", response=r"<think>hm</think> \boxed{\frac{1}{2}}", label="0.5"), 1.0),
+                (Sample(prompt="1/2?", response=r"\boxed{0.6}", label="0.5"), 0.0)]
+
     def warm_up(self) -> None:
         """Import math-verify and sympy now (about a second) rather than on the first sample."""
         from posttrain.core.answers import math_equal

@@ -91,8 +91,8 @@ class RemoteReward:
         import aiohttp
 
         c = self.config
-        if not c.url:
-            raise ValueError("remote needs `url:` (the reward server endpoint)")
+        if not c.url:  # run configs reject this at validation; direct use gets the failure path at once
+            return self._failed(sample, "no url configured", attempts=0)
         session = self._client()
         data = json.dumps(self.payload(sample), default=str)
         last = "no attempt made"
@@ -118,12 +118,15 @@ class RemoteReward:
             except ValueError as exc:  # unparseable answer: retrying will not fix the server
                 last = str(exc)
                 break
-        message = f"{c.url} failed for sample {sample.index} after {attempt + 1} attempt(s): {last}"
-        if c.on_error == "raise":
+        return self._failed(sample, last, attempt + 1)
+
+    def _failed(self, sample: Sample, why: str, attempts: int) -> dict[str, float]:
+        message = f"{self.config.url or 'remote'} failed for sample {sample.index} after {attempts} attempt(s): {why}"
+        if self.config.on_error == "raise":
             raise RuntimeError(message)
         self.failures += 1
         log.warning(message)
-        return {"score": c.failure_reward, "failed": 1.0}
+        return {"score": self.config.failure_reward, "failed": 1.0}
 
 
 @hookimpl
