@@ -160,7 +160,7 @@ class CodeReward:
         tests = [{"input": "1\n", "output": "2"}, {"input": "5\n", "output": "6"}]
         return [(Sample(prompt="add one", response="```python\nprint(int(input()) + 1)\n```", label=tests), 1.0),
                 (Sample(prompt="add one", response="print(2)", label=tests), 0.5),
-                (Sample(prompt="add one", response="while True:\n    pass", label=tests[:1]), 0.0)]
+                (Sample(prompt="add one", response="import os\nos.fork()", label=tests[:1]), 0.0)]
 
     def check(self, sample: Sample) -> dict[str, float]:
         """Synchronous scoring (one sandbox run)."""
