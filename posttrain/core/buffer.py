@@ -58,6 +58,12 @@ class DataBuffer:
         self.returned: list[list[Sample]] = []
         self._order_epoch, self._order = -1, []
 
+    @classmethod
+    def from_config(cls, config: Any, dataset: Sequence[Any]) -> DataBuffer:
+        """From a ``RunConfig``: ``rollout.n_samples_per_prompt``, ``seed``, ``data.shuffle``, ``data.epochs``."""
+        return cls(dataset, config.rollout.n_samples_per_prompt, seed=config.seed, shuffle=config.data.shuffle,
+                   epochs=config.data.epochs)
+
     # ---- the stream ----
     def order(self, epoch: int) -> list[int]:
         """Row indices for ``epoch`` (a permutation seeded with ``seed + epoch`` when shuffling)."""

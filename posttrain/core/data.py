@@ -129,16 +129,9 @@ def _read_json(path: Path) -> Iterator[tuple[str, Any, str | None]]:
         return
     decoder = json.JSONDecoder()
     i = _skip_ws(text, 0)
-    if i < len(text) and text[i] != "[":  # one object per file is still a valid (one-row) dataset
-        try:
-            obj, _ = decoder.raw_decode(text, i)
-        except json.JSONDecodeError as exc:
-            yield f"{path}:{exc.lineno}", None, f"invalid JSON: {exc.msg} (column {exc.colno})"
-            return
-        if isinstance(obj, dict) and not any(isinstance(v, list) for v in obj.values()):
-            yield f"{path}:{text.count(chr(10), 0, i) + 1}", obj, None
-        else:
-            yield f"{path}:1", None, "expected a JSON list of objects"
+    if i >= len(text) or text[i] != "[":
+        yield f"{path}:{text.count(chr(10), 0, i) + 1}", None, \
+            "expected a JSON list of objects (for one object per line use .jsonl)"
         return
     i += 1
     while True:

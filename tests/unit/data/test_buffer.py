@@ -139,3 +139,14 @@ async def test_a_failing_rollout_gives_in_flight_groups_back():
     with pytest.raises(RuntimeError, match="engine died"):
         await collect_groups(buf, rollout, batch_size=3)
     assert sorted(prompts(buf.next_groups(2))) == ["p0", "p2"]
+
+
+def test_from_run_config():
+    from posttrain.core.config import load_config
+
+    cfg = load_config(None, ["seed=7", "data.epochs=2", "data.shuffle=false"], data={
+        "estimator": "grpo", "rollout": {"rollout_batch_size": 2, "n_samples_per_prompt": 4},
+        "trainer": {"global_batch_size": 8}})
+    buf = DataBuffer.from_config(cfg, ROWS)
+    assert (buf.n, buf.seed, buf.epochs, buf.shuffle) == (4, 7, 2, False)
+    assert prompts(buf.next_groups(2)) == ["p0", "p1"]

@@ -126,3 +126,10 @@ def test_file_level_problems(tmp_path):
     assert check_data(cfg(tmp_path / "bad.json"))[0].startswith(f"{tmp_path / 'bad.json'}:3: invalid JSON")
     (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really")
     assert "not a readable parquet file" in check_data(cfg(tmp_path / "bad.parquet"))[0]
+
+
+def test_json_must_be_a_list(tmp_path):
+    (tmp_path / "one.json").write_text('{"prompt": [{"role": "user", "content": "hi"}]}')
+    assert "expected a JSON list of objects" in check_data(cfg(tmp_path / "one.json"))[0]
+    (tmp_path / "msgs.json").write_text('[{"prompt": [{"role": "user", "content": "hi"}], "label": 1}]')
+    assert load_prompts(cfg(tmp_path / "msgs.json")).rows[0].prompt == [{"role": "user", "content": "hi"}]
