@@ -150,3 +150,32 @@ def test_from_run_config():
     buf = DataBuffer.from_config(cfg, ROWS)
     assert (buf.n, buf.seed, buf.epochs, buf.shuffle) == (4, 7, 2, False)
     assert prompts(buf.next_groups(2)) == ["p0", "p1"]
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(1, 7), min_size=1, max_size=12), cut=st.integers(0, 11),
+       seed=st.integers(0, 1000), n_rows=st.integers(1, 9))
+def test_every_prompt_once_per_epoch_and_resume_anywhere(sizes, cut, seed, n_rows):
+    rows = ROWS[:n_rows]
+    buf = DataBuffer(rows, 1, seed=seed, epochs=2)
+    served, state_at_cut = [], None
+    for i, k in enumerate(sizes):
+        if i == cut:
+            state_at_cut = (buf.state_dict(), len(served))
+        served += prompts(buf.next_groups(k))
+    assert len(served) == min(sum(sizes), 2 * n_rows)
+    for epoch in range(2):  # each epoch is a permutation of the rows
+        chunk = served[epoch * n_rows:(epoch + 1) * n_rows]
+        assert len(set(chunk)) == len(chunk)
+    if state_at_cut is not None:
+        state, done = state_at_cut
+        resumed = DataBuffer(rows, 1, seed=seed, epochs=2)
+        resumed.load_state_dict(state)
+        rest = []
+        for k in sizes[cut:]:
+            rest += prompts(resumed.next_groups(k))
+        assert served[done:] == rest
