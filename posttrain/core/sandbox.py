@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -133,14 +134,17 @@ def isolation() -> dict[str, bool]:
 
 
 def _limit_child(limits: SandboxLimits):
-    def apply() -> None:  # runs in the child between fork and exec
-        import resource
+    """The ``preexec_fn`` setting the rlimits. Everything is computed here, in the parent: the child
+    between fork and exec may not import or allocate safely when the parent has threads."""
+    mem = limits.memory_mb * 2**20
+    pairs = [(resource.RLIMIT_AS, mem), (resource.RLIMIT_CPU, limits.cpu_seconds),
+             (resource.RLIMIT_FSIZE, limits.file_size_mb * 2**20),
+             (resource.RLIMIT_NOFILE, limits.open_files), (resource.RLIMIT_CORE, 0)]
+    setrlimit = resource.setrlimit
 
-        mem = limits.memory_mb * 2**20
-        for what, value in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_CPU, limits.cpu_seconds),
-                            (resource.RLIMIT_FSIZE, limits.file_size_mb * 2**20),
-                            (resource.RLIMIT_NOFILE, limits.open_files), (resource.RLIMIT_CORE, 0)):
-            resource.setrlimit(what, (value, value))
+    def apply() -> None:
+        for what, value in pairs:
+            setrlimit(what, (value, value))
     return apply
 
 

@@ -9,13 +9,13 @@ from posttrain.core.types import Sample
 
 
 class NonzeroStd:
-    """Keep a group only if the standard deviation of its samples' rewards exceeds ``min_std``.
+    """Keep a group only if the (population) standard deviation of its rewards exceeds ``min_std``.
 
     A group whose samples all scored the same gives every sample a zero GRPO advantage, so it costs
-    a training step and teaches nothing. Failed samples (``reward is None``) are ignored; a group
-    with fewer than two scored samples is dropped as ``too_few_scored``. Drop reasons:
-    ``all_correct`` (all equal to the group's maximum possible, i.e. every reward > 0),
-    ``all_wrong`` (every reward <= 0) - both are "zero_std" cases, split to show which end dominates.
+    a training step and teaches nothing. Failed samples (``reward is None``) are ignored. Drop
+    reasons: ``too_few_scored`` (fewer than two scored samples), ``all_correct`` (equal rewards, all
+    > 0) and ``all_wrong`` (equal rewards, all <= 0): both of the last are DAPO's zero-std case, split
+    so the metrics show which end of the difficulty range is being discarded.
     """
 
     name = "nonzero_std"
