@@ -16,6 +16,7 @@ pytest then runs every inherited check. posttrain runs the same suites over all 
 
 from posttrain.testing.contracts.common import ComponentContract
 from posttrain.testing.contracts.estimator import EstimatorContract
+from posttrain.testing.contracts.filter import FilterContract
 from posttrain.testing.contracts.generator import GeneratorContract
 from posttrain.testing.contracts.loss import LossContract
 from posttrain.testing.contracts.model import ModelSpecContract
@@ -28,7 +29,8 @@ CONTRACTS = {
     "rewards": ("RewardContract", "reward"),
     "generators": ("GeneratorContract", "generator"),
     "models": ("ModelSpecContract", "model_spec"),
+    "filters": ("FilterContract", "filter_"),
 }
 
-__all__ = ["CONTRACTS", "ComponentContract", "EstimatorContract", "GeneratorContract", "LossContract",
+__all__ = ["CONTRACTS", "ComponentContract", "EstimatorContract", "FilterContract", "GeneratorContract", "LossContract",
            "ModelSpecContract", "RewardContract"]

@@ -179,3 +179,12 @@ def test_every_prompt_once_per_epoch_and_resume_anywhere(sizes, cut, seed, n_row
         for k in sizes[cut:]:
             rest += prompts(resumed.next_groups(k))
         assert served[done:] == rest
+
+
+from posttrain.testing.contracts.filter import FilterContract  # noqa: E402
+
+
+class TestNonzeroStdContract(FilterContract):
+    @pytest.fixture
+    def filter_(self):
+        return NonzeroStd(NonzeroStd.Config())
