@@ -351,3 +351,25 @@ class RewardRunner:
         metrics["reward/failed"] = float(failed)
         metrics["reward/seconds"] = seconds
         return metrics
+
+
+def reward_metrics(groups: list[list[Sample]]) -> dict[str, float]:
+    """Reward metrics of a finished batch, from what :meth:`RewardRunner.score_groups` stored on the
+    samples: ``reward/<part>`` means of ``sample.reward_parts``, ``reward/total``, ``reward/failed``
+    (when dynamic sampling scores group by group, the loop reports these over the kept batch)."""
+    sums: dict[str, list[float]] = defaultdict(list)
+    totals, failed = [], 0
+    for group in groups:
+        for s in group:
+            if s.status == SampleStatus.FAILED:
+                failed += 1
+                continue
+            for key, value in s.reward_parts.items():
+                sums[f"reward/{key}"].append(value)
+            if s.reward is not None:
+                totals.append(s.reward)
+    metrics = {k: sum(v) / len(v) for k, v in sums.items()}
+    if totals:
+        metrics["reward/total"] = sum(totals) / len(totals)
+    metrics["reward/failed"] = float(failed)
+    return metrics
