@@ -163,6 +163,7 @@ class RewardRunner:
             self.parts.append(_Part(label, comp.name, float(comp.weight), reward, scope, is_async))
         self._pool = None
         self._semaphore: asyncio.Semaphore | None = None
+        self._semaphore_loop = None
 
     @classmethod
     def from_config(cls, config: Any, plugins: Any) -> RewardRunner:
@@ -239,8 +240,9 @@ class RewardRunner:
         ``reward/seconds``.
         """
         start = time.perf_counter()
-        if self._semaphore is None:
-            self._semaphore = asyncio.Semaphore(self.concurrency)
+        loop = asyncio.get_running_loop()
+        if self._semaphore is None or self._semaphore_loop is not loop:  # one per event loop
+            self._semaphore, self._semaphore_loop = asyncio.Semaphore(self.concurrency), loop
         eligible = [[s for s in g if s.status not in SKIPPED] for g in groups]
         # (part label, id(sample)) -> (ok, normalized dict | error message)
         results: dict[tuple[str, int], tuple[bool, Any]] = {}
@@ -288,14 +290,30 @@ class RewardRunner:
         chunks = [units[i:i + size] for i in range(0, len(units), size)]
         light = [[[_light(s) for s in u] if part.scope == "group" else _light(u) for u in c] for c in chunks]
         futures = [loop.run_in_executor(pool, _run_chunk, part.label, c) for c in light]
-        for chunk, fut in zip(chunks, futures):
+        for chunk, payload, fut in zip(chunks, light, futures):
             try:
                 outs = await fut
-            except BrokenProcessPool as exc:  # a worker died (killed, out of memory): start a new pool next time
-                self._pool = None
-                outs = [(False, f"worker process died: {_describe(exc)}")] * len(chunk)
+            except BrokenProcessPool:
+                # a worker died (os._exit, a native crash, the OOM killer) and took the pool down: retry
+                # this chunk once on a fresh pool, so only the chunk that kills workers fails
+                outs = await self._retry_chunk(part, payload, pool)
             for unit, out in zip(chunk, outs):
                 self._store(part, unit, out, results)
+
+    async def _retry_chunk(self, part: _Part, payload: list, broken) -> list[tuple[bool, Any]]:
+        from concurrent.futures.process import BrokenProcessPool
+
+        if self._pool is broken:
+            broken.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        pool = self._get_pool()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(pool, _run_chunk, part.label, payload)
+        except BrokenProcessPool:
+            if self._pool is pool:
+                pool.shutdown(wait=False, cancel_futures=True)
+                self._pool = None
+            return [(False, "the worker process died while scoring this sample's chunk")] * len(payload)
 
     def _store(self, part: _Part, unit, out: tuple[bool, Any], results) -> None:
         ok, value = out

@@ -82,3 +82,21 @@ class GroupRank:
         if group[0].response == "short":
             return [0.0]
         return [i / max(1, n - 1) for i in range(n)]
+
+
+class Die:
+    """Kills its worker process on 'die' (a native crash or the OOM killer looks the same)."""
+
+    name = "die"
+
+    @dataclass
+    class Config:
+        pass
+
+    def __init__(self, config=None):
+        self.config = config
+
+    def __call__(self, sample):
+        if sample.response == "die":
+            os._exit(3)
+        return 1.0

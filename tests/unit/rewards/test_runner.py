@@ -4,7 +4,7 @@ import logging
 import os
 
 import pytest
-from reward_helpers import Boom, GroupRank, Pid, SlowAsync
+from reward_helpers import Boom, Die, GroupRank, Pid, SlowAsync
 
 from posttrain.core.config import Component
 from posttrain.core.errors import UsageError
@@ -16,7 +16,7 @@ from posttrain.core.types import Sample, SampleStatus
 @pytest.fixture(scope="module")
 def plugins():
     p = load_plugins()
-    for cls in (Boom, Pid, SlowAsync, GroupRank):
+    for cls in (Boom, Pid, SlowAsync, GroupRank, Die):
         p.rewards.add(cls)
     return p
 
@@ -103,3 +103,16 @@ async def test_process_pool_runs_sync_rewards_elsewhere(plugins):
     assert [s.reward_parts.get("math") for s in flat[:4]] == [1.0, 1.0, 0.0, 0.0]
     assert sum(s.status == SampleStatus.FAILED for s in flat) == 4 and "kaboom" in flat[2].error
     assert metrics["reward/failed"] == 4.0 and flat[0].reward_parts["slow_async"] == 0.5
+
+
+@pytest.mark.slow
+async def test_a_dying_worker_fails_only_its_chunk_and_the_pool_recovers(plugins):
+    with RewardRunner([comp(plugins, "die")], plugins, workers=2) as runner:
+        groups = groups_of(["ok"] * 15 + ["die"], size=4)  # 16 samples -> 8 chunks of 2
+        metrics = await runner.score_groups(groups)
+        flat = [s for g in groups for s in g]
+        assert metrics["reward/failed"] == 2.0  # the chunk holding "die" (and its neighbour)
+        assert all(s.reward == 1.0 for s in flat[:14])
+        assert "worker process died" in flat[15].error
+        again = groups_of(["ok"] * 4)
+        assert (await runner.score_groups(again))["reward/failed"] == 0.0
