@@ -19,7 +19,7 @@ class MathReward:
     but never wrote ``think_end`` scores 0 (the model never finished thinking), and so does any
     response without ``think_end`` when ``require_think_end`` is set.
 
-    Returns ``{"score": 0|1, "format_ok": 0|1}``: ``format_ok`` is 1 when the answer came from a box
+    A list label accepts any of its elements. Returns ``{"score": 0|1, "format_ok": 0|1}``: ``format_ok`` is 1 when the answer came from a box
     (or from ``answer_pattern`` unless ``require_boxed``) and the ``think_end`` marker, if configured, was
     present. With ``strict_format`` a correct answer without ``format_ok`` scores 0.
     """
@@ -69,7 +69,9 @@ class MathReward:
         format_ok = how == "boxed" or (how == "pattern" and not c.require_boxed)
         if answer is None or (c.strict_format and not format_ok):
             return {"score": 0.0, "format_ok": float(format_ok)}
-        return {"score": float(math_equal(answer, str(sample.label), c.timeout)), "format_ok": float(format_ok)}
+        labels = sample.label if isinstance(sample.label, (list, tuple)) else [sample.label]
+        right = any(math_equal(answer, str(label), c.timeout) for label in labels)
+        return {"score": float(right), "format_ok": float(format_ok)}
 
 
 @hookimpl

@@ -24,6 +24,10 @@ CASES = [
     (r"\boxed{-0.5}", "-1/2", 1.0),
     (r"\boxed{2/4}", "0.5", 1.0),
     (r"\boxed{1,001}", "1000", 0.0),
+    (r"\boxed{4}", r"\boxed{4}", 1.0),
+    (r"\boxed{4}", ["2", "4"], 1.0),
+    (r"\boxed{3}", ["2", "4"], 0.0),
+    (r"\boxed{}", "0", 0.0),
     (r"\boxed{-2}", "2", 0.0),
     (r"\boxed{\frac{1}{3}}", "0.5", 0.0),
     (r"\boxed{3.14159}", r"\pi", 0.0),
@@ -92,3 +96,25 @@ def test_no_fallback_and_missing_label():
 def test_think_end_disabled_scores_everything():
     reward = MathReward(MathReward.Config(think_end=None))
     assert reward(Sample(prompt="q", response=r"<think>hmm \boxed{6}", label="6"))["score"] == 1.0
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=30, deadline=None)
+@given(p=st.integers(-500, 500), q=st.integers(1, 60), style=st.sampled_from(["frac", "slash", "eq", "dec"]))
+def test_equivalent_forms_agree_and_off_by_one_does_not(p, q, style):
+    from fractions import Fraction
+
+    value = Fraction(p, q)
+    forms = {"frac": rf"\frac{{{p}}}{{{q}}}", "slash": f"{p}/{q}", "eq": f"x = {p}/{q}",
+             "dec": f"{float(value):.10f}".rstrip("0").rstrip(".")}
+    reward = MathReward(MathReward.Config())
+    label = f"{value.numerator}/{value.denominator}" if value.denominator != 1 else str(value.numerator)
+    response = rf"\boxed{{{forms[style]}}}"
+    if style != "dec" or value.denominator in (1, 2, 4, 5, 8, 10, 16, 20, 25, 40, 50):  # exact decimals only
+        assert reward(Sample(prompt="q", response=response, label=label))["score"] == 1.0, (response, label)
+    wrong = value + 1
+    assert reward(Sample(prompt="q", response=response, label=f"{wrong.numerator}/{wrong.denominator}"))["score"] \
+        == 0.0
