@@ -105,3 +105,33 @@ def test_writes_outside_the_directory_are_refused(tmp_path):
         r = run_python(program)
         assert not r.ok and "sandbox:" in r.stderr, (program, r.stderr)
     assert not target.exists() and victim.read_text() == "precious"
+
+
+@pytest.mark.parametrize("namespaces", [True, False])
+def test_children_die_on_timeout_with_and_without_namespaces(monkeypatch, namespaces):
+    import posttrain.core.sandbox as sandbox
+
+    if not namespaces:
+        monkeypatch.setattr(sandbox, "namespace_prefix", lambda: ())
+    elif not NAMESPACES:
+        pytest.skip("no namespaces on this machine")
+    token = f"posttrain-child-{time.time_ns()}"
+    program = ("import subprocess, sys\n"
+               f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', '{token}'])\n"
+               "print('spawned', flush=True)\nwhile True:\n    pass")
+    r = sandbox.run_python(program, limits=SandboxLimits(timeout=1.0, allow_subprocess=True))
+    assert r.timed_out and "spawned" in r.stdout
+    deadline = time.time() + 3
+    while time.time() < deadline and any(token in (p.info["cmdline"] or [])
+                                         for p in psutil.process_iter(["cmdline"])):
+        time.sleep(0.05)
+    assert not any(token in (p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"]))
+
+
+def test_the_python_guard_holds_without_namespaces(monkeypatch):
+    import posttrain.core.sandbox as sandbox
+
+    monkeypatch.setattr(sandbox, "namespace_prefix", lambda: ())
+    assert sandbox.run_python("print(6 * 7)").stdout == "42\n"
+    r = sandbox.run_python("import socket\nsocket.socket().connect(('127.0.0.1', 9))")
+    assert not r.ok and "sandbox: socket" in r.stderr
