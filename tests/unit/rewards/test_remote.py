@@ -1,6 +1,7 @@
 """The remote reward against a live HTTP server on 127.0.0.1 that fails, hangs and recovers."""
 
 import asyncio
+import socket
 
 import pytest
 from aiohttp import web
@@ -48,9 +49,11 @@ async def server():
     app.router.add_post("/reward", srv.handle)
     runner = web.AppRunner(app, shutdown_timeout=0.1)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # a free port on loopback only
+    site = web.SockSite(runner, sock)
     await site.start()
-    srv.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/reward"
+    srv.url = f"http://127.0.0.1:{sock.getsockname()[1]}/reward"
     yield srv
     await runner.cleanup()
 
