@@ -32,5 +32,5 @@ CONTRACTS = {
     "filters": ("FilterContract", "filter_"),
 }
 
-__all__ = ["CONTRACTS", "ComponentContract", "EstimatorContract", "FilterContract", "GeneratorContract", "LossContract",
-           "ModelSpecContract", "RewardContract"]
+__all__ = ["CONTRACTS", "ComponentContract", "EstimatorContract", "FilterContract", "GeneratorContract",
+           "LossContract", "ModelSpecContract", "RewardContract"]
