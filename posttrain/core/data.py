@@ -329,9 +329,16 @@ def check_data(cfg: Any, tokenizer: Any = None, base_dir: str | Path = ".") -> l
 
 def check_config_data(config_path: str | Path | None, overrides: list[str] | tuple[str, ...] = (),
                       tokenizer: Any = None) -> list[str]:
-    """The prompt-data problems of a run config file, for ``rl-cli run --dry-run``: read straight from the
-    YAML (so they are reported even when other sections are invalid). Without a ``tokenizer``, chat
-    templates and ``max_prompt_len`` are not checked. A missing file is left to ``load_config``.
+    """The prompt-data problems of a run config file (see :func:`inspect_config_data`)."""
+    return inspect_config_data(config_path, overrides, tokenizer)[1]
+
+
+def inspect_config_data(config_path: str | Path | None, overrides: list[str] | tuple[str, ...] = (),
+                        tokenizer: Any = None) -> tuple[PromptDataset | None, list[str]]:
+    """``(dataset or None, problems)`` for the ``data:`` section of a run config file, for
+    ``rl-cli run --dry-run``: read straight from the YAML, so they are reported even when other
+    sections are invalid. Without a ``tokenizer``, chat templates and ``max_prompt_len`` are not
+    checked. A missing file or an invalid ``data:`` section is left to ``load_config`` (no duplicates).
     """
     from posttrain.core.config import DataConfig, apply_overrides, read_yaml
     from posttrain.core.schema import build
@@ -339,18 +346,18 @@ def check_config_data(config_path: str | Path | None, overrides: list[str] | tup
     try:
         raw = read_yaml(config_path) if config_path is not None else {}
     except UsageError:
-        return []  # load_config reports it
+        return None, []  # load_config reports it
     apply_overrides(raw, overrides)
     cfg, errors = build(DataConfig, raw.get("data"), "data")
     if errors or cfg is None or not cfg.path:
-        return []
+        return None, []
     base = Path(config_path).parent if config_path is not None else Path(".")
     local = split_slice(cfg.path)[0]
     if not (Path(local).exists() or (base / local).exists()):
-        return []
+        return None, []
     if tokenizer is None:
         cfg.apply_chat_template, cfg.max_prompt_len = False, None
-    errors = _collect(cfg, tokenizer, base)[1]
+    dataset, errors = _collect(cfg, tokenizer, base)
     if len(errors) > MAX_ERRORS_SHOWN:
         errors = errors[:MAX_ERRORS_SHOWN] + [f"... and {len(errors) - MAX_ERRORS_SHOWN} more data errors"]
-    return errors
+    return (None if errors else dataset), errors
