@@ -5,14 +5,15 @@ The run config's ``rewards:`` list selects the parts; ``reward_runner:`` sets ho
     rewards:
       - {name: math, weight: 1.0}
       - {name: overlong, weight: 1.0, max_len: 4096, buffer: 512}
-    reward_runner: {workers: 2, concurrency: 64, on_error: mark_failed}
+    reward_runner: {workers: 2, concurrency: 64, on_error: mark_failed, timeout: 60}
 
 For every scoreable sample (status not ``failed``/``aborted``) and every part ``k`` with weight
 ``w_k``: ``sample.reward = sum_k w_k * score_k``; ``sample.reward_parts[k] = score_k`` plus
 ``"k/<key>"`` for every extra named float a part returns (``math/format_ok``). A part listed twice is
 named ``k``, ``k#2``, ... . How parts run:
 
-- ``async def __call__``: concurrently, at most ``concurrency`` calls in flight over all parts;
+- ``async def __call__``: concurrently, at most ``concurrency`` calls in flight over all parts, each
+  cancelled after ``timeout`` seconds when set;
 - sync, ``workers > 1``: in a pool of ``workers`` spawned processes, samples sent in chunks (CPU-bound
   rewards such as math-verify then use several cores and a hung parse cannot block the event loop);
 - sync, ``workers == 1``: inline, yielding to the event loop between samples.
@@ -57,6 +58,8 @@ class RewardRunnerConfig:
     concurrency: int = option(64, ge=1, help="async reward calls in flight at once")
     on_error: Literal["mark_failed", "raise"] = option(
         "mark_failed", help="a failing reward marks the sample failed, or stops the run")
+    timeout: float | None = option(None, gt=0.0, help="seconds per async reward call; a call past it fails "
+                                                      "the sample (null: no limit)")
 
 
 @dataclass
@@ -143,12 +146,12 @@ class RewardRunner:
     """
 
     def __init__(self, components: list, plugins: Any, workers: int = 1, concurrency: int = 64,
-                 on_error: str = "mark_failed"):
+                 on_error: str = "mark_failed", timeout: float | None = None):
         if on_error not in ("mark_failed", "raise"):
             raise UsageError(f"reward_runner.on_error: expected mark_failed or raise, got {on_error!r}")
         if workers < 1 or concurrency < 1:
             raise UsageError("reward_runner: workers and concurrency must be >= 1")
-        self.workers, self.concurrency, self.on_error = workers, concurrency, on_error
+        self.workers, self.concurrency, self.on_error, self.timeout = workers, concurrency, on_error, timeout
         self.parts: list[_Part] = []
         seen: dict[str, int] = defaultdict(int)
         for comp in components:
@@ -169,7 +172,8 @@ class RewardRunner:
     def from_config(cls, config: Any, plugins: Any) -> RewardRunner:
         """From a ``RunConfig`` (its ``rewards`` list and ``reward_runner`` section)."""
         rc = getattr(config, "reward_runner", None) or RewardRunnerConfig()
-        return cls(config.rewards, plugins, workers=rc.workers, concurrency=rc.concurrency, on_error=rc.on_error)
+        return cls(config.rewards, plugins, workers=rc.workers, concurrency=rc.concurrency, on_error=rc.on_error,
+                   timeout=rc.timeout)
 
     # ---- the process pool ----
     def _sync_pool_parts(self) -> list[_Part]:
@@ -276,7 +280,9 @@ class RewardRunner:
     async def _call_async(self, part: _Part, unit, results) -> None:
         async with self._semaphore:
             try:
-                out = (True, await part.reward(unit))
+                out = (True, await asyncio.wait_for(part.reward(unit), self.timeout))
+            except asyncio.TimeoutError:
+                out = (False, f"timed out after {self.timeout}s (reward_runner.timeout)")
             except Exception as exc:
                 out = (False, _describe(exc))
         self._store(part, unit, out, results)

@@ -116,3 +116,11 @@ async def test_a_dying_worker_fails_only_its_chunk_and_the_pool_recovers(plugins
         assert "worker process died" in flat[15].error
         again = groups_of(["ok"] * 4)
         assert (await runner.score_groups(again))["reward/failed"] == 0.0
+
+
+async def test_async_calls_past_the_timeout_fail_the_sample(plugins):
+    runner = RewardRunner([comp(plugins, "slow_async", delay=5.0)], plugins, timeout=0.05)
+    groups = groups_of(["x", "y"])
+    metrics = await runner.score_groups(groups)
+    assert metrics["reward/failed"] == 2.0
+    assert groups[0][0].error == "reward slow_async: timed out after 0.05s (reward_runner.timeout)"
