@@ -9,19 +9,20 @@ from posttrain.core.types import Sample
 
 
 class MathReward:
-    r"""1.0 when the final answer equals the label mathematically, else 0.0.
+    r"""1.0 when the final answer equals the label mathematically, else 0.0 (both configurable).
 
     The answer is the content of the last ``\boxed{...}``; else the first group of the last match of
     ``answer_pattern`` (default ``answer: ...`` to the end of the line); else the last number in the
     text. Equivalence is decided by math-verify (``1/2`` = ``0.5`` = ``\frac{1}{2}``, ``\{1,2\}`` =
     ``\{2,1\}``, ``(1,2]`` intervals, ``x = 4`` = ``4``, ``5\text{ cm}`` = ``5``). With ``think_end``
     set, only the text after its last occurrence is scored; a response that opened ``think_start``
-    but never wrote ``think_end`` scores 0 (the model never finished thinking), and so does any
-    response without ``think_end`` when ``require_think_end`` is set.
+    but never wrote ``think_end`` scores ``wrong_score`` (the model never finished thinking), and so
+    does any response without ``think_end`` when ``require_think_end`` is set.
 
-    A list label accepts any of its elements. Returns ``{"score": 0|1, "format_ok": 0|1}``: ``format_ok`` is 1 when the answer came from a box
-    (or from ``answer_pattern`` unless ``require_boxed``) and the ``think_end`` marker, if configured, was
-    present. With ``strict_format`` a correct answer without ``format_ok`` scores 0.
+    A list label accepts any of its elements. Returns ``{"score": correct_score | wrong_score (1 | 0 by
+    default), "format_ok": 0|1}``: ``format_ok`` is 1 when the answer came from a box (or from
+    ``answer_pattern`` unless ``require_boxed``), 0 for the last-number fallback. With
+    ``strict_format`` a correct answer without ``format_ok`` scores ``wrong_score``.
     """
 
     name = "math"
@@ -38,6 +39,8 @@ class MathReward:
         strict_format: bool = option(False, help="score 0 unless format_ok")
         last_number_fallback: bool = option(True, help="use the last number when nothing else is found")
         timeout: int = option(5, ge=0, help="math-verify parse/verify timeout in seconds (main thread only)")
+        correct_score: float = option(1.0, help="score of a correct answer")
+        wrong_score: float = option(0.0, help="score of a wrong or missing answer (DAPO uses -1)")
 
     def __init__(self, config: Config | None = None):
         self.config = config or self.Config()
@@ -62,16 +65,16 @@ class MathReward:
         c = self.config
         text, closed = after_marker(sample.response, c.think_end)
         if not closed and (c.require_think_end or c.think_start in sample.response):
-            return {"score": 0.0, "format_ok": 0.0}
+            return {"score": c.wrong_score, "format_ok": 0.0}
         answer, how = extract_answer(text, c.answer_pattern)
         if how == "number" and not c.last_number_fallback:
             answer, how = None, "none"
         format_ok = how == "boxed" or (how == "pattern" and not c.require_boxed)
         if answer is None or (c.strict_format and not format_ok):
-            return {"score": 0.0, "format_ok": float(format_ok)}
+            return {"score": c.wrong_score, "format_ok": float(format_ok)}
         labels = sample.label if isinstance(sample.label, (list, tuple)) else [sample.label]
         right = any(math_equal(answer, str(label), c.timeout) for label in labels)
-        return {"score": float(right), "format_ok": float(format_ok)}
+        return {"score": c.correct_score if right else c.wrong_score, "format_ok": float(format_ok)}
 
 
 @hookimpl

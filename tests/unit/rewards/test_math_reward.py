@@ -118,3 +118,11 @@ def test_equivalent_forms_agree_and_off_by_one_does_not(p, q, style):
     wrong = value + 1
     assert reward(Sample(prompt="q", response=response, label=f"{wrong.numerator}/{wrong.denominator}"))["score"] \
         == 0.0
+
+
+def test_dapo_style_scores():
+    reward = MathReward(MathReward.Config(correct_score=1.0, wrong_score=-1.0))
+    assert reward(Sample(prompt="q", response=r"\boxed{4}", label="4"))["score"] == 1.0
+    assert reward(Sample(prompt="q", response=r"\boxed{5}", label="4"))["score"] == -1.0
+    assert reward(Sample(prompt="q", response="<think>never ends", label="4"))["score"] == -1.0
+    assert reward(Sample(prompt="q", response="nothing", label="4"))["score"] == -1.0
