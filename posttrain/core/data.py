@@ -192,8 +192,9 @@ def _check_messages(value: Any) -> str | None:
     if isinstance(value, str):
         return None
     if isinstance(value, list) and value and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), (str, list))
-            for m in value):
+            isinstance(m, dict) and isinstance(m.get("role"), str) and (
+                isinstance(m.get("content"), (str, list)) or (m.get("content") is None and m.get("tool_calls")))
+            for m in value):  # an assistant turn that only calls tools has content None
         return None
     return f"must be a string or a non-empty list of chat messages {{role, content}}, got {_show(value)}"
 

@@ -133,3 +133,13 @@ def test_json_must_be_a_list(tmp_path):
     assert "expected a JSON list of objects" in check_data(cfg(tmp_path / "one.json"))[0]
     (tmp_path / "msgs.json").write_text('[{"prompt": [{"role": "user", "content": "hi"}], "label": 1}]')
     assert load_prompts(cfg(tmp_path / "msgs.json")).rows[0].prompt == [{"role": "user", "content": "hi"}]
+
+
+def test_messages_with_tool_calls_and_bad_messages(tmp_path):
+    good = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "w", "arguments": "{}"}}]},
+            {"role": "tool", "content": "sunny"}]
+    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": good}, {"prompt": [{"role": "user"}]}, {"prompt": []}])
+    errors = check_data(cfg(p))
+    assert [e.split(": ")[0] for e in errors] == [f"{p}:2", f"{p}:3"]
+    assert load_prompts(cfg(p, on_bad_row="skip")).rows[0].prompt == good
