@@ -15,9 +15,10 @@ from posttrain.core.types import Sample
 _FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
 
 # Runs inside the sandbox: executes the solution once per stdin/stdout test (fresh globals each time),
-# or once followed by each assert statement. The tests file is deleted before the solution runs (it
-# cannot read the expected outputs); verdicts go to the real stdout prefixed with a per-run nonce the
-# solution never sees, while the solution's own output is captured.
+# or once followed by each assert statement. For stdin/stdout tests only the inputs enter the sandbox:
+# the harness reports each captured output and the parent compares it with the expected one, so a
+# program cannot pass by forging verdicts. Reports go to the real stdout prefixed with a per-run nonce
+# (the solution's own prints are captured); tests.json is deleted before the solution runs.
 HARNESS = r'''
 import contextlib, io, json, os, signal, sys
 with open("solution.py") as f:
@@ -52,19 +53,19 @@ def _run(code, stdin_text, ns):
             signal.setitimer(signal.ITIMER_REAL, 0)
     return out.getvalue()
 
-def _send(ok, why=""):
-    os.write(_out_fd, (_spec["nonce"] + json.dumps({"ok": bool(ok), "why": why[:200]}) + "\n").encode())
+def _send(i, ok, why="", out=None):
+    line = json.dumps({"i": i, "ok": bool(ok), "why": why[:200], "out": out})
+    os.write(_out_fd, (_spec["nonce"] + line + "\n").encode())
 
 _code = compile(_src, "solution.py", "exec")
 if _spec["kind"] == "io":
-    for _case in _spec["tests"]:
+    for _i, _stdin in enumerate(_spec["tests"]):
         try:
-            _got = _run(_code, _case["input"], {"__name__": "__main__"})
-            _send(_norm(_got) == _norm(_case["output"]), "wrong output")
+            _send(_i, True, out=_norm(_run(_code, _stdin, {"__name__": "__main__"}))[:1_000_000])
         except _Timeout:
-            _send(False, "timeout")
+            _send(_i, False, "timeout")
         except BaseException as _exc:
-            _send(False, type(_exc).__name__)
+            _send(_i, False, type(_exc).__name__)
 else:
     _ns = {"__name__": "__main__"}
     try:
@@ -73,18 +74,23 @@ else:
     except BaseException as _exc:
         _loaded = False
         _why = type(_exc).__name__
-    for _case in _spec["tests"]:
+    for _i, _case in enumerate(_spec["tests"]):
         if not _loaded:
-            _send(False, _why)
+            _send(_i, False, _why)
             continue
         try:
             _run(compile(_case, "test", "exec"), "", _ns)
-            _send(True)
+            _send(_i, True)
         except _Timeout:
-            _send(False, "timeout")
+            _send(_i, False, "timeout")
         except BaseException as _exc:
-            _send(False, type(_exc).__name__)
+            _send(_i, False, type(_exc).__name__)
 '''
+
+
+def _normalize_output(text: str) -> str:
+    """As the harness's ``_norm``: outer whitespace and trailing spaces per line ignored."""
+    return "\n".join(line.rstrip() for line in str(text).strip().splitlines())
 
 
 def extract_code(response: str, require_fence: bool = False) -> str | None:
@@ -176,17 +182,25 @@ class CodeReward:
         except (SyntaxError, ValueError):
             return {"score": 0.0, "compiled": 0.0, "timed_out": 0.0}
         nonce = secrets.token_hex(8)
-        spec = {"kind": kind, "tests": tests, "per_test_timeout": c.per_test_timeout, "nonce": nonce}
+        sent = [t["input"] for t in tests] if kind == "io" else tests
+        spec = {"kind": kind, "tests": sent, "per_test_timeout": c.per_test_timeout, "nonce": nonce}
         limits = SandboxLimits(timeout=c.timeout, cpu_seconds=c.cpu_seconds, memory_mb=c.memory_mb)
         result = run_python(HARNESS, limits=limits, files={"solution.py": code, "tests.json": json.dumps(spec)})
-        passed = 0
+        passed: set[int] = set()
         for line in result.stdout.splitlines():
-            if line.startswith(nonce):
-                try:
-                    passed += json.loads(line[len(nonce):]).get("ok") is True
-                except json.JSONDecodeError:
-                    continue
-        return {"score": min(passed, len(tests)) / len(tests), "compiled": 1.0, "timed_out": float(result.timed_out)}
+            if not line.startswith(nonce):
+                continue
+            try:
+                report = json.loads(line[len(nonce):])
+                i = int(report["i"])
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                continue
+            if not (0 <= i < len(tests)) or report.get("ok") is not True:
+                continue
+            if kind == "io" and report.get("out") != _normalize_output(tests[i]["output"]):
+                continue
+            passed.add(i)
+        return {"score": len(passed) / len(tests), "compiled": 1.0, "timed_out": float(result.timed_out)}
 
     async def __call__(self, sample: Sample) -> dict[str, float]:
         loop = asyncio.get_running_loop()

@@ -73,3 +73,18 @@ async def test_async_call_runs_samples_in_parallel():
     samples = [Sample(prompt="", response=f"print({i})", label=[{"input": "", "output": "1"}]) for i in range(4)]
     results = await asyncio.gather(*(reward(s) for s in samples))
     assert [r["score"] for r in results] == [0.0, 1.0, 0.0, 0.0]
+
+
+def test_expected_outputs_never_enter_the_sandbox():
+    # the program hunts the harness's memory for the expected output and the verdict nonce
+    program = (
+        "import gc, json, sys\n"
+        "found = [o for o in gc.get_objects() if isinstance(o, dict) and 'nonce' in o]\n"
+        "spec = found[0] if found else {}\n"
+        "text = json.dumps(spec)\n"
+        "print('SECRET-42' if 'SECRET-42' in text else 'nothing')\n"
+        "if spec:\n"
+        "    sys.__stdout__.write(spec['nonce'] + json.dumps({'i': 0, 'ok': True, 'out': 'forged'}) + '\\n')\n"
+        "    sys.__stdout__.flush()\n")
+    out = score(program, [{"input": "", "output": "SECRET-42"}])
+    assert out["score"] == 0.0 and out["compiled"] == 1.0
