@@ -20,10 +20,21 @@ def run(config: Path = typer.Argument(..., help="run config (YAML)", show_defaul
         plugin: list[str] = PluginFiles, disable: list[str] = Disabled) -> None:
     """Validate CONFIG (every error at once), then train."""
     plugins = load(plugin, disable)
-    cfg = load_config(config, overrides or [], plugins)
+    from posttrain.core.data import inspect_config_data
+    from posttrain.core.errors import ConfigError
+
+    dataset, data_errors = inspect_config_data(config, overrides or []) if dry_run else (None, [])
+    try:
+        cfg = load_config(config, overrides or [], plugins)
+    except ConfigError as exc:
+        raise ConfigError(exc.errors + data_errors, exc.source) from None
+    if data_errors:
+        raise ConfigError(data_errors, str(config))
     console.print(plugins.header())
     if dry_run:
         console.print(yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip(), markup=False)
+        if dataset is not None:
+            console.print(f"[green]data OK[/]: {dataset.summary()}", highlight=False)
         console.print(f"[green]config OK[/]: {config}")
         return
     from posttrain.core.errors import UsageError

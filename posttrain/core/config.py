@@ -22,6 +22,7 @@ import yaml
 
 from posttrain.core.errors import ConfigError
 from posttrain.core.registry import KINDS
+from posttrain.core.rewards import RewardRunnerConfig
 from posttrain.core.schema import build, option, to_dict
 
 
@@ -98,8 +99,21 @@ class DataConfig:
     input_key: str = option("prompt", help="key holding the prompt (a string or chat messages)")
     label_key: str = option("label", help="key holding the reference answer")
     metadata_key: str = option("metadata", help="key holding per-sample metadata (a mapping)")
+    tools_key: str = option("tools", help="key holding tool schemas (a list or a JSON string); -> metadata['tools']")
+    apply_chat_template: bool = option(False, help="render prompts with the model's chat template "
+                                                   "(add_generation_prompt=True)")
+    chat_template_kwargs: dict[str, Any] = option(default_factory=dict,
+                                                  help="extra keyword arguments for apply_chat_template")
+    max_prompt_len: int | None = option(None, ge=1, help="drop prompts longer than this many tokens")
+    on_bad_row: Literal["error", "skip"] = option("error", help="a malformed row stops the run, or is skipped "
+                                                                "and counted")
     shuffle: bool = option(True, help="shuffle each epoch with seed + epoch")
     epochs: int = option(1, ge=1, help="passes over the prompts")
+    over_sampling_batch_size: int | None = option(
+        None, ge=1, help="prompt groups started at a time while the batch is not full (default rollout_batch_size)")
+    max_sampled_groups: int | None = option(
+        None, ge=1, help="dynamic sampling gives up after this many groups per rollout step "
+                         "(default 8 x rollout_batch_size)")
 
 
 @dataclass
@@ -207,6 +221,7 @@ class RunConfig:
     loss: Any = component("losses", optional=True, help="policy loss")
     correction: Any = component("corrections", optional=True, help="rollout/training mismatch correction")
     rewards: Any = component("rewards", many=True, help="weighted reward functions")
+    reward_runner: RewardRunnerConfig = field(default_factory=RewardRunnerConfig)
     filters: Any = component("filters", many=True, help="dynamic-sampling filters")
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)

@@ -22,6 +22,7 @@ _LAZY = {
     "ComponentContract": "common",
     "CorrectionContract": "correction",
     "EstimatorContract": "estimator",
+    "FilterContract": "filter",
     "GeneratorContract": "generator",
     "LossContract": "loss",
     "ModelSpecContract": "model",
@@ -43,7 +44,9 @@ CONTRACTS = {
     "rewards": ("RewardContract", "reward"),
     "generators": ("GeneratorContract", "generator"),
     "models": ("ModelSpecContract", "model_spec"),
+    "filters": ("FilterContract", "filter_"),
 }
 
-__all__ = ["CONTRACTS", "ComponentContract", "CorrectionContract", "EstimatorContract", "GeneratorContract",
+__all__ = ["CONTRACTS", "ComponentContract", "CorrectionContract", "EstimatorContract", "FilterContract",
+           "GeneratorContract",
            "LossContract", "ModelSpecContract", "RewardContract"]

@@ -3,7 +3,7 @@
 import pytest
 
 from posttrain.core.plugins import load_plugins
-from posttrain.testing import (CorrectionContract, EstimatorContract, GeneratorContract, LossContract, ModelSpecContract,
+from posttrain.testing import (CorrectionContract, EstimatorContract, FilterContract, GeneratorContract, LossContract, ModelSpecContract,
                                RewardContract)
 
 PLUGINS = load_plugins(autoload=False)  # posttrain's own components only
@@ -54,3 +54,9 @@ class TestModelSpecs(ModelSpecContract):
     @pytest.fixture(params=_ours("models"))
     def model_spec(self, request):
         return _instance("models", request.param)
+
+
+class TestFilters(FilterContract):
+    @pytest.fixture(params=_ours("filters"))
+    def filter_(self, request):
+        return _instance("filters", request.param)

@@ -1,10 +1,17 @@
-"""The reward contract: finite scores in the documented shape, sync or async, and the author's cases."""
+"""The reward contract: finite scores in the documented shape, sync or async, and the author's cases.
+
+Cases come from the ``reward_cases`` fixture; its default asks the reward for ``contract_cases()``
+(a static method returning ``[(Sample, expected_score or None)]``) and otherwise uses one generic
+math-like sample. Every reward must also survive the reward runner: pickled to worker processes,
+called concurrently, with the same scores as a direct call.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
 import math
+import pickle
 
 import pytest
 
@@ -23,21 +30,34 @@ def score_of(result) -> float:
 
 def call_reward(reward, arg):
     out = reward(arg)
-    return asyncio.run(out) if inspect.isawaitable(out) else out
+    if inspect.isawaitable(out):
+        async def finish():
+            try:
+                return await out
+            finally:
+                closer = getattr(reward, "aclose", None)
+                if closer is not None:
+                    await closer()
+        return asyncio.run(finish())
+    return out
 
 
 class RewardContract(ComponentContract):
-    """Supply a ``reward`` fixture; override ``reward_cases`` with ``[(Sample, expected_score), ...]``."""
+    """Supply a ``reward`` fixture; override ``reward_cases`` with ``[(Sample, expected_score), ...]``
+    (or give the reward a static ``contract_cases()``)."""
 
     @pytest.fixture
     def component(self, reward):
         return reward
 
     @pytest.fixture
-    def reward_cases(self):
-        """``[(Sample, expected_score)]``; the default is one generic sample with no expectation."""
+    def reward_cases(self, reward):
+        """``[(Sample, expected_score)]``: the reward's ``contract_cases()``, else one generic sample."""
         from posttrain.core.types import Sample
 
+        cases = getattr(reward, "contract_cases", None)
+        if callable(cases):
+            return cases()
         return [(Sample(prompt="What is 1+1?", response="2", label="2", metadata={}), None)]
 
     def test_scope_is_declared(self, reward):
@@ -54,3 +74,37 @@ class RewardContract(ComponentContract):
             assert math.isfinite(score)
             if expected is not None:
                 assert score == pytest.approx(expected), f"{sample.response!r} vs {sample.label!r}"
+
+    def test_picklable_for_worker_processes(self, reward):
+        """``reward_runner.workers > 1`` sends the reward instance to spawned processes by pickle."""
+        clone = pickle.loads(pickle.dumps(reward))
+        assert type(clone) is type(reward) and clone.config == reward.config
+
+    def test_runner_scores_match_direct_calls(self, reward, reward_cases):
+        """Through ``RewardRunner`` (all cases at once, concurrently) the scores equal direct calls."""
+        import copy
+
+        from posttrain.core.rewards import RewardRunner
+
+        class _One:  # a Component stand-in that hands over this very instance
+            kind, name, weight, config = "rewards", type(reward).name, 1.0, reward.config
+
+            def create(self, plugins):
+                return reward
+
+        samples = [copy.deepcopy(sample) for sample, _ in reward_cases]
+        for i, s in enumerate(samples):
+            s.index, s.group_index = i, i
+        runner = RewardRunner([_One()], plugins=None, concurrency=8)
+
+        async def go():
+            try:
+                return await runner.score_groups([[s] for s in samples])
+            finally:
+                await runner.aclose()
+        metrics = asyncio.run(go())
+        assert metrics["reward/failed"] == 0, [s.error for s in samples]
+        for s, (_, expected) in zip(samples, reward_cases):
+            assert math.isfinite(s.reward)
+            if expected is not None:
+                assert s.reward == pytest.approx(expected)
