@@ -398,6 +398,7 @@ class MegatronTrainer:
         if is_loading:
             self._init_adam_state()
         optim = self.optimizer.state_dict()
+        optim["state"] = {pid: dict(s) for pid, s in optim["state"].items()}  # torch shares the live dicts
         gpt_params = [p for p in self.gpt.parameters() if p.requires_grad]
         id_map = get_param_id_to_sharded_param_map(model_sd, gpt_params)
         steps = {pid: s.pop("step") for pid, s in optim["state"].items() if "step" in s}
