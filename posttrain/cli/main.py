@@ -11,7 +11,7 @@ import sys
 
 import typer
 
-from posttrain.cli import new, plugins_cmd, run
+from posttrain.cli import models_cmd, new, plugins_cmd, run
 from posttrain.cli.console import err_console
 
 app = typer.Typer(
@@ -23,6 +23,7 @@ app = typer.Typer(
 )
 app.add_typer(plugins_cmd.app, name="plugins")
 app.add_typer(new.app, name="new")
+app.add_typer(models_cmd.app, name="models")
 app.command("run")(run.run)
 
 

@@ -29,6 +29,7 @@ from posttrain.core.errors import UsageError
 from posttrain.core.train import cpu_shims
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 HF_EXTRA_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                   "vocab.json", "merges.txt", "chat_template.jinja")
 
@@ -139,9 +140,33 @@ def build_gpt(spec: Any, hf: dict[str, Any], *, dtype: str = "float32", attentio
     config = TransformerConfig(**kwargs)
     model = GPTModel(config=config, transformer_layer_spec=spec.layer_spec(hf, core_attention_for(attention)),
                      vocab_size=spec.padded_vocab_size(hf, tp), **spec.gpt_model_kwargs(hf))
+    mark_tp_params(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model.to(torch_dtype)
+
+
+def mark_tp_params(model: Any) -> None:
+    """Set ``tensor_model_parallel``/``partition_dim`` on every TP-split parameter.
+
+    Megatron 0.16 sets them only when it initializes the weights itself (``perform_initialization``);
+    weights loaded from a checkpoint would otherwise look replicated to sharding, gathering and the
+    grad norm.
+    """
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                      VocabParallelEmbedding, set_tensor_model_parallel_attributes)
+
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dims = {"weight": 0, "bias": 0}
+        elif isinstance(module, RowParallelLinear):
+            dims = {"weight": 1}  # its bias is added after the all-reduce: replicated
+        else:
+            continue
+        for attr, dim in dims.items():
+            param = getattr(module, attr, None)
+            if isinstance(param, torch.nn.Parameter) and not hasattr(param, "partition_dim"):
+                set_tensor_model_parallel_attributes(param, True, dim, 1)
 
 
 def megatron_params(model: Any) -> dict[str, torch.nn.Parameter]:
@@ -221,6 +246,8 @@ def load_hf(model: Any, spec: Any, hf: dict[str, Any], path: str | Path) -> None
             sources = spec.hf_sources(hf, name)
             used.update(sources)
             full = spec.to_megatron(hf, name, [ckpt.get(s) for s in sources])
+            if name in VOCAB_PARAMS and full.shape[0] < param.shape[0] * tp:  # TP-dependent vocab padding
+                full = torch.cat([full, full.new_zeros(param.shape[0] * tp - full.shape[0], *full.shape[1:])])
             piece = shard(name, param, full, rank, tp)
             if tuple(piece.shape) != tuple(param.shape):
                 raise UsageError(f"{path}: {name}: shape {tuple(piece.shape)} from {sources} does not fit the "
