@@ -11,14 +11,34 @@ from __future__ import annotations
 import copy
 
 
+def _rms_norm_module():
+    import torch
+    from megatron.core.transformer.module import MegatronModule
+
+    class RMSNorm(MegatronModule):
+        """``y = w * (x / sqrt(mean(x^2) + eps))`` computed in fp32 (as HF does); a MegatronModule so
+        dist-checkpointing sees its weight (a plain torch norm has no ``sharded_state_dict``)."""
+
+        def __init__(self, config, hidden_size: int, eps: float):
+            super().__init__(config=config)
+            self.eps = eps
+            self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+
+        def forward(self, x):
+            x32 = x.float()
+            x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+            return self.weight * x32.to(x.dtype)
+
+    return RMSNorm
+
+
 def _with_post_norm(base: type) -> type:
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    RMSNorm = _rms_norm_module()
 
     class PostNorm(base):  # type: ignore[misc, valid-type]
         def __init__(self, config, *args, **kwargs):
             super().__init__(config, *args, **kwargs)
-            self.post_norm = WrappedTorchNorm(config=config, hidden_size=config.hidden_size,
-                                              eps=config.layernorm_epsilon)
+            self.post_norm = RMSNorm(config, config.hidden_size, config.layernorm_epsilon)
 
         def forward(self, *args, **kwargs):
             out, bias = super().forward(*args, **kwargs)

@@ -321,13 +321,16 @@ class MegatronTrainer:
 
     def _optimizer_step(self) -> float:
         if self.megatron_optimizer:
-            self.model.finish_grad_sync()
+            from megatron.core.distributed import finalize_model_grads
+
+            finalize_model_grads([self.model])  # DP reduce + TP sum of q/k-norm grads
             _, grad_norm, _ = self.optimizer.step()
             if self.value_head is not None:
                 self.head_optimizer.step()
                 self.head_optimizer.zero_grad()
             return float(grad_norm or 0.0)
         self._dp_all_reduce_grads()
+        self._tp_sum_partial_grads()
         norm = self._grad_norm()
         if self.config.grad_clip and norm > self.config.grad_clip:
             for p in self._params():
@@ -344,6 +347,17 @@ class MegatronTrainer:
         for p in self._params():
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=parallel_state.get_data_parallel_group())
+
+    def _tp_sum_partial_grads(self) -> None:
+        """Replicated parameters that each TP rank applies to its own heads only (per-head q/k norms)
+        get a partial gradient per rank: sum them, as Megatron's ``finalize_model_grads`` does."""
+        from megatron.core import parallel_state
+
+        if self.tp_size == 1:
+            return
+        for name, p in self.gpt.named_parameters():
+            if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
+                dist.all_reduce(p.grad, group=parallel_state.get_tensor_model_parallel_group())
 
     def _grad_norm(self) -> float:
         """Global L2 norm: TP-sharded grads summed over TP ranks, replicated ones counted once."""

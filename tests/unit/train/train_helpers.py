@@ -74,3 +74,16 @@ class PeakMemory:
 
     def __exit__(self, *exc):
         return self._mode.__exit__(*exc)
+
+
+def tp_batch():
+    """The fixed batch the TP=2 worker and the TP=1 test both use (with advantages)."""
+    import torch
+
+    from posttrain.core.train.batch import TrainBatch
+
+    g = torch.Generator().manual_seed(11)
+    lists = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (9, 12, 7, 10)]
+    batch = TrainBatch.from_lists(lists, [3, 4, 2, 5])
+    batch.advantages = torch.randn(4, 1, generator=g) * batch.response_mask
+    return batch
