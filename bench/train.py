@@ -61,6 +61,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--chunk", type=int, default=4096, help="log-prob chunk size (tokens)")
     parser.add_argument("--no-packing", action="store_true", help="padded rows instead of THD packing")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each transformer layer")
     parser.add_argument("--megatron", action="append", default=[], help="key=value (repeatable)")
     args = parser.parse_args()
 
@@ -85,7 +86,7 @@ def main() -> None:
     batch_size = args.micro_batch * args.grad_accum
     config = TrainerConfig(lr=1e-6, micro_batch_size=args.micro_batch, global_batch_size=batch_size, tp=args.tp,
                            attention=args.attention, log_probs_chunk_size=args.chunk,
-                           sequence_packing=not args.no_packing, megatron=megatron)
+                           sequence_packing=not args.no_packing, megatron=megatron, compile=args.compile)
     trainer = MegatronTrainer(spec, config)
     hf = spec.hf_config()
     g = torch.Generator().manual_seed(0)
@@ -116,7 +117,7 @@ def main() -> None:
         "bench": "train_step", "spec": args.spec, "preset": args.preset, "device": args.device,
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "dtype": dtype, "tp": args.tp,
         "micro_batch": args.micro_batch, "grad_accum": args.grad_accum, "seq_len": args.seq_len,
-        "attention": args.attention, "packing": not args.no_packing, "megatron": megatron,
+        "attention": args.attention, "compile": args.compile, "packing": not args.no_packing, "megatron": megatron,
         "step_s": round(seconds, 4), "tokens_per_s": round(tokens_per_step / seconds, 1),
         "model_tflops_per_s": round(flops / seconds / 1e12, 3),
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None,

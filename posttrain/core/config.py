@@ -140,6 +140,7 @@ class TrainerConfig:
     sequence_packing: bool = option(True, help="pack a micro-batch's samples into one row (THD attention)")
     log_probs_chunk_size: int = option(1024, ge=1, help="tokens per chunk of the vocab-parallel log-softmax")
     attention: Literal["auto", "sdpa", "local", "te"] = option("auto", help="core attention: auto = TE if installed on GPU, else SDPA")
+    compile: bool = option(False, help="torch.compile each transformer layer (fuses norms, SwiGLU, rotary)")
     use_distributed_optimizer: bool = option(True, help="Megatron's distributed optimizer (GPU only; CPU uses torch AdamW)")
     value_clip: float = option(0.2, ge=0.0, help="critic value clipping range; 0 disables")
     megatron: dict[str, Any] = option(default_factory=dict, help="Megatron TransformerConfig/DDP/optimizer fields by name")

@@ -129,6 +129,15 @@ def spec_for_model_type(registry: Any, model_type: str) -> type:
     raise UsageError(unknown("HF model_type", model_type, every, " (no model spec accepts it)"))
 
 
+def spec_for_checkpoint(registry: Any, path: str | Path, **config: Any) -> ModelSpec:
+    """A spec instance for the HF checkpoint at ``path``, chosen by its ``config.json`` ``model_type``."""
+    hf = read_hf_config(path)
+    if "model_type" not in hf:
+        raise UsageError(f"{path}/config.json: no `model_type`; choose the model spec by name")
+    cls = spec_for_model_type(registry, hf["model_type"])
+    return cls(cls.Config(path=str(path), **config))
+
+
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 

@@ -81,6 +81,9 @@ class MegatronTrainer:
                                  transformer_overrides=overrides["transformer"], init_weights=not has_ckpt)
         if has_ckpt:
             M.load_hf(self.model, spec, self.hf, spec.config.path)
+        if self.config.compile:  # before DDP wrapping; graph breaks (packed cu_seqlens) are fine
+            for layer in self.model.decoder.layers:
+                layer.forward = torch.compile(layer.forward)
         self.value_head = None
         if role == "critic":  # replicated over TP, fp32; initialized to zero so initial values are 0
             self.value_head = torch.nn.Linear(self.hf["hidden_size"], 1, device=self.device, dtype=torch.float32)
@@ -452,7 +455,10 @@ class MegatronTrainer:
             raise UsageError(f"{ckpt_dir}: no such checkpoint directory")
         loaded = dist_checkpointing.load(self._sharded_state(is_loading=True), str(ckpt_dir))
         model_sd = {k.removeprefix("model."): v for k, v in loaded["model"].items()}
-        self.gpt.load_state_dict(model_sd, strict=False)
+        result = self.gpt.load_state_dict(model_sd, strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+        if missing:
+            raise UsageError(f"{ckpt_dir}: checkpoint lacks {missing[:3]} (written by another model spec?)")
         self.step = int(loaded["step"])
         if self.value_head is not None:
             self.value_head.load_state_dict(loaded["value_head"])

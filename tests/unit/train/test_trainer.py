@@ -173,3 +173,11 @@ def test_critic_learns_the_returns(tiny_ckpts):
     assert losses[-1] < 0.3 * losses[0], losses
     values = trainer.values(batch)
     assert (values[batch.response_mask.bool()] - 0.5).abs().mean() < 0.2
+
+
+@pytest.mark.slow
+def test_compiled_layers_give_the_same_log_probs(tiny_ckpts):
+    _, batch = _batch(seed=7)
+    plain = _trainer(tiny_ckpts).log_probs(batch)[0]
+    compiled = _trainer(tiny_ckpts, compile=True).log_probs(batch)[0]
+    assert (compiled - plain).abs().max() < 1e-5
