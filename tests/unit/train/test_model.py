@@ -90,3 +90,29 @@ def test_loading_checks_coverage_and_shapes(tiny_ckpts, tmp_path):
         M.load_hf(model, spec, hf, broken)
     with pytest.raises(UsageError, match="no \\*.safetensors"):
         M.load_hf(model, spec, hf, tmp_path)
+
+
+@pytest.mark.parametrize("tp_vocab", [130])
+def test_tied_embeddings_and_padded_vocab(tmp_path, tp_vocab):
+    """vocab 130 pads to 256 rows; tied output layer: logits, log-probs and the round trip still exact."""
+    from safetensors.torch import load_file
+
+    from posttrain.core.config import TrainerConfig
+    from posttrain.core.train.batch import TrainBatch
+    from posttrain.core.train.convert import verify_checkpoint
+    from posttrain.core.train.trainer import MegatronTrainer
+    from posttrain.testing.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / "tied", "qwen2", vocab_size=tp_vocab, tie_word_embeddings=True)
+    assert "lm_head.weight" not in load_file(str(path / "model.safetensors"))
+    spec = spec_for("qwen2", path)
+    result = verify_checkpoint(spec, path, seq_len=12)
+    assert result["passed"] and result["round_trip_exact"], result
+    trainer = MegatronTrainer(spec, TrainerConfig(micro_batch_size=2, global_batch_size=2))
+    assert trainer.gpt.embedding.word_embeddings.weight.shape[0] == 256
+    ids = [5, 129, 17, 128, 3, 77]
+    lp = trainer.log_probs(TrainBatch.from_lists([ids], [1]))[0][0]
+    logp = torch.log_softmax(_hf_logits(path, torch.tensor([ids]))[0], -1)
+    assert (lp[1:] - logp[:-1].gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)).abs().max() < 1e-5
+    exported = dict(kv for bucket in trainer.export_hf() for kv in bucket)
+    assert "lm_head.weight" not in exported and exported["model.embed_tokens.weight"].shape[0] == tp_vocab
