@@ -102,6 +102,7 @@ class MegatronTrainer:
 
     def _build_optimizer(self, overrides: dict[str, dict[str, Any]]) -> None:
         c = self.config
+        self._masters: list[torch.Tensor] | None = None
         self.megatron_optimizer = torch.cuda.is_available()
         if self.megatron_optimizer:
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -122,7 +123,11 @@ class MegatronTrainer:
             if self.value_head is not None:
                 self.head_optimizer = torch.optim.AdamW(self.value_head.parameters(), lr=c.lr)
         else:
-            self.optimizer = torch.optim.AdamW(self._params(), lr=c.lr, betas=(c.adam_beta1, c.adam_beta2),
+            # bf16/fp16 parameters keep fp32 master copies: an lr-1e-6 update vanishes in bf16.
+            params = self._params()
+            self._masters = ([p.detach().float().clone().requires_grad_(True) for p in params]
+                             if any(p.dtype != torch.float32 for p in params) else None)
+            self.optimizer = torch.optim.AdamW(self._masters or params, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2),
                                                eps=c.adam_eps, weight_decay=c.weight_decay)
 
     @property
@@ -267,6 +272,9 @@ class MegatronTrainer:
             group["lr"] = lr
         if self.megatron_optimizer:
             self.model.zero_grad_buffer()
+        else:
+            for p in self._params():
+                p.grad = None
         self.optimizer.zero_grad()
         global_tokens = self._dp_sum(float(batch.response_mask.sum()))
         global_seqs = self._dp_sum(float(len(batch)))
@@ -335,11 +343,20 @@ class MegatronTrainer:
         self._dp_all_reduce_grads()
         self._tp_sum_partial_grads()
         norm = self._grad_norm()
-        if self.config.grad_clip and norm > self.config.grad_clip:
+        coef = self.config.grad_clip / (norm + 1e-6) if self.config.grad_clip and norm > self.config.grad_clip else 1.0
+        if self._masters is None:
             for p in self._params():
-                if p.grad is not None:
-                    p.grad.mul_(self.config.grad_clip / (norm + 1e-6))
+                if p.grad is not None and coef != 1.0:
+                    p.grad.mul_(coef)
+            self.optimizer.step()
+            return norm
+        params = self._params()
+        for master, p in zip(self._masters, params):
+            master.grad = None if p.grad is None else p.grad.float() * coef
         self.optimizer.step()
+        with torch.no_grad():
+            for master, p in zip(self._masters, params):
+                p.copy_(master)
         return norm
 
     def _dp_all_reduce_grads(self) -> None:
@@ -419,6 +436,9 @@ class MegatronTrainer:
         gpt_params = [p for p in self.gpt.parameters() if p.requires_grad]
         id_map = get_param_id_to_sharded_param_map(model_sd, gpt_params)
         steps = {pid: s.pop("step") for pid, s in optim["state"].items() if "step" in s}
+        if self._masters is not None:  # fp32 master weights travel sharded like the moments
+            for pid, master in enumerate(self._masters[: len(gpt_params)]):
+                optim["state"].setdefault(pid, {})["master_param"] = master.detach()
         optim_state_to_sharding_state(optim, id_map)
         if self.value_head is not None:  # replicated fp32 head: plain tensors in the common part
             head_ids = range(len(gpt_params), len(gpt_params) + 2)
@@ -467,6 +487,12 @@ class MegatronTrainer:
             return
         optim = loaded["optimizer"]
         step = torch.tensor(loaded["optimizer_step"])
+        if self._masters is not None:
+            with torch.no_grad():
+                for pid, master in enumerate(self._masters):
+                    saved = optim["state"].get(pid, {}).pop("master_param", None)
+                    params = self._params()
+                    master.copy_(saved if saved is not None else params[pid].detach().float())
         for pid in optim["state"]:
             optim["state"][pid]["step"] = step.clone()
         for pid, s in (loaded.get("value_head_optimizer") or {}).items():
