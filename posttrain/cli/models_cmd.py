@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import typer
@@ -19,6 +20,9 @@ from rich.table import Table
 from posttrain.cli.console import console
 from posttrain.cli.options import Disabled, PluginFiles, load
 from posttrain.core.errors import UsageError, unknown
+
+# Megatron announces on import that Apex / Transformer Engine are absent: noise for a CLI user.
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|transformer_engine).*")
 
 app = typer.Typer(help="Model specs: list families and presets, convert and verify checkpoints.",
                   no_args_is_help=True)

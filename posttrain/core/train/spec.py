@@ -158,9 +158,21 @@ class DenseGPTSpec(ModelSpec):
     def head_dim(self, hf: dict[str, Any]) -> int:
         return int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
 
+    def check_supported(self, hf: dict[str, Any]) -> None:
+        """Refuse HF features this mapping does not reproduce (rather than train a different model)."""
+        scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+        kind = (scaling.get("rope_type") or scaling.get("type")) if isinstance(scaling, dict) else None
+        if kind not in (None, "default"):
+            raise UsageError(f"{self.name}: rope scaling {kind!r} is not supported by this spec")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise UsageError(f"{self.name}: hidden_act {hf['hidden_act']!r} is not supported (silu only)")
+        if hf.get("use_sliding_window"):
+            raise UsageError(f"{self.name}: sliding-window attention is not supported by this spec")
+
     def transformer_config(self, hf: dict[str, Any]) -> dict[str, Any]:
         import torch.nn.functional as F
 
+        self.check_supported(hf)
         return dict(
             num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
             num_attention_heads=hf["num_attention_heads"],

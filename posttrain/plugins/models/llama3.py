@@ -28,15 +28,6 @@ class Llama3Spec(DenseGPTSpec):
                           bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16"),
     }
 
-    def transformer_config(self, hf):
-        scaling = hf.get("rope_scaling") or (hf.get("rope_parameters") or {})
-        kind = scaling.get("rope_type") or scaling.get("type") if isinstance(scaling, dict) else None
-        if kind not in (None, "default"):
-            from posttrain.core.errors import UsageError
-
-            raise UsageError(f"llama3: rope scaling {kind!r} is not supported by this spec (Llama 3.0 only)")
-        return super().transformer_config(hf)
-
 
 @hookimpl
 def posttrain_register_models(registry):

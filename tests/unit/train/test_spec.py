@@ -83,3 +83,12 @@ def test_megatron_passthrough_is_validated_against_megatron_dataclasses():
     assert errors == [] and ok.megatron["recompute_granularity"] == "full"
     _, errors = build(TrainerConfig, {"megatron": {"recompute_granularty": "full"}}, "trainer")
     assert len(errors) == 1 and "recompute_granularty" in errors[0] and "recompute_granularity" in errors[0]
+
+
+@pytest.mark.parametrize("extra,message", [({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+                                           ({"hidden_act": "gelu"}, "gelu"), ({"use_sliding_window": True}, "sliding")])
+def test_unsupported_hf_features_are_refused(extra, message):
+    cls = load_plugins().registry("model")["qwen2"]
+    spec = cls(cls.Config())
+    with pytest.raises(UsageError, match=message):
+        spec.transformer_config({**spec.hf_config(), **extra})
