@@ -22,7 +22,7 @@ from posttrain.cli.options import Disabled, PluginFiles, load
 from posttrain.core.errors import UsageError, unknown
 
 # Megatron announces on import that Apex / Transformer Engine are absent: noise for a CLI user.
-warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|transformer_engine).*")
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|transformer_engine|full scope is deprecated).*")
 
 app = typer.Typer(help="Model specs: list families and presets, convert and verify checkpoints.",
                   no_args_is_help=True)

@@ -37,7 +37,9 @@ def verify_checkpoint(spec: Any, hf_dir: str | Path, *, tolerance: float = 1e-4,
     Both models run in ``spec.config.dtype`` (use float32 for a 1e-4 tolerance) on random token ids.
     """
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     hf = spec.hf_config()
     model = M.build_gpt(spec, hf, dtype=spec.config.dtype, attention=attention, init_weights=False)
     M.load_hf(model, spec, hf, hf_dir)

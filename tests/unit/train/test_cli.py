@@ -99,3 +99,17 @@ def test_bad_input_is_one_line_exit_2(tiny_ckpts, args, message):
     out = rl_cli(*args)
     assert out.returncode == 2, out.stdout + out.stderr
     assert message in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_convert_with_tp2_reshards_to_tp1_exactly(tiny_ckpts, tmp_path):
+    """`--tp 2` runs under torchrun; the TP=2 dist-checkpoint converts back with TP=1 bit-exactly."""
+    from safetensors.torch import load_file
+
+    path = tiny_ckpts("qwen3")
+    to_m = rl_cli("models", "convert", str(path), str(tmp_path / "m"), "--to", "megatron", "--tp", "2")
+    assert to_m.returncode == 0, to_m.stderr
+    back = rl_cli("models", "convert", str(tmp_path / "m"), str(tmp_path / "h"), "--to", "hf")
+    assert back.returncode == 0, back.stderr
+    a, b = load_file(str(path / "model.safetensors")), load_file(str(tmp_path / "h" / "model.safetensors"))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
