@@ -429,24 +429,25 @@ class MegatronTrainer:
         if self.megatron_optimizer:
             state["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
             return state
-        if is_loading:
-            self._init_adam_state()
+        # Every parameter gets a state, also those without gradients so far (the critic never uses the
+        # output layer), so saved and loading structures agree.
+        self._init_adam_state()
         optim = self.optimizer.state_dict()
         optim["state"] = {pid: dict(s) for pid, s in optim["state"].items()}  # torch shares the live dicts
         gpt_params = [p for p in self.gpt.parameters() if p.requires_grad]
         id_map = get_param_id_to_sharded_param_map(model_sd, gpt_params)
-        steps = {pid: s.pop("step") for pid, s in optim["state"].items() if "step" in s}
+        head_ids = set(range(len(gpt_params), len(self._params())))  # the critic's replicated fp32 head
+        if head_ids:  # plain tensors in the common part, not sharded
+            state["value_head_optimizer"] = {pid: {k: v.detach().cpu().clone() for k, v in optim["state"][pid].items()}
+                                             for pid in head_ids if pid in optim["state"]}
+            optim["state"] = {pid: st for pid, st in optim["state"].items() if pid not in head_ids}
+        steps = {pid: st.pop("step") for pid, st in optim["state"].items() if "step" in st}
         if self._masters is not None:  # fp32 master weights travel sharded like the moments
             for pid, master in enumerate(self._masters[: len(gpt_params)]):
                 optim["state"].setdefault(pid, {})["master_param"] = master.detach()
         optim_state_to_sharding_state(optim, id_map)
-        if self.value_head is not None:  # replicated fp32 head: plain tensors in the common part
-            head_ids = range(len(gpt_params), len(gpt_params) + 2)
-            optim["state"] = {pid: s for pid, s in optim["state"].items() if pid not in head_ids}
-            state["value_head_optimizer"] = {pid: {k: v.cpu() for k, v in self.optimizer.state_dict()["state"][pid].items()}
-                                             for pid in head_ids if pid in self.optimizer.state_dict()["state"]}
         state["optimizer"] = optim
-        state["optimizer_step"] = float(next(iter(steps.values()), torch.zeros(())).item()) if steps else 0.0
+        state["optimizer_step"] = max((float(v) for v in steps.values()), default=0.0)
         return state
 
     def _init_adam_state(self) -> None:

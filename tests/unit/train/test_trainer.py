@@ -202,3 +202,19 @@ def test_bf16_parameters_train_through_fp32_masters_and_checkpoint_them(tiny_ckp
     fresh.load(tmp_path / "ckpt")
     fresh.train_step(batch, local_loss)
     assert all(torch.equal(a, b) for a, b in zip(fresh._masters, expected))
+
+
+def test_critic_checkpoint_round_trip(tiny_ckpts, tmp_path):
+    config = TrainerConfig(lr=1e-2, micro_batch_size=2, global_batch_size=4)
+    spec = spec_for("qwen3", tiny_ckpts("qwen3"))
+    critic = MegatronTrainer(spec, config, role="critic")
+    _, batch = _batch(seed=9)
+    batch.returns = 0.5 * batch.response_mask
+    critic.train_step(batch)
+    critic.save(tmp_path / "critic")
+    critic.train_step(batch)
+    expected = critic.values(batch)
+    fresh = MegatronTrainer(spec, config, role="critic")
+    fresh.load(tmp_path / "critic")
+    fresh.train_step(batch)
+    assert torch.equal(fresh.values(batch), expected) and expected.abs().max() > 0
