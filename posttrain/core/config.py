@@ -165,13 +165,40 @@ class TrainerConfig:
     kl_loss_coef: float = option(0.0, ge=0.0, help="weight of the KL(policy || reference) loss term")
     entropy_coef: float = option(0.0, help="weight of the entropy bonus")
     grad_clip: float = option(1.0, ge=0.0, help="max global grad norm; 0 disables")
+    tp: int = option(1, ge=1, help="tensor-parallel size")
+    pp: int = option(1, ge=1, le=1, help="pipeline-parallel size (only 1 for now)")
+    weight_decay: float = option(0.0, ge=0.0)
+    adam_beta1: float = option(0.9, ge=0.0, lt=1.0)
+    adam_beta2: float = option(0.98, ge=0.0, lt=1.0)
+    adam_eps: float = option(1e-8, gt=0.0)
+    lr_warmup_steps: int = option(0, ge=0, help="linear warm-up from 0 over this many optimizer steps")
+    lr_decay_style: Literal["constant", "linear", "cosine"] = option("constant", help="after warm-up")
+    lr_decay_steps: int | None = option(None, ge=1, help="steps from start to min_lr (linear/cosine)")
+    min_lr: float = option(0.0, ge=0.0)
+    sequence_packing: bool = option(True, help="pack a micro-batch's samples into one row (THD attention)")
+    log_probs_chunk_size: int = option(1024, ge=1, help="tokens per chunk of the vocab-parallel log-softmax")
+    attention: Literal["auto", "sdpa", "local", "te"] = option("auto", help="core attention: auto = TE if installed on GPU, else SDPA")
+    compile: bool = option(False, help="torch.compile each transformer layer (fuses norms, SwiGLU, rotary)")
+    use_distributed_optimizer: bool = option(True, help="Megatron's distributed optimizer (GPU only; CPU uses torch AdamW)")
+    value_clip: float = option(0.2, ge=0.0, help="critic value clipping range; 0 disables")
     megatron: dict[str, Any] = option(default_factory=dict, help="Megatron TransformerConfig/DDP/optimizer fields by name")
 
     def validate(self) -> list[str]:
+        errors = []
         if self.global_batch_size % self.micro_batch_size:
-            return [f"micro_batch_size: {self.micro_batch_size} does not divide global_batch_size "
-                    f"{self.global_batch_size}"]
-        return []
+            errors.append(f"micro_batch_size: {self.micro_batch_size} does not divide global_batch_size "
+                          f"{self.global_batch_size}")
+        if self.lr_decay_style != "constant" and self.lr_decay_steps is None:
+            errors.append(f"lr_decay_steps: required with lr_decay_style {self.lr_decay_style!r}")
+        if self.megatron:  # checked against Megatron's own dataclasses: a misspelled field is an error
+            from posttrain.core.errors import UsageError
+            from posttrain.core.train.model import split_megatron_overrides
+
+            try:
+                split_megatron_overrides(self.megatron)
+            except UsageError as exc:
+                errors.append(str(exc).removeprefix("trainer."))
+        return errors
 
 
 @dataclass

@@ -1,0 +1,195 @@
+"""``rl-cli models``: model-spec families and presets, checkpoint conversion, conversion verification.
+
+``--tp N`` (N > 1) re-launches the command under ``torchrun --nproc_per_node N`` (gloo on CPU, NCCL on
+GPUs); rank 0 reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from posttrain.cli.console import console
+from posttrain.cli.options import Disabled, PluginFiles, load
+from posttrain.core.errors import UsageError, unknown
+
+# Megatron announces on import that Apex / Transformer Engine are absent: noise for a CLI user.
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|transformer_engine|full scope is deprecated).*")
+
+app = typer.Typer(help="Model specs: list families and presets, convert and verify checkpoints.",
+                  no_args_is_help=True)
+
+SpecOption = typer.Option(None, "--spec", help="model spec name (default: chosen by config.json's model_type)")
+TPOption = typer.Option(1, "--tp", min=1, help="tensor-parallel size (N > 1 runs N processes)")
+
+
+def _spec(plugins, name: str | None, hf_dir: str | None, dtype: str, path: str | None = None):
+    from posttrain.core.train.spec import read_hf_config, spec_for_model_type
+
+    registry = plugins.registry("model")
+    if name is not None:
+        if name not in registry:
+            raise UsageError(unknown("model spec", name, list(registry), " (see `rl-cli models list`)"))
+        cls = registry[name]
+    else:
+        hf = read_hf_config(hf_dir)
+        if "model_type" not in hf:
+            raise UsageError(f"{hf_dir}/config.json: no `model_type`; pass --spec")
+        cls = spec_for_model_type(registry, hf["model_type"])
+    return cls(cls.Config(path=path, dtype=dtype))
+
+
+def _relaunch(tp: int, result_file: str) -> int:
+    """Run this very command under torchrun with ``tp`` processes; rank 0 writes ``result_file``."""
+    argv = [a for a in sys.argv[1:]]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(tp), "--master_port",
+           str(_free_port()), "-m", "posttrain.cli.main", *argv, "--result-file", result_file]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if proc.returncode:  # a rank's one-line user error is the useful part of torchrun's report
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        if errors:
+            raise UsageError(errors[0].removeprefix("error:").strip())
+    return proc.returncode
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _in_torchrun() -> bool:
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+@app.command("list")
+def list_(as_json: bool = typer.Option(False, "--json", help="print JSON rows instead of a table"),
+          plugin: list[str] = PluginFiles, disable: list[str] = Disabled) -> None:
+    """Model-spec families (with the HF model_type each accepts) and their preset shapes."""
+    from posttrain.core.train.spec import presets_table
+
+    plugins = load(plugin, disable)
+    registry = plugins.registry("model")
+    specs = [registry[n] for n in sorted(registry)]
+    rows = presets_table(specs)
+    for r in rows:
+        r["model_types"] = ",".join(registry[r["family"]].model_types)
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table("FAMILY", "HF MODEL_TYPE", "PRESET", "LAYERS", "HIDDEN", "HEADS/KV", "FFN", "VOCAB", "PARAMS",
+                  box=None, pad_edge=False)
+    for r in rows:
+        table.add_row(r["family"], r["model_types"], r["preset"], str(r["layers"]), str(r["hidden"]),
+                      f"{r['heads']}/{r['kv_heads']}", str(r["ffn"]), str(r["vocab"]), _human(r["params"]))
+    console.print(table)
+
+
+def _human(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+@app.command()
+def verify(hf_dir: str = typer.Argument(..., help="HF checkpoint directory"), tp: int = TPOption,
+           spec: str = SpecOption, tolerance: float = typer.Option(1e-4, "--tolerance", help="max |logit diff|"),
+           dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16"),
+           attention: str = typer.Option("auto", "--attention", help="core attention: auto | sdpa | local | te"),
+           seq_len: int = typer.Option(16, "--seq-len", min=2),
+           result_file: str = typer.Option(None, "--result-file", hidden=True),
+           plugin: list[str] = PluginFiles, disable: list[str] = Disabled) -> None:
+    """Load HF_DIR into Megatron, compare logits with transformers on the same tokens: PASS or FAIL (exit 1)."""
+    if not Path(hf_dir, "config.json").is_file():
+        raise UsageError(f"{hf_dir}: not an HF checkpoint directory (no config.json)")
+    if tp > 1 and not _in_torchrun():
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "result.json"
+            rc = _relaunch(tp, str(out))
+            if not out.is_file():
+                raise UsageError(f"verify under torchrun (tp={tp}) failed with exit code {rc}; "
+                                 f"run it with `torchrun --nproc_per_node {tp} -m posttrain.cli.main ...` to see why")
+            _report(json.loads(out.read_text()), tp)
+        return
+    from posttrain.core.train.convert import verify_checkpoint
+    from posttrain.core.train.model import init_parallel
+
+    model_spec = _spec(load(plugin, disable), spec, hf_dir, dtype, path=hf_dir)
+    init_parallel(tp, 1)
+    result = verify_checkpoint(model_spec, hf_dir, tolerance=tolerance, seq_len=seq_len, attention=attention)
+    result["spec"] = model_spec.name
+    import torch.distributed as dist
+
+    if dist.get_rank() != 0:
+        return
+    if result_file:
+        Path(result_file).write_text(json.dumps(result))
+        return
+    _report(result, tp)
+
+
+def _report(result: dict, tp: int) -> None:
+    verdict = "[bold green]PASS[/]" if result["passed"] else "[bold red]FAIL[/]"
+    console.print(f"spec {result['spec']}  tp={tp}  max |logit diff| = {result['max_abs_diff']:.3e}  "
+                  f"(tolerance {result['tolerance']:.0e})  HF->Megatron->HF: "
+                  f"{'exact' if result['round_trip_exact'] else 'MISMATCH ' + ', '.join(result['round_trip_mismatches'][:3])}"
+                  f"  {verdict}")
+    if not result["passed"]:
+        raise typer.Exit(1)
+
+
+@app.command()
+def convert(src: str = typer.Argument(..., help="HF directory (--to megatron) or Megatron directory (--to hf)"),
+            out: str = typer.Argument(..., help="output directory"),
+            to: str = typer.Option(..., "--to", help="megatron | hf"), tp: int = TPOption, spec: str = SpecOption,
+            dtype: str = typer.Option(None, "--dtype", help="parameter dtype (default: the checkpoint's)"),
+            result_file: str = typer.Option(None, "--result-file", hidden=True),
+            plugin: list[str] = PluginFiles, disable: list[str] = Disabled) -> None:
+    """Convert HF safetensors to a Megatron dist-checkpoint (torch_dist) or back."""
+    if to not in ("megatron", "hf"):
+        raise UsageError(unknown("--to target", to, ["megatron", "hf"]))
+    if not Path(src).is_dir():
+        raise UsageError(f"{src}: no such directory")
+    if tp > 1 and not _in_torchrun():
+        with tempfile.TemporaryDirectory() as tmp:
+            rc = _relaunch(tp, str(Path(tmp) / "result.json"))
+            if rc:
+                raise UsageError(f"convert under torchrun (tp={tp}) failed with exit code {rc}")
+        console.print(f"wrote {out}")
+        return
+    from posttrain.core.train import convert as C
+    from posttrain.core.train.model import init_parallel
+    from posttrain.core.train.spec import read_hf_config
+
+    plugins = load(plugin, disable)
+    if to == "megatron":
+        hf = read_hf_config(src)
+        model_spec = _spec(plugins, spec, src, dtype or _dtype_of(hf), path=src)
+        init_parallel(tp, 1)
+        C.hf_to_megatron_dir(model_spec, src, out)
+    else:
+        meta = C.read_meta(src)
+        model_spec = _spec(plugins, spec or meta["spec"], None, dtype or meta["dtype"])
+        init_parallel(tp, 1)
+        C.megatron_dir_to_hf(model_spec, src, out, meta["hf_config"])
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0 and not result_file:
+        console.print(f"wrote {out} ({model_spec.name}, {'Megatron torch_dist' if to == 'megatron' else 'HF safetensors'})")
+
+
+def _dtype_of(hf: dict) -> str:
+    value = str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
+    return value if value in ("float32", "bfloat16", "float16") else "float32"

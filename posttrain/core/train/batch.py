@@ -1,0 +1,107 @@
+"""The batch the trainer consumes, and how variable-length samples are packed for Megatron.
+
+Every per-token tensor is ``[B, T]`` and aligned with ``tokens``: column ``t`` describes token
+``tokens[:, t]``. So ``log_probs[b, t] = log p(tokens[b, t] | tokens[b, :t])``; column 0 has no prefix and
+is 0 (a prompt always precedes the response, so ``response_mask[:, 0] == 0``). Samples are right-padded;
+``lengths[b]`` counts the real tokens of sample ``b`` (prompt + response).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+
+
+@dataclass
+class TrainBatch:
+    """One optimizer step's samples (or a micro-batch of them).
+
+    :ivar tokens: ``[B, T]`` long, prompt + response ids, right-padded.
+    :ivar lengths: ``[B]`` long, real tokens per sample.
+    :ivar response_mask: ``[B, T]`` float, 1 on response tokens that are trained on (tool output: 0).
+    :ivar advantages: ``[B, T]`` float (0 off the response), or None for log-prob-only batches.
+    :ivar old_log_probs: ``[B, T]`` log-probs of the policy that sampled (or the pre-update policy).
+    :ivar ref_log_probs: ``[B, T]`` reference-policy log-probs, for the KL loss term.
+    :ivar is_weights: ``[B, T]`` importance-sampling weights (rollout/training mismatch), or None.
+    :ivar returns: ``[B, T]`` value targets for the critic, or None.
+    :ivar old_values: ``[B, T]`` critic values at rollout time (value clipping), or None.
+    """
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    response_mask: torch.Tensor
+    advantages: torch.Tensor | None = None
+    old_log_probs: torch.Tensor | None = None
+    ref_log_probs: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
+
+    @classmethod
+    def from_lists(cls, token_lists: list[list[int]], prompt_lengths: list[int], **per_token: Any) -> "TrainBatch":
+        """Pad ``token_lists``; the response mask covers everything after each prompt."""
+        size, width = len(token_lists), max(len(t) for t in token_lists)
+        tokens = torch.zeros(size, width, dtype=torch.long)
+        mask = torch.zeros(size, width)
+        for i, (ids, p) in enumerate(zip(token_lists, prompt_lengths)):
+            tokens[i, : len(ids)] = torch.tensor(ids)
+            mask[i, p: len(ids)] = 1.0
+        lengths = torch.tensor([len(t) for t in token_lists])
+        return cls(tokens=tokens, lengths=lengths, response_mask=mask, **per_token)
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def select(self, start: int, end: int) -> "TrainBatch":
+        """Samples ``start:end``, trimmed to their longest length."""
+        width = int(self.lengths[start:end].max())
+        kw = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v is None:
+                kw[f.name] = None
+            elif f.name == "lengths":
+                kw[f.name] = v[start:end]
+            else:
+                kw[f.name] = v[start:end, :width]
+        return replace(self, **kw)
+
+    def to(self, device: Any) -> "TrainBatch":
+        return replace(self, **{f.name: (getattr(self, f.name).to(device) if getattr(self, f.name) is not None
+                                         else None) for f in fields(self)})
+
+
+@dataclass
+class Packed:
+    """Samples concatenated into one row for THD attention.
+
+    ``input_ids [1, N]``, ``position_ids [1, N]`` (restart at 0 per sample), ``targets [N]`` (next token,
+    0 at each sample's last position), ``cu_seqlens [B + 1]`` int32, ``index``: for each ``[B, T]`` entry
+    with ``t >= 1``, the packed position whose prediction it is.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    targets: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_len: int
+
+    def unpack(self, values: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
+        """``values [N]`` per packed position (prediction of the next token) -> ``[B, width]`` aligned."""
+        out = values.new_zeros(len(lengths), width)
+        for b, (start, n) in enumerate(zip(self.cu_seqlens[:-1].tolist(), lengths.tolist())):
+            out[b, 1:n] = values[start:start + n - 1]
+        return out
+
+
+def pack(tokens: torch.Tensor, lengths: torch.Tensor) -> Packed:
+    """Concatenate the real tokens of each row of ``tokens [B, T]``."""
+    pieces = [tokens[b, :n] for b, n in enumerate(lengths.tolist())]
+    ids = torch.cat(pieces)
+    positions = torch.cat([torch.arange(len(p), device=tokens.device) for p in pieces])
+    targets = torch.cat([torch.cat([p[1:], p.new_zeros(1)]) for p in pieces])
+    cu = torch.zeros(len(pieces) + 1, dtype=torch.int32, device=tokens.device)
+    cu[1:] = torch.cumsum(lengths.to(tokens.device), 0)
+    return Packed(ids.unsqueeze(0), positions.unsqueeze(0), targets, cu, int(lengths.max()))

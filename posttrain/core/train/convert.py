@@ -1,0 +1,108 @@
+"""Checkpoint conversion and verification (``rl-cli models convert|verify``).
+
+- :func:`verify_checkpoint`: load an HF checkpoint into Megatron (TP from the parallel state), run the
+  same tokens through Megatron and ``transformers``, and report the max absolute logit difference and
+  whether Megatron -> HF gives back every checkpoint tensor bit for bit. A wrong mapping (swapped q/k,
+  gate/up, a missed bias) shows up in the logits even when every shape fits.
+- :func:`hf_to_megatron_dir` / :func:`megatron_dir_to_hf`: HF <-> Megatron dist-checkpoint (torch_dist)
+  directories. A Megatron directory also holds ``posttrain_model.json`` (spec name + HF config), so the
+  way back needs nothing else.
+
+All functions are collective over the TP group when TP > 1 (run under ``torchrun``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from posttrain.core.errors import UsageError
+from posttrain.core.train import model as M
+
+META_FILE = "posttrain_model.json"
+
+
+def _is_writer() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def verify_checkpoint(spec: Any, hf_dir: str | Path, *, tolerance: float = 1e-4, seq_len: int = 16,
+                      batch: int = 2, seed: int = 0, attention: str = "auto") -> dict[str, Any]:
+    """``{"max_abs_diff", "tolerance", "passed", "round_trip_exact", "round_trip_mismatches"}``.
+
+    Both models run in ``spec.config.dtype`` (use float32 for a 1e-4 tolerance) on random token ids.
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf = spec.hf_config()
+    model = M.build_gpt(spec, hf, dtype=spec.config.dtype, attention=attention, init_weights=False)
+    M.load_hf(model, spec, hf, hf_dir)
+    model.eval()
+    ckpt = M.HFCheckpoint(hf_dir)
+    mismatches = []
+    for name, tensor in M.iter_hf(model, spec, hf):
+        original = ckpt.get(name).to(tensor.dtype)
+        if original.shape != tensor.shape or not torch.equal(original, tensor.cpu()):
+            mismatches.append(name)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, int(hf["vocab_size"]), (batch, seq_len), generator=g)
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        positions = torch.arange(seq_len).unsqueeze(0).expand(batch, -1)
+        mask = torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), 1)[None, None]
+        ours = model(ids.to(device), positions.to(device), attention_mask=mask.to(device),
+                     runtime_gather_output=True)[..., : int(hf["vocab_size"])].float().cpu()
+        reference = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=M.DTYPES[spec.config.dtype]).eval()
+        theirs = reference(ids).logits.float()
+    diff = float((ours - theirs).abs().max())
+    return {"max_abs_diff": diff, "tolerance": tolerance, "passed": diff <= tolerance and not mismatches,
+            "round_trip_exact": not mismatches, "round_trip_mismatches": mismatches}
+
+
+def hf_to_megatron_dir(spec: Any, hf_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write ``out_dir`` as a Megatron dist-checkpoint of the HF checkpoint (model weights only)."""
+    from megatron.core import dist_checkpointing
+
+    hf = spec.hf_config()
+    model = M.build_gpt(spec, hf, dtype=spec.config.dtype, attention="sdpa", init_weights=False)
+    M.load_hf(model, spec, hf, hf_dir)
+    out = Path(out_dir)
+    if _is_writer():
+        if out.exists() and any(out.iterdir()):
+            raise UsageError(f"{out}: exists and is not empty")
+        out.mkdir(parents=True, exist_ok=True)
+    if dist.is_initialized():
+        dist.barrier()
+    dist_checkpointing.save({"model": model.sharded_state_dict(prefix="model.")}, str(out))
+    if _is_writer():  # written last: a directory with it is a complete checkpoint
+        (out / META_FILE).write_text(json.dumps({"spec": spec.name, "dtype": spec.config.dtype, "hf_config": hf,
+                                                 "source": str(hf_dir)}, indent=2))
+    return out
+
+
+def read_meta(megatron_dir: str | Path) -> dict[str, Any]:
+    p = Path(megatron_dir) / META_FILE
+    if not p.is_file():
+        raise UsageError(f"{megatron_dir}: not a posttrain Megatron checkpoint (no {META_FILE})")
+    return json.loads(p.read_text())
+
+
+def megatron_dir_to_hf(spec: Any, megatron_dir: str | Path, out_dir: str | Path, hf: dict[str, Any]) -> Path | None:
+    """Write an HF checkpoint from a dist-checkpoint written by :func:`hf_to_megatron_dir` (or ``save``)."""
+    from megatron.core import dist_checkpointing
+
+    model = M.build_gpt(spec, hf, dtype=spec.config.dtype, attention="sdpa", init_weights=False)
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict(prefix="model.")}, str(megatron_dir))
+    state = {k.removeprefix("model."): v for k, v in loaded["model"].items()}
+    result = model.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing:
+        raise UsageError(f"{megatron_dir}: checkpoint lacks {missing[:3]}")
+    source = read_meta(megatron_dir).get("source") if (Path(megatron_dir) / META_FILE).is_file() else None
+    return M.save_hf(model, spec, hf, out_dir, source_dir=source if source and Path(source).is_dir() else None)

@@ -1,0 +1,319 @@
+"""Build a Megatron-core ``GPTModel`` from a spec, and move weights between it and HF checkpoints.
+
+- :func:`init_parallel` sets up torch.distributed (gloo on CPU, NCCL on GPU) and Megatron's parallel state.
+- :func:`build_gpt` makes the model (TP shards on this rank) from ``spec`` + the HF config.
+- :func:`load_hf` copies an HF safetensors checkpoint into it, checking that every Megatron parameter is
+  filled and every HF tensor is used (a mapping that forgets or invents a tensor fails loudly).
+- :func:`iter_hf` yields the model as ``(hf_name, full tensor)`` with TP shards gathered;
+  :func:`save_hf` writes a loadable HF checkpoint from it.
+
+TP sharding is generic: a parameter Megatron marks ``tensor_model_parallel`` is split along its
+``partition_dim``; a gated MLP's ``linear_fc1`` (``[gate; up]``) is split gate and up separately so each
+rank holds ``[gate_r; up_r]``, which is what Megatron's MLP chunks in two.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from posttrain.core.errors import UsageError
+from posttrain.core.train import cpu_shims
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+HF_EXTRA_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                  "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0) -> None:
+    """torch.distributed from the torchrun environment (or a one-process group) + Megatron parallel state."""
+    from megatron.core import parallel_state
+
+    cpu_shims.install()
+    if not dist.is_initialized():
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        init = "env://" if "MASTER_ADDR" in os.environ else f"tcp://127.0.0.1:{_free_port()}"
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", init_method=init,
+                                rank=rank, world_size=world)
+    if parallel_state.model_parallel_is_initialized():
+        have = (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size())
+        if have != (tp, pp):
+            raise UsageError(f"model parallelism already initialized as tp={have[0]} pp={have[1]}, "
+                             f"asked for tp={tp} pp={pp}")
+    else:
+        if dist.get_world_size() % (tp * pp):
+            raise UsageError(f"world size {dist.get_world_size()} is not a multiple of tp*pp={tp * pp}")
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    cpu_shims.init_rng(seed)
+
+
+def tp_info() -> tuple[int, int]:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def megatron_config_fields() -> dict[str, set[str]]:
+    """Field names settable through ``trainer.megatron``: TransformerConfig, DDP and optimizer configs."""
+    import dataclasses
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer import TransformerConfig
+
+    return {"transformer": {f.name for f in dataclasses.fields(TransformerConfig)},
+            "ddp": {f.name for f in dataclasses.fields(DistributedDataParallelConfig)},
+            "optimizer": {f.name for f in dataclasses.fields(OptimizerConfig)}}
+
+
+def split_megatron_overrides(overrides: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{"transformer": {...}, "ddp": {...}, "optimizer": {...}}``; an unknown name is a UsageError."""
+    from posttrain.core.errors import did_you_mean
+
+    fields = megatron_config_fields()
+    out: dict[str, dict[str, Any]] = {k: {} for k in fields}
+    for key, value in (overrides or {}).items():
+        owners = [k for k, names in fields.items() if key in names]
+        if not owners:
+            every = set().union(*fields.values())
+            raise UsageError(f"trainer.megatron.{key}: not a field of TransformerConfig, "
+                             f"DistributedDataParallelConfig or OptimizerConfig.{did_you_mean(key, every)}")
+        for k in owners:
+            out[k][key] = value
+    return out
+
+
+def core_attention_for(kind: str) -> Any:
+    """The ``core_attention`` module for ``kind`` (auto | sdpa | local | te); None keeps the spec's."""
+    if kind == "auto":
+        try:
+            import transformer_engine  # noqa: F401
+
+            kind = "te" if torch.cuda.is_available() else "sdpa"
+        except ImportError:
+            kind = "sdpa"
+    if kind == "sdpa":
+        from posttrain.core.train.attention import SDPAttention
+
+        return SDPAttention
+    if kind == "te":
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+        return TEDotProductAttention
+    if kind == "local":
+        return None
+    raise UsageError(f"trainer.attention: unknown core attention {kind!r}; valid: auto, sdpa, local, te")
+
+
+def build_gpt(spec: Any, hf: dict[str, Any], *, dtype: str = "float32", attention: str = "auto",
+              transformer_overrides: dict[str, Any] | None = None, init_weights: bool = True) -> Any:
+    """A ``GPTModel`` holding this rank's TP shards, on the current device. ``tp`` comes from parallel state."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+    _, tp = tp_info()
+    torch_dtype = DTYPES[dtype]
+    kwargs = spec.transformer_config(hf)
+    kwargs.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, params_dtype=torch_dtype,
+                  bf16=torch_dtype == torch.bfloat16, fp16=torch_dtype == torch.float16,
+                  use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=init_weights)
+    kwargs.update(transformer_overrides or {})
+    config = TransformerConfig(**kwargs)
+    model = GPTModel(config=config, transformer_layer_spec=spec.layer_spec(hf, core_attention_for(attention)),
+                     vocab_size=spec.padded_vocab_size(hf, tp), **spec.gpt_model_kwargs(hf))
+    mark_tp_params(model)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model.to(torch_dtype)
+
+
+def mark_tp_params(model: Any) -> None:
+    """Set ``tensor_model_parallel``/``partition_dim`` on every TP-split parameter.
+
+    Megatron 0.16 sets them only when it initializes the weights itself (``perform_initialization``);
+    weights loaded from a checkpoint would otherwise look replicated to sharding, gathering and the
+    grad norm.
+    """
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                      VocabParallelEmbedding, set_tensor_model_parallel_attributes)
+
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dims = {"weight": 0, "bias": 0}
+        elif isinstance(module, RowParallelLinear):
+            dims = {"weight": 1}  # its bias is added after the all-reduce: replicated
+        else:
+            continue
+        for attr, dim in dims.items():
+            param = getattr(module, attr, None)
+            if isinstance(param, torch.nn.Parameter) and not hasattr(param, "partition_dim"):
+                set_tensor_model_parallel_attributes(param, True, dim, 1)
+
+
+def megatron_params(model: Any) -> dict[str, torch.nn.Parameter]:
+    """Trainable parameters by Megatron name (wrappers such as DDP's ``module.`` prefix stripped)."""
+    inner = model
+    while hasattr(inner, "module") and not hasattr(inner, "decoder"):
+        inner = inner.module
+    return dict(inner.named_parameters())
+
+
+def _is_gated_fc1(name: str, param: Any) -> bool:
+    return name.endswith("mlp.linear_fc1.weight") and getattr(param, "tensor_model_parallel", False)
+
+
+def shard(name: str, param: Any, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    """This rank's piece of the unsharded tensor ``full`` for parameter ``param``."""
+    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim = param.partition_dim
+    if _is_gated_fc1(name, param):
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]], dim=0)
+    return full.chunk(tp, dim=dim)[rank]
+
+
+def gather(name: str, param: Any) -> torch.Tensor:
+    """The unsharded tensor of ``param`` (all-gathered over TP when it is split), detached."""
+    from megatron.core import parallel_state
+
+    rank, tp = tp_info()
+    local = param.detach()
+    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
+        return local
+    parts = [torch.empty_like(local) for _ in range(tp)]
+    dist.all_gather(parts, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    if _is_gated_fc1(name, param):
+        gates, ups = zip(*(p.chunk(2, dim=0) for p in parts))
+        return torch.cat([*gates, *ups], dim=0)
+    return torch.cat(parts, dim=param.partition_dim)
+
+
+class HFCheckpoint:
+    """Lazy access to the tensors of an HF safetensors checkpoint (single file or sharded with an index)."""
+
+    def __init__(self, path: str | Path):
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise UsageError(f"{path}: no *.safetensors files (only safetensors checkpoints are read)")
+        self._handles = {f: safe_open(str(f), framework="pt") for f in files}
+        self.where = {k: f for f, h in self._handles.items() for k in h.keys()}
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.where:
+            raise UsageError(f"{self.path}: tensor {name!r} is missing from the checkpoint")
+        return self._handles[self.where[name]].get_tensor(name)
+
+    def names(self) -> set[str]:
+        return set(self.where)
+
+
+def load_hf(model: Any, spec: Any, hf: dict[str, Any], path: str | Path) -> None:
+    """Fill ``model`` (this rank's shards) from the HF checkpoint at ``path``; check coverage both ways."""
+    ckpt = HFCheckpoint(path)
+    rank, tp = tp_info()
+    params = megatron_params(model)
+    expected = set(spec.megatron_names(hf))
+    if expected != set(params):
+        raise UsageError(f"{spec.name}: spec parameters and model parameters differ: "
+                         f"missing in model {sorted(expected - set(params))[:4]}, "
+                         f"unmapped in spec {sorted(set(params) - expected)[:4]}")
+    used: set[str] = set()
+    with torch.no_grad():
+        for name, param in params.items():
+            sources = spec.hf_sources(hf, name)
+            used.update(sources)
+            full = spec.to_megatron(hf, name, [ckpt.get(s) for s in sources])
+            if name in VOCAB_PARAMS and full.shape[0] < param.shape[0] * tp:  # TP-dependent vocab padding
+                full = torch.cat([full, full.new_zeros(param.shape[0] * tp - full.shape[0], *full.shape[1:])])
+            piece = shard(name, param, full, rank, tp)
+            if tuple(piece.shape) != tuple(param.shape):
+                raise UsageError(f"{path}: {name}: shape {tuple(piece.shape)} from {sources} does not fit the "
+                                 f"model's {tuple(param.shape)} (does config.json match the weights?)")
+            param.copy_(piece.to(param.dtype))
+    unused = {n for n in ckpt.names() - used if not n.endswith("rotary_emb.inv_freq")}
+    if spec.tied(hf):
+        unused.discard("lm_head.weight")
+    if unused:
+        raise UsageError(f"{path}: {len(unused)} checkpoint tensors are not used by spec {spec.name!r}, "
+                         f"e.g. {sorted(unused)[:3]}")
+
+
+def iter_hf(model: Any, spec: Any, hf: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, full tensor)`` for every weight, TP shards gathered (collective: call on every TP rank)."""
+    for name, param in megatron_params(model).items():
+        yield from spec.to_hf(hf, name, gather(name, param))
+
+
+def hf_config_to_write(spec: Any, hf: dict[str, Any], dtype: str) -> dict[str, Any]:
+    out = dict(hf)
+    out.setdefault("architectures", [spec.hf_architecture])
+    out.setdefault("model_type", spec.model_types[0] if spec.model_types else spec.name)
+    out["torch_dtype"] = dtype
+    return out
+
+
+def save_hf(model: Any, spec: Any, hf: dict[str, Any], out_dir: str | Path, *, dtype: str | None = None,
+            source_dir: str | Path | None = None, shard_bytes: int = 5 << 30) -> Path | None:
+    """Write an HF checkpoint (``config.json`` + safetensors shards + index) from rank 0; tokenizer files
+    are copied from ``source_dir`` when given. Collective over TP; returns the path on rank 0."""
+    from safetensors.torch import save_file
+
+    is_writer = not dist.is_initialized() or dist.get_rank() == 0
+    out = Path(out_dir)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in iter_hf(model, spec, hf):
+        if not is_writer:
+            continue
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        t = tensor.detach().to("cpu")
+        shards[-1][name] = t.to(DTYPES[dtype]) if dtype else t
+        size += nbytes
+    if not is_writer:
+        return None
+    out.mkdir(parents=True, exist_ok=True)
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, part in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(part, str(out / fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in part})
+        total = sum(t.numel() * t.element_size() for p in shards for t in p.values())
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    first = next(iter(next(iter(shards)).values()), None)
+    written_dtype = dtype or (str(first.dtype).removeprefix("torch.") if first is not None else "float32")
+    (out / "config.json").write_text(json.dumps(hf_config_to_write(spec, hf, written_dtype), indent=2))
+    if source_dir:
+        for fname in HF_EXTRA_FILES:
+            if (Path(source_dir) / fname).is_file():
+                shutil.copy(Path(source_dir) / fname, out / fname)
+    return out

@@ -1,0 +1,74 @@
+"""TP=2 (torchrun, two processes on gloo) equals TP=1: log-probs, one train step, checkpoint round trip."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain.core.config import TrainerConfig
+from posttrain.core.train.trainer import MegatronTrainer
+from train_helpers import local_loss, spec_for, tp_batch
+
+HERE = Path(__file__).parent
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(*args: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(_free_port()), str(HERE / "tp_worker.py"), *args],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_tp2_equals_tp1(tiny_ckpts, tmp_path, megatron_tp1):
+    hf_dir = tiny_ckpts("qwen3")
+    out = tmp_path / "tp2.pt"
+    _torchrun(str(hf_dir), str(out), str(tmp_path / "ckpt"))
+    tp2 = torch.load(out)
+
+    trainer = MegatronTrainer(spec_for("qwen3", hf_dir), TrainerConfig(lr=1e-3, micro_batch_size=2,
+                                                                       global_batch_size=4))
+    batch = tp_batch()
+    lp, ent = trainer.log_probs(batch, with_entropy=True)
+    assert (lp - tp2["lp"]).abs().max() < 1e-5 and (ent - tp2["ent"]).abs().max() < 1e-5
+    batch.old_log_probs = lp
+    metrics = trainer.train_step(batch, local_loss)
+    assert metrics["loss"] == pytest.approx(tp2["metrics"]["loss"], abs=1e-6)
+    assert metrics["grad_norm"] == pytest.approx(tp2["metrics"]["grad_norm"], rel=1e-4)
+    exported = {k: v for bucket in trainer.export_hf(1 << 20) for k, v in bucket}
+    assert sorted(exported) == sorted(tp2["params"])
+    assert max((exported[k] - tp2["params"][k]).abs().max().item() for k in exported) < 1e-5
+    assert tp2["reload_same"]
+
+
+@pytest.mark.slow
+def test_data_parallel_step_equals_the_full_batch_step(tiny_ckpts, tmp_path, megatron_tp1):
+    """Two DP ranks with half the batch each take the same step as one process with all of it
+    (the loss is normalized by the global token count, gradients summed over DP)."""
+    hf_dir = tiny_ckpts("qwen3")
+    _torchrun(str(hf_dir), str(tmp_path / "dp.pt"), str(tmp_path / "unused"), "dp")
+    dp = torch.load(tmp_path / "dp.pt")
+    trainer = MegatronTrainer(spec_for("qwen3", hf_dir), TrainerConfig(lr=1e-3, micro_batch_size=1,
+                                                                       global_batch_size=4))
+    batch = tp_batch()
+    batch.old_log_probs = trainer.log_probs(batch)[0]
+    metrics = trainer.train_step(batch, local_loss)
+    assert dp["loss"] == pytest.approx(metrics["loss"], abs=1e-6)
+    assert dp["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4)
+    exported = {k: v for bucket in trainer.export_hf(1 << 20) for k, v in bucket}
+    assert max((exported[k] - dp["params"][k]).abs().max().item() for k in exported) < 1e-5

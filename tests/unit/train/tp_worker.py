@@ -1,0 +1,70 @@
+"""Run under ``torchrun --nproc_per_node 2``: the trainer with TP=2 on gloo; rank 0 saves the results.
+
+usage: tp_worker.py HF_DIR OUT_FILE CKPT_DIR [dp]
+
+With ``dp``: TP=1 and data parallelism over the two processes instead, each rank taking half the batch.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main() -> None:
+    import torch
+    import torch.distributed as dist
+
+    from posttrain.core.config import TrainerConfig
+    from posttrain.core.train.trainer import MegatronTrainer
+    from train_helpers import local_loss, spec_for, tp_batch
+
+    hf_dir, out_file, ckpt = sys.argv[1:4]
+    torch.set_num_threads(1)
+    if sys.argv[4:] == ["dp"]:
+        return data_parallel(hf_dir, out_file)
+    config = TrainerConfig(lr=1e-3, micro_batch_size=2, global_batch_size=4, tp=2)
+    trainer = MegatronTrainer(spec_for("qwen3", hf_dir), config)
+    batch = tp_batch()
+    lp, ent = trainer.log_probs(batch, with_entropy=True)
+    batch.old_log_probs = lp
+    metrics = trainer.train_step(batch, local_loss)
+    trainer.save(ckpt)
+    exported = {k: v.clone() for bucket in trainer.export_hf(1 << 20) for k, v in bucket}
+    trainer.train_step(batch, local_loss)
+    after_two = {k: v.clone() for bucket in trainer.export_hf(1 << 20) for k, v in bucket}
+    fresh = MegatronTrainer(spec_for("qwen3", hf_dir), config)
+    fresh.load(ckpt)
+    fresh.train_step(batch, local_loss)
+    reloaded = {k: v.clone() for bucket in fresh.export_hf(1 << 20) for k, v in bucket}
+    same = all(torch.equal(reloaded[k], after_two[k]) for k in after_two)
+    if dist.get_rank() == 0:
+        torch.save({"lp": lp, "ent": ent, "metrics": metrics, "params": exported, "reload_same": same}, out_file)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def data_parallel(hf_dir: str, out_file: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from posttrain.core.config import TrainerConfig
+    from posttrain.core.train.trainer import MegatronTrainer
+    from train_helpers import local_loss, spec_for, tp_batch
+
+    trainer = MegatronTrainer(spec_for("qwen3", hf_dir), TrainerConfig(lr=1e-3, micro_batch_size=1,
+                                                                       global_batch_size=2))
+    rank = dist.get_rank()
+    batch = tp_batch().select(2 * rank, 2 * rank + 2)
+    batch.old_log_probs = trainer.log_probs(batch)[0]
+    metrics = trainer.train_step(batch, local_loss)
+    exported = {k: v.clone() for bucket in trainer.export_hf(1 << 20) for k, v in bucket}
+    losses = [None, None]
+    dist.all_gather_object(losses, metrics["loss"])
+    if rank == 0:
+        torch.save({"params": exported, "loss": sum(losses), "grad_norm": metrics["grad_norm"]}, out_file)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # dist-checkpointing starts worker processes: the guard is required
+    main()
