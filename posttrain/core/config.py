@@ -230,9 +230,26 @@ class CheckpointConfig:
 
 
 @dataclass
+class EvalDataset:
+    """One eval set: prompts read like ``data`` (same keys), sampled with its own settings."""
+
+    name: str
+    path: str
+    input_key: str = "prompt"
+    label_key: str = "label"
+    metadata_key: str = "metadata"
+    apply_chat_template: bool = False
+    n_samples_per_prompt: int = option(1, ge=1)
+    temperature: float = option(0.0, ge=0.0, help="0: greedy")
+    top_p: float = option(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int | None = option(None, ge=1, help="default: rollout.max_new_tokens")
+    limit: int | None = option(None, ge=1, help="evaluate the first N prompts only")
+
+
+@dataclass
 class EvalConfig:
     interval: int = option(0, ge=0, help="steps between evals; 0 disables")
-    datasets: list[dict[str, Any]] = option(default_factory=list, help="[{name, path, ...sampling}]")
+    datasets: list[EvalDataset] = option(default_factory=list, help="eval sets, logged as eval/<name>/...")
 
 
 @dataclass
@@ -240,12 +257,12 @@ class RunConfig:
     """The whole run. Component sections hold a :class:`Component`; the others plain dataclasses."""
 
     seed: int = 0
-    model: Any = component("models", optional=True, help="model spec and checkpoint")
+    model: Any = component("models", help="model spec and checkpoint")
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    generator: Any = component("generators", optional=True, help="turns prompt groups into samples")
+    generator: Any = component("generators", help="turns prompt groups into samples")
     estimator: Any = component("estimators", help="advantage estimator")
-    loss: Any = component("losses", optional=True, help="policy loss")
+    loss: Any = component("losses", help="policy loss")
     correction: Any = component("corrections", optional=True, help="rollout/training mismatch correction")
     rewards: Any = component("rewards", many=True, help="weighted reward functions")
     reward_runner: RewardRunnerConfig = field(default_factory=RewardRunnerConfig)
@@ -297,6 +314,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     source = str(path) if path is not None else "config"
     raw = copy.deepcopy(data) if data is not None else read_yaml(path)
     errors = apply_overrides(raw, overrides)
+    errors += _resolve_files(raw, Path(path).parent if path else Path("."))
     config, errs = build(RunConfig, raw, "", context=plugins)
     errors += errs
     if config is None and isinstance(raw, dict):  # still report the batch identity if its sections are valid
@@ -304,7 +322,6 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         trainer, e2 = build(TrainerConfig, raw.get("trainer"), "trainer")
         if not (e1 or e2):
             errors += batch_identity(rollout, trainer)
-    errors += _check_files(raw, Path(path).parent if path else Path("."))
     if errors:
         raise ConfigError(errors, source)
     return config
@@ -364,13 +381,24 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
     return errors
 
 
-def _check_files(raw: dict[str, Any], base: Path) -> list[str]:
-    """Missing input files, checked on the raw mapping so they are reported with the other errors."""
+def _resolve_files(raw: dict[str, Any], base: Path) -> list[str]:
+    """Input files: missing ones are errors (checked on the raw mapping, so they are reported with the
+    others); a path found only relative to the config's folder is made absolute there, so every process
+    (and a resumed run) reads the same file wherever it starts."""
     errors = []
     data = raw.get("data")
-    path = data.get("path") if isinstance(data, dict) else None
-    if isinstance(path, str) and "://" not in path:
-        local = path.split("@[", 1)[0]
-        if not (Path(local).exists() or (base / local).exists()):
-            errors.append(f"data.path: no such file or directory: {local}")
+    entries = [(data, "data.path")] if isinstance(data, dict) else []
+    evals = raw.get("eval", {}).get("datasets") if isinstance(raw.get("eval"), dict) else None
+    entries += [(d, f"eval.datasets.{i}.path") for i, d in enumerate(evals or []) if isinstance(d, dict)]
+    for section, where in entries:
+        path = section.get("path")
+        if not isinstance(path, str) or "://" in path:
+            continue
+        local, _, slicing = path.partition("@[")
+        if Path(local).exists():
+            continue
+        if (base / local).exists():
+            section["path"] = str((base / local).resolve()) + (f"@[{slicing}" if slicing else "")
+        else:
+            errors.append(f"{where}: no such file or directory: {local}")
     return errors

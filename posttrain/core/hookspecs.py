@@ -176,3 +176,16 @@ def posttrain_register_commands(app: typer.Typer) -> None:
     for every ``rl-cli`` invocation, ``--help`` included. Use in ``--plugin`` files: no (commands are
     built before options are parsed).
     """
+
+
+@hookspec
+def posttrain_on_step_end(step: int, metrics: dict) -> None:
+    """Observe the loop: called after every training step, once its metrics are final.
+
+    :param step: the step just finished (0-based).
+    :param metrics: every metric of the step (``rollout/...``, ``train/...``, ``perf/...``), as written
+        to ``metrics.jsonl``. Treat it as read-only.
+
+    Fires in the driver process after each step's weights reached the engines, before checkpoints.
+    Use it for custom loggers and alerts; an exception stops the run. Use in ``--plugin`` files: yes.
+    """

@@ -56,6 +56,8 @@ class ModelSpec:
         path: str | None = option(None, help="an HF checkpoint directory (config.json + *.safetensors)")
         dtype: Literal["float32", "bfloat16", "float16"] = option("bfloat16", help="parameter dtype")
         make_vocab_size_divisible_by: int = option(128, ge=1, help="vocab padding multiple (times TP)")
+        tokenizer: str | None = option(None, help="tokenizer directory (default: `path`); 'char' builds posttrain's "
+                                                  "character-level tokenizer (for the tiny presets)")
 
     def __init__(self, config: Any = None):
         self.config = config or self.Config()

@@ -1,0 +1,119 @@
+"""The trainer role: the policy (and critic, for estimators that need one), its loss, and the trainer
+side of weight sync. Lives in the driver (local executor) or in a Ray actor (ray executor)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+class TrainerRole:
+    """Built from the resolved run config (``RunConfig.to_dict()``); all arguments are plain data.
+
+    Batches are :class:`~posttrain.core.train.batch.TrainBatch` (``[B, T]`` tensors aligned with
+    ``tokens``); everything returned is CPU tensors or ``dict[str, float]``.
+    """
+
+    def __init__(self, config: dict[str, Any], plugin_files: list[str] = (), disabled: list[str] = ()):
+        import torch
+
+        from posttrain.core.config import load_config
+        from posttrain.core.plugins import load_plugins
+        from posttrain.core.train.trainer import MegatronTrainer
+
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+        plugins = load_plugins(plugin_files=list(plugin_files), disabled=list(disabled))
+        self.cfg = cfg = load_config(None, data=config, plugins=plugins)
+        self.spec = cfg.model.create(plugins)
+        self.loss = cfg.loss.create(plugins)
+        self.correction = cfg.correction.create(plugins) if cfg.correction else None
+        estimator = plugins.estimators[cfg.estimator.name]
+        self.policy = MegatronTrainer(self.spec, cfg.trainer, seed=cfg.seed)
+        self.critic = (MegatronTrainer(self.spec, cfg.trainer, seed=cfg.seed, role="critic")
+                       if getattr(estimator, "needs_critic", False) else None)
+        self.sender = None
+
+    # ---------------------------------------------------------------- forward passes
+    def log_probs(self, batch: Any, weights: str | None = None) -> Any:
+        """``[B, T]`` log-probs of ``batch.tokens`` under the current (or a snapshot's) weights."""
+        return self.policy.log_probs(batch, weights=weights)[0]
+
+    def values(self, batch: Any) -> Any:
+        """``[B, T]`` critic values."""
+        return self.critic.values(batch)
+
+    def importance_weights(self, batch: Any, rollout_log_probs: Any) -> tuple[Any, dict[str, float]]:
+        """The configured correction's ``is_weights [B, T]`` from ``batch.old_log_probs`` vs the engine's."""
+        return self.correction(batch.old_log_probs, rollout_log_probs, batch.response_mask)
+
+    # ---------------------------------------------------------------- training
+    def train(self, batch: Any) -> dict[str, float]:
+        """``trainer.steps_per_rollout`` optimizer steps over consecutive slices of ``batch``
+        (``global_batch_size`` samples each); the critic first when there is one. Mean metrics."""
+        steps = self.cfg.trainer.steps_per_rollout
+        size = len(batch) // steps
+        totals: dict[str, float] = {}
+        for i in range(steps):
+            part = batch.select(i * size, (i + 1) * size)
+            metrics = {}
+            if self.critic is not None:
+                metrics.update({f"critic/{k}": v for k, v in self.critic.train_step(part).items()})
+            metrics.update(self.policy.train_step(part, self.loss))
+            for key, value in metrics.items():
+                totals[key] = totals.get(key, 0.0) + value / steps
+        return totals
+
+    # ---------------------------------------------------------------- weights out
+    def save_hf(self, out_dir: str) -> str:
+        """An HF checkpoint of the current policy (engines start from it), tokenizer included."""
+        self.policy.save_hf(out_dir)
+        tokenizer = self.spec.config.tokenizer
+        if tokenizer == "char" and not (Path(out_dir) / "tokenizer.json").exists():
+            from posttrain.testing.tiny import make_tokenizer
+
+            make_tokenizer(out_dir)
+        elif tokenizer and tokenizer != "char":
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(tokenizer).save_pretrained(out_dir)
+        return str(out_dir)
+
+    def connect_engines(self, engine_urls: list[str], backend: str = "gloo", ranks_per_engine: int = 1) -> None:
+        """Open the weight-update group with every engine (the trainer is rank 0)."""
+        from posttrain.core.rollout.weight_sync import WeightSender
+
+        if self.sender is not None:
+            self.sender.destroy()
+        self.sender = WeightSender(engine_urls, backend=backend, ranks_per_engine=ranks_per_engine)
+        if self.cfg.rollout.weight_sync == "distributed":
+            self.sender.init()
+
+    def push_weights(self, version: int, disk_dir: str | None = None) -> float:
+        """New weights to the engines: broadcast in buckets under their HF names (``weight_sync:
+        distributed``), or an HF checkpoint in ``disk_dir`` that the engines load. Seconds taken."""
+        import time
+
+        start = time.perf_counter()
+        if self.cfg.rollout.weight_sync == "disk":
+            self.save_hf(disk_dir)
+            self.sender.update_from_disk(disk_dir, version=version)
+        else:
+            bucket = int(self.cfg.rollout.weight_bucket_mb * (1 << 20))
+            self.sender.send(self.policy.export_hf(bucket), version=version)
+        return time.perf_counter() - start
+
+    # ---------------------------------------------------------------- checkpoints
+    def save(self, ckpt_dir: str) -> None:
+        self.policy.save(Path(ckpt_dir) / "policy")
+        if self.critic is not None:
+            self.critic.save(Path(ckpt_dir) / "critic")
+
+    def load(self, ckpt_dir: str) -> None:
+        self.policy.load(Path(ckpt_dir) / "policy")
+        if self.critic is not None:
+            self.critic.load(Path(ckpt_dir) / "critic")
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.destroy()
+            self.sender = None

@@ -1,0 +1,66 @@
+"""From rolled-out samples to the trainer's batch, and the rollout metrics of a step."""
+
+from __future__ import annotations
+
+from statistics import mean
+from typing import Any
+
+import torch
+
+from posttrain.core.train.batch import TrainBatch
+from posttrain.core.types import Sample, SampleStatus
+
+
+def trainable(groups: list[list[Sample]]) -> list[Sample]:
+    """The samples a step trains on: every sample of the kept groups except failed ones (a reward or
+    tool raised; counted in ``reward/failed``) and those without a response."""
+    return [s for g in groups for s in g if s.status != SampleStatus.FAILED and s.response_length > 0]
+
+
+def to_batch(samples: list[Sample]) -> tuple[TrainBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(batch, rewards [B], group_index [B], rollout_log_probs [B, T])`` for ``samples``.
+
+    ``batch.response_mask`` is 1 exactly where ``sample.loss_mask`` is (model-generated response tokens);
+    rollout log-probs sit at the same positions (column ``t`` scores ``tokens[:, t]``), 0 elsewhere.
+    """
+    batch = TrainBatch.from_lists([s.tokens for s in samples], [s.prompt_length for s in samples])
+    rollout = torch.zeros_like(batch.response_mask)
+    for i, s in enumerate(samples):
+        start, end = s.prompt_length, len(s.tokens)
+        if s.loss_mask is not None:
+            batch.response_mask[i, start:end] = torch.tensor(s.loss_mask, dtype=torch.float32)
+        if s.rollout_log_probs is not None:
+            rollout[i, start:end] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
+    rewards = torch.tensor([float(s.reward) for s in samples])
+    group_index = torch.tensor([s.group_index for s in samples], dtype=torch.long)
+    return batch, rewards, group_index, rollout
+
+
+def rollout_metrics(samples: list[Sample], weight_version: int) -> dict[str, float]:
+    """``rollout/*`` metrics: reward, response length, truncation, staleness (versions behind)."""
+    if not samples:
+        return {"rollout/samples": 0.0}
+    lengths = [s.response_length for s in samples]
+    return {
+        "rollout/samples": float(len(samples)),
+        "rollout/reward_mean": mean(float(s.reward) for s in samples),
+        "rollout/response_len_mean": mean(lengths),
+        "rollout/response_len_max": float(max(lengths)),
+        "rollout/truncated_frac": mean(float(s.status == SampleStatus.TRUNCATED) for s in samples),
+        "rollout/staleness_max": float(max(weight_version - s.weight_version for s in samples)),
+    }
+
+
+def mismatch_metrics(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
+                     mask: torch.Tensor) -> dict[str, float]:
+    """How far the trainer's log-probs of the sampled tokens are from the engine's (same weights)."""
+    diff = (train_log_probs - rollout_log_probs).abs() * mask
+    tokens = mask.sum().clamp(min=1)
+    return {"train_rollout_logprob_abs_diff": float(diff.sum() / tokens),
+            "train_rollout_logprob_abs_diff_max": float(diff.max()) if mask.any() else 0.0}
+
+
+def sample_log(samples: list[Sample], k: int = 2) -> list[dict[str, Any]]:
+    """A few samples as plain data for the run log (prompt, response, reward)."""
+    return [{"prompt": s.prompt if isinstance(s.prompt, str) else s.prompt[-1].get("content", ""),
+             "response": s.response, "label": s.label, "reward": s.reward} for s in samples[:k]]

@@ -1,0 +1,178 @@
+"""The RL loop. One step, top to bottom:
+
+    prompts (data buffer) -> generate (generator -> engines) -> rewards -> dynamic-sampling filters
+    -> log-probs (old policy, reference, critic values) -> advantages (estimator) -> train (loss)
+    -> push weights to the engines -> log, checkpoint, eval
+
+Every component comes from the plugin registries by the name the run config gives; nothing here names
+one. ``rollout.mode: async`` starts generating step N+1 before training step N (one step off-policy,
+staleness 1: the engines keep step N-1's weights until both are done, then get step N's).
+
+    rl-cli run examples/quickstart.yaml
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import AsyncExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+from posttrain.core import batching
+from posttrain.core.buffer import DataBuffer, collect_groups
+from posttrain.core.data import load_prompts
+from posttrain.core.evaluation import evaluate
+from posttrain.core.executors import EXECUTORS
+from posttrain.core.metrics import MetricsWriter
+from posttrain.core.rewards import RewardRunner, reward_metrics
+from posttrain.core.types import AdvantageBatch
+
+
+async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, plugin_files: list[str] = (),
+                disabled: list[str] = (), on_step: Any = None) -> dict[str, float]:
+    """Run ``cfg`` to ``rollout.num_rollouts`` steps in ``run`` (a RunDirectory); the last metrics."""
+    executor = EXECUTORS[cfg.resources.executor](cfg, plugin_files, disabled)
+    async with AsyncExitStack() as stack:
+        stack.callback(executor.close)
+        # -- roles: the trainer builds the model; engines start from its weights as an HF checkpoint
+        trainer = executor.trainer()
+        init_dir = trainer.save_hf(str(run.path / "hf-init"))
+        engines = executor.engines(init_dir, run.logs)
+        stack.callback(engines.close)
+        stack.callback(trainer.close)  # runs first: leaves the weight-update group while engines still answer
+        url, engine_urls = engines.urls()
+        trainer.connect_engines(engine_urls)
+        engine = await stack.enter_async_context(_client(url, cfg))
+
+        # -- data, rewards, algorithm
+        from transformers import AutoTokenizer
+
+        dataset = load_prompts(cfg.data, tokenizer=AutoTokenizer.from_pretrained(init_dir), base_dir=run.base_dir)
+        buffer = DataBuffer.from_config(cfg, dataset)
+        rewards = RewardRunner.from_config(cfg, plugins)
+        stack.push_async_callback(rewards.aclose)
+        generator = cfg.generator.create(plugins)
+        estimator = cfg.estimator.create(plugins)
+        filters = [f.create(plugins) for f in cfg.filters]
+        sampling = cfg.rollout.sampling_params()
+        metrics_out = MetricsWriter(run.path, cfg.logging.tensorboard, cfg.logging.wandb,
+                                    cfg.logging.wandb_project, cfg.to_dict())
+        stack.callback(metrics_out.close)
+
+        # -- resume: trainer state, data position, RNG; metrics of later steps are dropped
+        start = 0
+        if resume and (ckpt := run.latest_checkpoint()) is not None:
+            trainer.load(str(ckpt / "trainer"))
+            state = run.load_checkpoint(ckpt)
+            buffer.load_state_dict(state["buffer"])
+            start = state["step"] + 1
+            metrics_out.truncate_after(state["step"])
+        version = start
+        trainer.push_weights(version, str(run.path / "hf-latest"))
+
+        async def rollout_group(group):
+            group = await generator(group, engine, sampling)
+            await rewards.score_groups([group])
+            return group
+
+        def generate():
+            return asyncio.ensure_future(collect_groups(
+                buffer, rollout_group, cfg.rollout.rollout_batch_size, filters,
+                cfg.data.over_sampling_batch_size, cfg.data.max_sampled_groups))
+
+        last: dict[str, float] = {}
+        timer = _Timer()
+        pending = None  # async mode: the next step's generation, already running
+        for step in range(start, cfg.rollout.num_rollouts):
+            t0 = time.perf_counter()
+            # 1-4. prompts -> samples -> rewards -> filters (dynamic sampling keeps generating until full)
+            with timer("generate"):
+                groups, sampling_metrics = await (pending or generate())
+            overlap = cfg.rollout.mode == "async" and step + 1 < cfg.rollout.num_rollouts
+            pending = generate() if overlap else None  # step N+1 generates while step N trains
+            samples = batching.trainable(groups)
+            batch, reward, group_index, rollout_lp = batching.to_batch(samples)
+
+            # 5. log-probs: the sampling policy as the trainer sees it, the reference, critic values
+            with timer("log_probs"):
+                batch.old_log_probs = await asyncio.to_thread(trainer.log_probs, batch)
+                if cfg.trainer.kl_loss_coef > 0:
+                    batch.ref_log_probs = await asyncio.to_thread(trainer.log_probs, batch, "ref")
+                values = await asyncio.to_thread(trainer.values, batch) if estimator.needs_critic else None
+            step_metrics = batching.mismatch_metrics(batch.old_log_probs, rollout_lp, batch.response_mask)
+            if cfg.correction is not None:
+                batch.is_weights, correction_metrics = trainer.importance_weights(batch, rollout_lp)
+                step_metrics.update({f"correction/{k}": v for k, v in correction_metrics.items()})
+
+            # 6. advantages over the whole batch, then optimizer steps
+            batch.advantages, batch.returns = estimator.advantages(AdvantageBatch(
+                rewards=reward, group_index=group_index, response_mask=batch.response_mask, values=values))
+            batch.old_values = values
+            with timer("train"):
+                train_metrics = await asyncio.to_thread(trainer.train, batch)
+
+            # 7. new weights to the engines (after the overlapped generation, so no response mixes versions)
+            if pending is not None:
+                with timer("generate_wait"):
+                    await asyncio.wait([pending])
+            with timer("sync"):
+                version = step + 1
+                restarted = engines.check_and_restart()
+                if restarted:  # a restarted engine left the weight group: rebuild it
+                    trainer.connect_engines(engine_urls)
+                await asyncio.to_thread(trainer.push_weights, version, str(run.path / "hf-latest"))
+
+            # log, checkpoint, eval
+            phases, step_time = timer.pop(), time.perf_counter() - t0
+            tokens = sum(s.response_length for s in samples)
+            last = {**batching.rollout_metrics(samples, version - 1), **reward_metrics(groups),
+                    **sampling_metrics, **step_metrics, **{f"train/{k}": v for k, v in train_metrics.items()},
+                    **phases, "perf/step_time": step_time, "perf/engine_restarts": float(len(restarted)),
+                    "perf/rollout_tokens_per_s": tokens / max(phases["perf/time_generate"], 1e-9)}
+            if cfg.eval.interval and (step + 1) % cfg.eval.interval == 0:
+                last.update(await evaluate(cfg, engine, generator, rewards, run.base_dir))
+            metrics_out.log(step, last)
+            plugins.pm.hook.posttrain_on_step_end(step=step, metrics=last)
+            if on_step is not None:
+                on_step(step, last, samples)
+            if cfg.checkpoint.interval and ((step + 1) % cfg.checkpoint.interval == 0
+                                            or step + 1 == cfg.rollout.num_rollouts):
+                run.save_checkpoint(step, trainer.save, {"buffer": buffer.state_dict()}, cfg.checkpoint.keep)
+        if pending is not None:
+            pending.cancel()
+        return last
+
+
+class _client:
+    """``async with _client(url, cfg) as engine``: the engine client for the run."""
+
+    def __init__(self, url: str, cfg: Any):
+        from posttrain.core.rollout.client import EngineClient
+
+        self.client = EngineClient(url, max_concurrency=cfg.rollout.server_concurrency)
+
+    async def __aenter__(self):
+        return await self.client.__aenter__()
+
+    async def __aexit__(self, *exc):
+        await self.client.close()
+
+
+class _Timer:
+    """Wall time per phase of a step: ``with timer("train"): ...``; ``pop()`` gives ``perf/time_<phase>``."""
+
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
+
+    def pop(self) -> dict[str, float]:
+        out, self.times = {f"perf/time_{k}": v for k, v in self.times.items()}, {}
+        return out
