@@ -10,7 +10,7 @@ Shapes: ``sbhd``: query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` -> ``
 ``thd``: query ``[t, np, hn]``, key/value ``[t, ng, hn]`` -> ``[t, np * hn]``. Query head ``i`` reads
 key/value group ``i // (np / ng)`` (Megatron's GQA layout, which ``enable_gqa`` follows).
 ``attention_mask`` (bool, True = masked, ``[b, 1, sq, sk]``) is honoured when given; otherwise causal.
-K/V heads are repeated to the query heads; ``POSTTRAIN_SDPA_GQA=1`` passes ``enable_gqa=True`` on CUDA instead.
+K/V heads are repeated to the query heads; ``POSTTRAIN_SDPA_GQA=1`` passes ``enable_gqa=True`` instead.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class SDPAttention(MegatronModule):
     def _sdpa(self, q, k, v, mask):
         # q [b, np, s, hn], k/v [b, ng, s, hn]
         p = self.dropout if self.training else 0.0
-        if k.shape[1] != q.shape[1] and self.native_gqa and q.is_cuda:
+        if k.shape[1] != q.shape[1] and self.native_gqa:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else ~mask, dropout_p=p,
                                                   is_causal=mask is None, scale=self.softmax_scale, enable_gqa=True)
         if k.shape[1] != q.shape[1]:
