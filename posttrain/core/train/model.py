@@ -130,6 +130,10 @@ def build_gpt(spec: Any, hf: dict[str, Any], *, dtype: str = "float32", attentio
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
 
+    from megatron.core import parallel_state
+
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        raise UsageError("pipeline parallelism is not supported yet (trainer.pp must be 1)")
     _, tp = tp_info()
     torch_dtype = DTYPES[dtype]
     kwargs = spec.transformer_config(hf)

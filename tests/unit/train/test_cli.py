@@ -93,6 +93,7 @@ def test_convert_to_megatron_and_back_is_bit_exact(tiny_ckpts, tmp_path):
     (["models", "convert", "/nonexistent", "/tmp/x", "--to", "hf"], "no such directory"),
     (["models", "convert", ".", "/tmp/x", "--to", "onnx"], "megatron"),
     (["models", "verify", "{ckpt}", "--spec", "qwen33"], "qwen3"),
+    (["models", "verify", "{ckpt}", "--dtype", "fp8"], "bfloat16"),
 ])
 def test_bad_input_is_one_line_exit_2(tiny_ckpts, args, message):
     args = [a.replace("{ckpt}", str(tiny_ckpts("qwen3"))) for a in args]
