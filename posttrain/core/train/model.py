@@ -1,7 +1,8 @@
 """Build a Megatron-core ``GPTModel`` from a spec, and move weights between it and HF checkpoints.
 
 - :func:`init_parallel` sets up torch.distributed (gloo on CPU, NCCL on GPU) and Megatron's parallel state.
-- :func:`build_gpt` makes the model (TP shards on this rank) from ``spec`` + the HF config.
+- :func:`build_gpt` makes the model (this rank's TP shards of this PP stage's layers) from ``spec`` + the
+  HF config; :func:`megatron_params` names parameters with *global* layer indices on every stage.
 - :func:`load_hf` copies an HF safetensors checkpoint into it, checking that every Megatron parameter is
   filled and every HF tensor is used (a mapping that forgets or invents a tensor fails loudly).
 - :func:`iter_hf` yields the model as ``(hf_name, full tensor)`` with TP shards gathered;

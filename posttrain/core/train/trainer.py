@@ -14,7 +14,12 @@ with the whole batch's ``global_tokens``/``global_seqs`` sum to the full-batch l
 ``kl_loss_coef * sum(KL_k3 * mask) / global_tokens`` (against ``batch.ref_log_probs``) and subtracts
 ``entropy_coef * sum(H * mask) / global_tokens``.
 
-On CPU: a torch AdamW and our own grad clipping (TP-aware norm). On GPU: Megatron's DDP and
+Parallelism: TP shards inside every layer; PP (``trainer.pp``) splits the layers into stages run by
+Megatron's 1F1B schedule (packed micro-batches; results are broadcast from the last stage, so every
+rank returns the same tensors); ranks beyond ``tp * pp`` are data-parallel (each rank passes its own
+share of the samples; losses are normalized by the global token count, gradients summed over DP).
+
+On CPU: a torch AdamW (fp32 master weights for bf16/fp16 parameters) and our own grad clipping. On GPU: Megatron's DDP and
 (distributed) optimizer. The reference policy is a CPU copy of the initial weights, swapped in for
 ``log_probs(..., weights="ref")`` (slime keeps such backups in the same actor too).
 """
