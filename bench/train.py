@@ -62,9 +62,12 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=4096, help="log-prob chunk size (tokens)")
     parser.add_argument("--no-packing", action="store_true", help="padded rows instead of THD packing")
     parser.add_argument("--compile", action="store_true", help="torch.compile each transformer layer")
+    parser.add_argument("--sdpa-gqa", action="store_true", help="SDPA reads shared k/v heads (enable_gqa)")
     parser.add_argument("--megatron", action="append", default=[], help="key=value (repeatable)")
     args = parser.parse_args()
 
+    if args.sdpa_gqa:
+        os.environ["POSTTRAIN_SDPA_GQA"] = "1"
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path, even on a GPU machine
     import torch
@@ -117,7 +120,7 @@ def main() -> None:
         "bench": "train_step", "spec": args.spec, "preset": args.preset, "device": args.device,
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "dtype": dtype, "tp": args.tp,
         "micro_batch": args.micro_batch, "grad_accum": args.grad_accum, "seq_len": args.seq_len,
-        "attention": args.attention, "compile": args.compile, "packing": not args.no_packing, "megatron": megatron,
+        "attention": args.attention, "compile": args.compile, "sdpa_gqa": args.sdpa_gqa, "packing": not args.no_packing, "megatron": megatron,
         "step_s": round(seconds, 4), "tokens_per_s": round(tokens_per_step / seconds, 1),
         "model_tflops_per_s": round(flops / seconds / 1e12, 3),
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None,

@@ -34,6 +34,8 @@ TPOption = typer.Option(1, "--tp", min=1, help="tensor-parallel size (N > 1 runs
 def _spec(plugins, name: str | None, hf_dir: str | None, dtype: str, path: str | None = None):
     from posttrain.core.train.spec import read_hf_config, spec_for_model_type
 
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise UsageError(unknown("--dtype", dtype, ["float32", "bfloat16", "float16"]))
     registry = plugins.registry("model")
     if name is not None:
         if name not in registry:

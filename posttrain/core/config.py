@@ -166,7 +166,7 @@ class TrainerConfig:
     entropy_coef: float = option(0.0, help="weight of the entropy bonus")
     grad_clip: float = option(1.0, ge=0.0, help="max global grad norm; 0 disables")
     tp: int = option(1, ge=1, help="tensor-parallel size")
-    pp: int = option(1, ge=1, le=1, help="pipeline-parallel size (only 1 for now)")
+    pp: int = option(1, ge=1, help="pipeline-parallel size (needs sequence_packing; actor only)")
     weight_decay: float = option(0.0, ge=0.0)
     adam_beta1: float = option(0.9, ge=0.0, lt=1.0)
     adam_beta2: float = option(0.98, ge=0.0, lt=1.0)

@@ -10,11 +10,13 @@ Shapes: ``sbhd``: query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` -> ``
 ``thd``: query ``[t, np, hn]``, key/value ``[t, ng, hn]`` -> ``[t, np * hn]``. Query head ``i`` reads
 key/value group ``i // (np / ng)`` (Megatron's GQA layout, which ``enable_gqa`` follows).
 ``attention_mask`` (bool, True = masked, ``[b, 1, sq, sk]``) is honoured when given; otherwise causal.
+K/V heads are repeated to the query heads; ``POSTTRAIN_SDPA_GQA=1`` passes ``enable_gqa=True`` instead.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -32,10 +34,15 @@ class SDPAttention(MegatronModule):
         head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        # Opt-in (a GPU lever to measure): let SDPA read the shared k/v heads instead of repeating them.
+        self.native_gqa = os.environ.get("POSTTRAIN_SDPA_GQA", "0") == "1"
 
     def _sdpa(self, q, k, v, mask):
         # q [b, np, s, hn], k/v [b, ng, s, hn]
         p = self.dropout if self.training else 0.0
+        if k.shape[1] != q.shape[1] and self.native_gqa:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else ~mask, dropout_p=p,
+                                                  is_causal=mask is None, scale=self.softmax_scale, enable_gqa=True)
         if k.shape[1] != q.shape[1]:
             rep = q.shape[1] // k.shape[1]
             k = k.repeat_interleave(rep, dim=1)

@@ -6,7 +6,12 @@ Found by trying it (DESIGN.md, "Training: Megatron-core"):
   CPU device instead of raising;
 - dist-checkpointing calls ``torch.cuda.synchronize()`` around writes: a no-op on CPU;
 - the model-parallel RNG tracker must be created with ``inference_rng_tracker=True`` (no CUDA RNG
-  state to fork; dropout is 0 in every spec, so the tracker is never asked for randomness).
+  state to fork; dropout is 0 in every spec, so the tracker is never asked for randomness);
+- with pipeline parallelism and tied embeddings, GPTModel moves the shared weight with
+  ``tensor.cuda()`` before syncing the two stages' copies: on CPU, ``Tensor.cuda`` returns the tensor;
+- the pipeline schedules count tokens in ``torch.zeros(..., device="cuda")``: inside
+  ``megatron.core.pipeline_parallel.schedules`` only, ``torch`` is a view of torch whose ``zeros`` maps
+  ``"cuda"`` to the CPU (needed for pipeline parallelism on CPU).
 
 :func:`install` is idempotent and does nothing when ``torch.cuda.is_available()``.
 """
@@ -33,6 +38,10 @@ def install() -> bool:
         # "cpu" is accepted wherever Megatron passes the result as a `device=` argument.
         torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
         torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+        torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+        from megatron.core.pipeline_parallel import schedules
+
+        schedules.torch = _TorchWithCPUZeros()
         _INSTALLED = True
     return True
 
@@ -47,3 +56,18 @@ def init_rng(seed: int) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
         tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+class _TorchWithCPUZeros:
+    """``torch``, except that ``zeros(..., device="cuda")`` allocates on the CPU."""
+
+    def __getattr__(self, name):
+        import torch
+
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        import torch
+
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)

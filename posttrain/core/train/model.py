@@ -1,7 +1,8 @@
 """Build a Megatron-core ``GPTModel`` from a spec, and move weights between it and HF checkpoints.
 
 - :func:`init_parallel` sets up torch.distributed (gloo on CPU, NCCL on GPU) and Megatron's parallel state.
-- :func:`build_gpt` makes the model (TP shards on this rank) from ``spec`` + the HF config.
+- :func:`build_gpt` makes the model (this rank's TP shards of this PP stage's layers) from ``spec`` + the
+  HF config; :func:`megatron_params` names parameters with *global* layer indices on every stage.
 - :func:`load_hf` copies an HF safetensors checkpoint into it, checking that every Megatron parameter is
   filled and every HF tensor is used (a mapping that forgets or invents a tensor fails loudly).
 - :func:`iter_hf` yields the model as ``(hf_name, full tensor)`` with TP shards gathered;
@@ -130,16 +131,27 @@ def build_gpt(spec: Any, hf: dict[str, Any], *, dtype: str = "float32", attentio
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
 
+    from megatron.core import parallel_state
+
     _, tp = tp_info()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if hf["num_hidden_layers"] % pp:
+        raise UsageError(f"pp={pp} does not divide the {hf['num_hidden_layers']} layers")
     torch_dtype = DTYPES[dtype]
     kwargs = spec.transformer_config(hf)
-    kwargs.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, params_dtype=torch_dtype,
+    kwargs.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, params_dtype=torch_dtype,
+                  pipeline_dtype=torch_dtype,
                   bf16=torch_dtype == torch.bfloat16, fp16=torch_dtype == torch.float16,
                   use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=init_weights)
+    if pp > 1:  # packed micro-batches differ in length: stages exchange shapes before activations
+        kwargs.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
+                      batch_p2p_comm=torch.cuda.is_available())  # gloo: plain isend/irecv
     kwargs.update(transformer_overrides or {})
     config = TransformerConfig(**kwargs)
     model = GPTModel(config=config, transformer_layer_spec=spec.layer_spec(hf, core_attention_for(attention)),
-                     vocab_size=spec.padded_vocab_size(hf, tp), **spec.gpt_model_kwargs(hf))
+                     vocab_size=spec.padded_vocab_size(hf, tp), **spec.gpt_model_kwargs(hf),
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage())
     mark_tp_params(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
@@ -170,11 +182,30 @@ def mark_tp_params(model: Any) -> None:
 
 
 def megatron_params(model: Any) -> dict[str, torch.nn.Parameter]:
-    """Trainable parameters by Megatron name (wrappers such as DDP's ``module.`` prefix stripped)."""
+    """This stage's trainable parameters by *global* Megatron name (``decoder.layers.<global index>``;
+    wrappers such as DDP's ``module.`` prefix stripped). With PP, a stage numbers its layers from 0."""
     inner = model
     while hasattr(inner, "module") and not hasattr(inner, "decoder"):
         inner = inner.module
-    return dict(inner.named_parameters())
+    offsets = {str(i): str(layer.layer_number - 1) for i, layer in enumerate(inner.decoder.layers)}
+    out = {}
+    for name, param in inner.named_parameters():
+        if name.startswith("decoder.layers."):
+            _, _, index, rest = name.split(".", 3)
+            name = f"decoder.layers.{offsets[index]}.{rest}"
+        out[name] = param
+    return out
+
+
+def pp_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_world_size()
+
+
+def _tied_copy(spec: Any, hf: dict[str, Any], name: str) -> bool:
+    """The last PP stage's own copy of a tied output layer (kept equal to the embedding by Megatron)."""
+    return name == "output_layer.weight" and spec.tied(hf)
 
 
 def _is_gated_fc1(name: str, param: Any) -> bool:
@@ -236,16 +267,19 @@ def load_hf(model: Any, spec: Any, hf: dict[str, Any], path: str | Path) -> None
     rank, tp = tp_info()
     params = megatron_params(model)
     expected = set(spec.megatron_names(hf))
-    if expected != set(params):
+    have = {n for n in params if not _tied_copy(spec, hf, n)}
+    have_all = _pp_union(have)
+    if expected != have_all:
         raise UsageError(f"{spec.name}: spec parameters and model parameters differ: "
-                         f"missing in model {sorted(expected - set(params))[:4]}, "
-                         f"unmapped in spec {sorted(set(params) - expected)[:4]}")
+                         f"missing in model {sorted(expected - have_all)[:4]}, "
+                         f"unmapped in spec {sorted(have_all - expected)[:4]}")
     used: set[str] = set()
     with torch.no_grad():
         for name, param in params.items():
-            sources = spec.hf_sources(hf, name)
+            source_name = "embedding.word_embeddings.weight" if _tied_copy(spec, hf, name) else name
+            sources = spec.hf_sources(hf, source_name)
             used.update(sources)
-            full = spec.to_megatron(hf, name, [ckpt.get(s) for s in sources])
+            full = spec.to_megatron(hf, source_name, [ckpt.get(s) for s in sources])
             if name in VOCAB_PARAMS and full.shape[0] < param.shape[0] * tp:  # TP-dependent vocab padding
                 full = torch.cat([full, full.new_zeros(param.shape[0] * tp - full.shape[0], *full.shape[1:])])
             piece = shard(name, param, full, rank, tp)
@@ -253,6 +287,7 @@ def load_hf(model: Any, spec: Any, hf: dict[str, Any], path: str | Path) -> None
                 raise UsageError(f"{path}: {name}: shape {tuple(piece.shape)} from {sources} does not fit the "
                                  f"model's {tuple(param.shape)} (does config.json match the weights?)")
             param.copy_(piece.to(param.dtype))
+    used = _pp_union(used)
     unused = {n for n in ckpt.names() - used if not n.endswith("rotary_emb.inv_freq")}
     if spec.tied(hf):
         unused.discard("lm_head.weight")
@@ -261,10 +296,32 @@ def load_hf(model: Any, spec: Any, hf: dict[str, Any], path: str | Path) -> None
                          f"e.g. {sorted(unused)[:3]}")
 
 
+def _pp_union(names: set[str]) -> set[str]:
+    from megatron.core import parallel_state
+
+    if pp_size() == 1:
+        return set(names)
+    parts: list[Any] = [None] * pp_size()
+    dist.all_gather_object(parts, sorted(names), group=parallel_state.get_pipeline_model_parallel_group())
+    return set().union(*map(set, parts))
+
+
 def iter_hf(model: Any, spec: Any, hf: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, full tensor)`` for every weight, TP shards gathered (collective: call on every TP rank)."""
-    for name, param in megatron_params(model).items():
-        yield from spec.to_hf(hf, name, gather(name, param))
+    """``(hf_name, full tensor)`` for every weight, TP shards gathered; with PP every stage's weights, stage
+    by stage, on every rank (collective: call on every rank of the model-parallel group)."""
+    from megatron.core import parallel_state
+
+    own = ((name, param) for name, param in megatron_params(model).items() if not _tied_copy(spec, hf, name))
+    if pp_size() == 1:
+        for name, param in own:
+            yield from spec.to_hf(hf, name, gather(name, param))
+        return
+    mine = [(hf_name, t.cpu()) for name, param in own for hf_name, t in spec.to_hf(hf, name, gather(name, param))]
+    group = parallel_state.get_pipeline_model_parallel_group()
+    for stage in range(pp_size()):
+        box = [mine if parallel_state.get_pipeline_model_parallel_rank() == stage else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, stage), group=group)
+        yield from box[0]
 
 
 def hf_config_to_write(spec: Any, hf: dict[str, Any], dtype: str) -> dict[str, Any]:

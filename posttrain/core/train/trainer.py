@@ -14,7 +14,12 @@ with the whole batch's ``global_tokens``/``global_seqs`` sum to the full-batch l
 ``kl_loss_coef * sum(KL_k3 * mask) / global_tokens`` (against ``batch.ref_log_probs``) and subtracts
 ``entropy_coef * sum(H * mask) / global_tokens``.
 
-On CPU: a torch AdamW and our own grad clipping (TP-aware norm). On GPU: Megatron's DDP and
+Parallelism: TP shards inside every layer; PP (``trainer.pp``) splits the layers into stages run by
+Megatron's 1F1B schedule (packed micro-batches; results are broadcast from the last stage, so every
+rank returns the same tensors); ranks beyond ``tp * pp`` are data-parallel (each rank passes its own
+share of the samples; losses are normalized by the global token count, gradients summed over DP).
+
+On CPU: a torch AdamW (fp32 master weights for bf16/fp16 parameters) and our own grad clipping. On GPU: Megatron's DDP and
 (distributed) optimizer. The reference policy is a CPU copy of the initial weights, swapped in for
 ``log_probs(..., weights="ref")`` (slime keeps such backups in the same actor too).
 """
@@ -142,7 +147,10 @@ class MegatronTrainer:
     @contextmanager
     def _hidden_only(self):
         """Make GPTModel return final hidden states ``[b, s, h]``: its output layer becomes identity."""
-        layer = self.gpt.output_layer
+        layer = getattr(self.gpt, "output_layer", None)
+        if layer is None:  # not the last pipeline stage: the model already returns hidden states
+            yield
+            return
         layer.forward = lambda hidden_states, weight=None, runtime_gather_output=None, **_: (hidden_states, None)
         try:
             yield
@@ -207,6 +215,11 @@ class MegatronTrainer:
         """
         with self._weights(weights):
             self.model.eval()
+            if M.pp_size() > 1:
+                results = self._pipeline(batch, train=False, with_entropy=with_entropy)
+                width = batch.tokens.shape[1]
+                lp = torch.cat([_pad(r["lp"], width) for r in results])
+                return lp, (torch.cat([_pad(r["ent"], width) for r in results]) if with_entropy else None)
             lps, ents = [], []
             width = batch.tokens.shape[1]
             for mb in self._micro_batches(batch):
@@ -282,7 +295,17 @@ class MegatronTrainer:
         # Megatron's DDP averages gradients over DP; the loss is already normalized by global counts.
         scale = dp if self.megatron_optimizer else 1.0
         totals: dict[str, float] = {}
-        for mb in self._micro_batches(batch):
+        if M.pp_size() > 1:
+            if self.role == "critic":
+                raise UsageError("the critic does not support pipeline parallelism yet")
+            results = self._pipeline(batch, train=True, loss_fn=loss_fn, global_tokens=global_tokens,
+                                     global_seqs=global_seqs, loss_kwargs=loss_kwargs, scale=scale)
+            for r in results:
+                totals["loss"] = totals.get("loss", 0.0) + r.pop("loss")
+                size = r.pop("_n")
+                for k, v in r.items():
+                    totals[k] = totals.get(k, 0.0) + float(v) * size / len(batch)
+        for mb in ([] if M.pp_size() > 1 else self._micro_batches(batch)):
             mb = mb.to(self.device)
             if self.role == "critic":
                 loss, metrics = self._value_loss(mb, global_tokens)
@@ -297,12 +320,67 @@ class MegatronTrainer:
         totals.update(grad_norm=grad_norm, lr=lr)
         return totals
 
+    def _pipeline(self, batch: TrainBatch, *, train: bool, with_entropy: bool = False, loss_fn=None,
+                  global_tokens=None, global_seqs=None, loss_kwargs=None, scale: float = 1.0) -> list[dict]:
+        """Run ``batch``'s micro-batches through Megatron's pipeline schedule (1F1B when training).
+
+        Returns, on every rank, the last stage's per-micro-batch results: ``{"lp", "ent"}`` ``[b, T]``
+        tensors (forward only) or the loss metrics (training). Micro-batches are packed (THD).
+        """
+        from megatron.core import parallel_state
+        from megatron.core.packed_seq_params import PackedSeqParams
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if not self.config.sequence_packing or self.config.attention == "local":
+            raise UsageError("pipeline parallelism needs trainer.sequence_packing and a non-local attention")
+        micro = list(self._micro_batches(batch))
+        count = len(micro)
+        need_entropy = with_entropy or (train and self.config.entropy_coef != 0.0)
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator).to(self.device)
+            p = pack(mb.tokens, mb.lengths)
+            psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=p.cu_seqlens, cu_seqlens_kv=p.cu_seqlens,
+                                  max_seqlen_q=p.max_len, max_seqlen_kv=p.max_len)
+            with self._hidden_only():
+                out = model(p.input_ids, p.position_ids, attention_mask=None, packed_seq_params=psp)
+
+            def loss_func(hidden):
+                lp, ent = vocab_parallel_log_probs(
+                    hidden.reshape(-1, hidden.shape[-1]), self._output_weight(), p.targets,
+                    vocab_size=int(self.hf["vocab_size"]), chunk_size=self.config.log_probs_chunk_size,
+                    with_entropy=need_entropy)
+                width = mb.tokens.shape[1]
+                lp = p.unpack(lp, mb.lengths.cpu(), width)
+                ent = p.unpack(ent, mb.lengths.cpu(), width) if ent is not None else None
+                if not train:
+                    return lp.sum() * 0, {"lp": lp.detach().cpu(), "ent": None if ent is None else ent.detach().cpu()}
+                loss, metrics = self._policy_terms(mb, lp, ent, loss_fn, global_tokens, global_seqs, loss_kwargs)
+                # the schedule divides by the number of micro-batches; ours already sum to the batch loss
+                return loss * count * scale, {"loss": float(loss.detach()), "_n": len(mb), **metrics}
+
+            return out, loss_func
+
+        results = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro), model=[self.model],
+            num_microbatches=count, seq_length=max(int(mb.lengths.sum()) for mb in micro), micro_batch_size=1,
+            forward_only=not train)
+        group = parallel_state.get_pipeline_model_parallel_group()
+        box = [list(results) if parallel_state.is_pipeline_last_stage() else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, M.pp_size() - 1), group=group)
+        return box[0]
+
     def _policy_loss(self, mb, loss_fn, global_tokens, global_seqs, loss_kwargs):
         c = self.config
         if loss_fn is None:
             raise UsageError("train_step: the actor needs a loss_fn")
+        lp, ent = self._micro_log_probs(mb, c.entropy_coef != 0.0)
+        return self._policy_terms(mb, lp, ent, loss_fn, global_tokens, global_seqs, loss_kwargs)
+
+    def _policy_terms(self, mb, lp, ent, loss_fn, global_tokens, global_seqs, loss_kwargs):
+        """Policy loss + KL and entropy terms for micro-batch ``mb`` given its ``lp``/``ent`` ``[b, T]``."""
+        c = self.config
         need_entropy = c.entropy_coef != 0.0
-        lp, ent = self._micro_log_probs(mb, need_entropy)
         old = mb.old_log_probs if mb.old_log_probs is not None else lp.detach()
         loss, metrics = loss_fn(lp, old, mb.advantages, mb.response_mask, is_weights=mb.is_weights,
                                 global_tokens=global_tokens, global_seqs=global_seqs, **loss_kwargs)
@@ -342,6 +420,7 @@ class MegatronTrainer:
             return float(grad_norm or 0.0)
         self._dp_all_reduce_grads()
         self._tp_sum_partial_grads()
+        self._sum_tied_embedding_grads()
         norm = self._grad_norm()
         coef = self.config.grad_clip / (norm + 1e-6) if self.config.grad_clip and norm > self.config.grad_clip else 1.0
         if self._masters is None:
@@ -379,15 +458,27 @@ class MegatronTrainer:
             if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
                 dist.all_reduce(p.grad, group=parallel_state.get_tensor_model_parallel_group())
 
+    def _sum_tied_embedding_grads(self) -> None:
+        """With PP and tied embeddings the first and last stage each hold a copy: sum their gradients."""
+        from megatron.core import parallel_state
+
+        if M.pp_size() == 1 or not self.spec.tied(self.hf) or not parallel_state.is_rank_in_embedding_group():
+            return
+        weight = self.gpt.shared_embedding_or_output_weight()
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
+
     def _grad_norm(self) -> float:
         """Global L2 norm: TP-sharded grads summed over TP ranks, replicated ones counted once."""
         from megatron.core import parallel_state
 
         sharded = torch.zeros((), dtype=torch.float64)
         replicated = torch.zeros((), dtype=torch.float64)
+        last_stage_copy = M.pp_size() > 1 and not parallel_state.is_pipeline_first_stage()
         for p in self._params():
-            if p.grad is None:
-                continue
+            if p.grad is None or (last_stage_copy and getattr(p, "shared_embedding", False)):
+                continue  # a tied output layer's grad equals the embedding's: count it once
             sq = p.grad.detach().double().pow(2).sum().cpu()
             if getattr(p, "tensor_model_parallel", False):
                 sharded += sq
@@ -395,7 +486,10 @@ class MegatronTrainer:
                 replicated += sq
         if self.tp_size > 1:
             dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
-        return float((sharded + replicated).sqrt())
+        total = sharded + replicated
+        if M.pp_size() > 1:  # each stage holds different parameters
+            dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+        return float(total.sqrt())
 
     # ------------------------------------------------------------------ weights out
     def export_hf(self, bucket_bytes: int = 1 << 30) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -446,6 +540,7 @@ class MegatronTrainer:
             for pid, master in enumerate(self._masters[: len(gpt_params)]):
                 optim["state"].setdefault(pid, {})["master_param"] = master.detach()
         optim_state_to_sharding_state(optim, id_map)
+        optim.pop("param_groups")  # ids differ per pipeline stage: rebuilt from the live optimizer on load
         state["optimizer"] = optim
         state["optimizer_step"] = max((float(v) for v in steps.values()), default=0.0)
         return state
@@ -487,6 +582,7 @@ class MegatronTrainer:
             self.optimizer.load_state_dict(loaded["optimizer"])
             return
         optim = loaded["optimizer"]
+        optim["param_groups"] = self.optimizer.state_dict()["param_groups"]
         step = torch.tensor(loaded["optimizer_step"])
         if self._masters is not None:
             with torch.no_grad():

@@ -84,8 +84,18 @@ def test_convert_to_megatron_and_back_is_bit_exact(tiny_ckpts, tmp_path):
     assert back.returncode == 0, back.stderr
     a, b = load_file(str(path / "model.safetensors")), load_file(str(tmp_path / "h" / "model.safetensors"))
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
-    again = rl_cli("models", "convert", str(path), str(tmp_path / "m"), "--to", "megatron")
-    assert again.returncode == 2 and "not empty" in again.stderr
+
+
+
+def test_convert_refuses_a_non_empty_output_directory(tiny_ckpts, tmp_path, megatron_tp1):
+    from posttrain.core.errors import UsageError
+    from posttrain.core.train.convert import hf_to_megatron_dir
+    from train_helpers import spec_for
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "keep.txt").write_text("x")
+    with pytest.raises(UsageError, match="not empty"):
+        hf_to_megatron_dir(spec_for("qwen3", tiny_ckpts("qwen3")), tiny_ckpts("qwen3"), tmp_path / "m")
 
 
 @pytest.mark.parametrize("args,message", [
@@ -93,6 +103,7 @@ def test_convert_to_megatron_and_back_is_bit_exact(tiny_ckpts, tmp_path):
     (["models", "convert", "/nonexistent", "/tmp/x", "--to", "hf"], "no such directory"),
     (["models", "convert", ".", "/tmp/x", "--to", "onnx"], "megatron"),
     (["models", "verify", "{ckpt}", "--spec", "qwen33"], "qwen3"),
+    (["models", "verify", "{ckpt}", "--dtype", "fp8"], "bfloat16"),
 ])
 def test_bad_input_is_one_line_exit_2(tiny_ckpts, args, message):
     args = [a.replace("{ckpt}", str(tiny_ckpts("qwen3"))) for a in args]
@@ -102,14 +113,16 @@ def test_bad_input_is_one_line_exit_2(tiny_ckpts, args, message):
 
 
 @pytest.mark.slow
-def test_convert_with_tp2_reshards_to_tp1_exactly(tiny_ckpts, tmp_path):
+def test_convert_with_tp2_reshards_to_tp1_exactly(tiny_ckpts, tmp_path, megatron_tp1):
     """`--tp 2` runs under torchrun; the TP=2 dist-checkpoint converts back with TP=1 bit-exactly."""
     from safetensors.torch import load_file
+
+    from posttrain.core.train.convert import megatron_dir_to_hf, read_meta
+    from train_helpers import spec_for
 
     path = tiny_ckpts("qwen3")
     to_m = rl_cli("models", "convert", str(path), str(tmp_path / "m"), "--to", "megatron", "--tp", "2")
     assert to_m.returncode == 0, to_m.stderr
-    back = rl_cli("models", "convert", str(tmp_path / "m"), str(tmp_path / "h"), "--to", "hf")
-    assert back.returncode == 0, back.stderr
+    megatron_dir_to_hf(spec_for("qwen3"), tmp_path / "m", tmp_path / "h", read_meta(tmp_path / "m")["hf_config"])
     a, b = load_file(str(path / "model.safetensors")), load_file(str(tmp_path / "h" / "model.safetensors"))
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
