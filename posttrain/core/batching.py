@@ -60,6 +60,19 @@ def mismatch_metrics(train_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
             "train_rollout_logprob_abs_diff_max": float(diff.max()) if mask.any() else 0.0}
 
 
+def policy_metrics(batch: TrainBatch, entropy: torch.Tensor) -> dict[str, float]:
+    """``train/entropy`` of the sampling policy and ``train/kl`` (k3) to the reference, token means
+    over the response (before this step's update; the KL loss term reports its own during training)."""
+    from posttrain.core.losses import aggregate, kl_divergence
+
+    mask = batch.response_mask
+    out = {"train/entropy": float(aggregate(entropy, mask, "token-mean"))}
+    if batch.ref_log_probs is not None:
+        kl = kl_divergence(batch.old_log_probs, batch.ref_log_probs, kind="k3")
+        out["train/kl"] = float(aggregate(kl, mask, "token-mean"))
+    return out
+
+
 def sample_log(samples: list[Sample], k: int = 2) -> list[dict[str, Any]]:
     """A few samples as plain data for the run log (prompt, response, reward)."""
     return [{"prompt": s.prompt if isinstance(s.prompt, str) else s.prompt[-1].get("content", ""),

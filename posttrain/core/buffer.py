@@ -227,6 +227,7 @@ async def collect_groups(buffer: DataBuffer, rollout: Callable[[list[Sample]], A
             buffer.return_groups(list(in_flight.values()))
             counts["dynamic_sampling/aborted"] += len(in_flight)
     counts["dynamic_sampling/sampled"] += sampled
+    kept.sort(key=lambda g: g[0].group_index if g else -1)  # serving order, not completion order
     metrics = {k: float(v) for k, v in counts.items()}
     if len(kept) < batch_size:
         dropped = sum(v for k, v in counts.items() if k.startswith("dynamic_sampling/drop/"))

@@ -163,6 +163,8 @@ class TrainerConfig:
     steps_per_rollout: int = option(1, ge=1, help="optimizer steps per rollout step")
     lr: float = option(1e-6, gt=0.0)
     kl_loss_coef: float = option(0.0, ge=0.0, help="weight of the KL(policy || reference) loss term")
+    log_kl: bool = option(True, help="log train/kl to the reference even when kl_loss_coef is 0 "
+                                     "(one more forward pass per step)")
     entropy_coef: float = option(0.0, help="weight of the entropy bonus")
     grad_clip: float = option(1.0, ge=0.0, help="max global grad norm; 0 disables")
     tp: int = option(1, ge=1, help="tensor-parallel size")

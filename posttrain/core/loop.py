@@ -62,12 +62,16 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, plugin_f
 
         # -- resume: trainer state, data position, RNG; metrics of later steps are dropped
         start = 0
-        if resume and (ckpt := run.latest_checkpoint()) is not None:
-            trainer.load(str(ckpt / "trainer"))
-            state = run.load_checkpoint(ckpt)
-            buffer.load_state_dict(state["buffer"])
-            start = state["step"] + 1
-            metrics_out.truncate_after(state["step"])
+        if resume:
+            done = -1  # killed before its first checkpoint: start over
+            if (ckpt := run.latest_checkpoint()) is not None:
+                trainer.load(str(ckpt / "trainer"))
+                state = run.load_checkpoint(ckpt)
+                buffer.load_state_dict(state["buffer"])
+                done = state["step"]
+            start = done + 1
+            metrics_out.truncate_after(done)
+            run.truncate_after(done)
         version = start
         trainer.push_weights(version, str(run.path / "hf-latest"))
 
@@ -96,11 +100,12 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, plugin_f
 
             # 5. log-probs: the sampling policy as the trainer sees it, the reference, critic values
             with timer("log_probs"):
-                batch.old_log_probs = await asyncio.to_thread(trainer.log_probs, batch)
-                if cfg.trainer.kl_loss_coef > 0:
+                batch.old_log_probs, entropy = await asyncio.to_thread(trainer.log_probs, batch, None, True)
+                if cfg.trainer.kl_loss_coef > 0 or cfg.trainer.log_kl:
                     batch.ref_log_probs = await asyncio.to_thread(trainer.log_probs, batch, "ref")
                 values = await asyncio.to_thread(trainer.values, batch) if estimator.needs_critic else None
-            step_metrics = batching.mismatch_metrics(batch.old_log_probs, rollout_lp, batch.response_mask)
+            step_metrics = {**batching.mismatch_metrics(batch.old_log_probs, rollout_lp, batch.response_mask),
+                            **batching.policy_metrics(batch, entropy)}
             if cfg.correction is not None:
                 batch.is_weights, correction_metrics = trainer.importance_weights(batch, rollout_lp)
                 step_metrics.update({f"correction/{k}": v for k, v in correction_metrics.items()})
@@ -133,6 +138,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, plugin_f
             if cfg.eval.interval and (step + 1) % cfg.eval.interval == 0:
                 last.update(await evaluate(cfg, engine, generator, rewards, run.base_dir))
             metrics_out.log(step, last)
+            run.log_rollouts(step, groups, batching.sample_log(samples))
             plugins.pm.hook.posttrain_on_step_end(step=step, metrics=last)
             if on_step is not None:
                 on_step(step, last, samples)

@@ -51,13 +51,9 @@ class MetricsWriter:
 
     def truncate_after(self, step: int) -> None:
         """Drop lines of steps after ``step`` (a resumed run re-does them; no step appears twice)."""
-        kept = [m for m in read_metrics(self.run_dir) if m["step"] <= step]
         self._file.close()
-        path = self.run_dir / METRICS_FILE
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(m) + "\n" for m in kept), encoding="utf-8")
-        os.replace(tmp, path)
-        self._file = open(path, "a", encoding="utf-8")
+        truncate_jsonl(self.run_dir / METRICS_FILE, step)
+        self._file = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")
 
     def close(self) -> None:
         self._file.close()
@@ -67,9 +63,21 @@ class MetricsWriter:
             self._wandb.finish()
 
 
+def truncate_jsonl(path: Path, step: int) -> None:
+    """Keep the lines of ``path`` whose ``step`` is at most ``step`` (atomically replaced)."""
+    kept = [row for row in read_jsonl(path) if row["step"] <= step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """Every complete line of ``RUN_DIR/metrics.jsonl`` (a torn last line from a crash is skipped)."""
-    path = Path(run_dir) / METRICS_FILE
+    return read_jsonl(Path(run_dir) / METRICS_FILE)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every complete JSON line of ``path`` (none if it does not exist)."""
     if not path.is_file():
         return []
     rows = []

@@ -6,6 +6,7 @@
       config.yaml          # resolved run config (what --resume reads back)
       plugins.json         # every loaded plugin with its distribution and version
       metrics.jsonl        # one JSON object per step
+      rollouts.jsonl       # per step: the prompts served (data order) and a few samples
       tensorboard/  logs/  # TensorBoard events; engine, router and trainer logs
       checkpoints/step_000010/   # trainer state (Megatron dist-checkpointing) + state.json
       checkpoints/latest         # name of the newest complete checkpoint
@@ -57,6 +58,19 @@ class RunDirectory:
         if not path.is_file():
             raise UsageError(f"--resume {self.path}: no config.yaml there (not a run directory)")
         return yaml.safe_load(path.read_text())
+
+    def log_rollouts(self, step: int, groups: list[list[Any]], examples: list[dict[str, Any]]) -> None:
+        """The prompts of a step's groups, in order, and a few samples (``rollouts.jsonl``)."""
+        row = {"step": step, "prompts": [g[0].prompt for g in groups if g], "examples": examples}
+        with open(self.path / "rollouts.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(row, default=str) + "\n")
+
+    def truncate_after(self, step: int) -> None:
+        """A resumed run re-does the steps after its checkpoint: drop what they logged before."""
+        from posttrain.core.metrics import truncate_jsonl
+
+        if (self.path / "rollouts.jsonl").exists():
+            truncate_jsonl(self.path / "rollouts.jsonl", step)
 
     # ---------------------------------------------------------------- checkpoints
     def latest_checkpoint(self) -> Path | None:

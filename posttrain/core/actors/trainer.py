@@ -34,9 +34,11 @@ class TrainerRole:
         self.sender = None
 
     # ---------------------------------------------------------------- forward passes
-    def log_probs(self, batch: Any, weights: str | None = None) -> Any:
-        """``[B, T]`` log-probs of ``batch.tokens`` under the current (or a snapshot's) weights."""
-        return self.policy.log_probs(batch, weights=weights)[0]
+    def log_probs(self, batch: Any, weights: str | None = None, with_entropy: bool = False) -> Any:
+        """``[B, T]`` log-probs of ``batch.tokens`` under the current (or a snapshot's) weights;
+        with ``with_entropy``, ``(log_probs, entropy [B, T])``."""
+        log_probs, entropy = self.policy.log_probs(batch, weights=weights, with_entropy=with_entropy)
+        return (log_probs, entropy) if with_entropy else log_probs
 
     def values(self, batch: Any) -> Any:
         """``[B, T]`` critic values."""
@@ -83,7 +85,7 @@ class TrainerRole:
         from posttrain.core.rollout.weight_sync import WeightSender
 
         if self.sender is not None:
-            self.sender.destroy()
+            self._leave_group()
         self.sender = WeightSender(engine_urls, backend=backend, ranks_per_engine=ranks_per_engine)
         if self.cfg.rollout.weight_sync == "distributed":
             self.sender.init()
@@ -113,7 +115,15 @@ class TrainerRole:
         if self.critic is not None:
             self.critic.load(Path(ckpt_dir) / "critic")
 
+    def _leave_group(self) -> None:
+        try:
+            self.sender.destroy()
+        except RuntimeError as exc:  # an engine that died (or was restarted) cannot leave a group: expected
+            import logging
+
+            logging.getLogger("posttrain.trainer").info("weight-update group teardown: %s", exc)
+        self.sender = None
+
     def close(self) -> None:
         if self.sender is not None:
-            self.sender.destroy()
-            self.sender = None
+            self._leave_group()

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from posttrain.core.rollout.procs import http_ok, stop_process, wait_http_ok
+from posttrain.core.rollout.procs import http_ok, spawn, stop_process, wait_http_ok
 
 
 @dataclass
@@ -148,9 +148,7 @@ class ManagedServer:
         self.restarts = 0
 
     def start(self, wait: bool = True) -> ManagedServer:
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, **(self.env or {})})
+        self.proc = spawn(self.command, self.log_path, self.env)
         self.failures = 0
         if wait:
             self.wait_ready()

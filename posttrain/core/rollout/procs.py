@@ -11,6 +11,25 @@ import urllib.error
 import urllib.request
 
 
+def spawn(command: list[str], log_path=None, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start a server process in its own session (so it can be stopped with its children), told by
+    the kernel to die with the process that started it: a driver killed with SIGKILL leaves no engine
+    or router behind holding ports and memory."""
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **(env or {})}, preexec_fn=_die_with_parent)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: PR_SET_PDEATHSIG = SIGKILL (Linux; a no-op elsewhere)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nobody listens on right now (bind to 0 and read it back)."""
     with socket.socket() as s:

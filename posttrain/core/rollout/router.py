@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from posttrain.core.rollout.procs import free_port, stop_process, wait_http_ok
+from posttrain.core.rollout.procs import free_port, spawn, stop_process, wait_http_ok
 
 
 class RouterProcess:
@@ -53,9 +53,7 @@ class RouterProcess:
 
     def start(self, timeout_s: float = 120.0) -> RouterProcess:
         """Start the router and wait until every initial worker is registered and healthy."""
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")})
+        self.proc = spawn(self.command(), self.log_path, {"RUST_LOG": os.environ.get("RUST_LOG", "warn")})
         try:
             wait_http_ok(self.url + "/health", timeout_s, self.proc)
             self.wait_workers(len(self.worker_urls), timeout_s)

@@ -24,6 +24,8 @@ class SingleTurn:
     @dataclass
     class Config:
         chat_template: bool = option(True, help="apply the tokenizer's chat template to chat-message prompts")
+        batch_group: bool = option(True, help="send a group as one batched /generate (SGLang's list input) "
+                                              "instead of one request per sample")
 
     def __init__(self, config=None):
         self.config = config or self.Config()
@@ -34,14 +36,22 @@ class SingleTurn:
 
         tokenizer = await engine_tokenizer(engine)
 
-        async def one(sample):
-            prompt = prompt_ids(sample, tokenizer, self.config.chat_template)
-            out = await engine.generate(input_ids=prompt, sampling_params=sampling.to_sglang(), return_logprob=True)
+        def store(sample, prompt, out):
             ids, lps = tokens_and_logprobs(out)
             return fill(sample, prompt, ids, [1] * len(ids), lps or [0.0] * len(ids), out.get("text", ""),
                         finish_type(out), weight_version_int(out))
 
-        return list(await asyncio.gather(*[one(s) for s in group]))
+        prompts = [prompt_ids(s, tokenizer, self.config.chat_template) for s in group]
+        if self.config.batch_group and len(group) > 1:
+            outs = await engine.request("POST", "/generate", {"input_ids": prompts, "return_logprob": True,
+                                                              "sampling_params": sampling.to_sglang()})
+            return [store(s, p, o) for s, p, o in zip(group, prompts, outs)]
+
+        async def one(sample, prompt):
+            return store(sample, prompt, await engine.generate(input_ids=prompt, sampling_params=sampling.to_sglang(),
+                                                               return_logprob=True))
+
+        return list(await asyncio.gather(*[one(s, p) for s, p in zip(group, prompts)]))
 
 
 @hookimpl

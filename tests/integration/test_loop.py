@@ -1,0 +1,150 @@
+"""The loop end to end through `rl-cli run`: Megatron trainer on the CPU, a local engine behind the real
+sglang-router, rewards, checkpoints. Small batches so each run takes seconds."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+QUICKSTART = ROOT / "examples" / "quickstart.yaml"
+SMALL = ["rollout.rollout_batch_size=8", "rollout.n_samples_per_prompt=4", "trainer.global_batch_size=32",
+         "trainer.micro_batch_size=32"]
+KEYS = {"step", "rollout/reward_mean", "rollout/response_len_mean", "train/loss", "train/kl", "train/entropy",
+        "train/grad_norm", "perf/step_time", "perf/rollout_tokens_per_s", "train_rollout_logprob_abs_diff",
+        "perf/time_generate", "perf/time_log_probs", "perf/time_train", "perf/time_sync"}
+
+
+def rl_cli(*args, **kwargs):
+    return subprocess.run([sys.executable, "-m", "posttrain.cli.main", "run", *map(str, args)],
+                          capture_output=True, text=True, timeout=600, **kwargs)
+
+
+def jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def leftovers(run_dir):
+    """Processes (engines, router) still running for this run directory."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if str(run_dir) in " ".join(p.info["cmdline"] or []):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def test_smoke_run_writes_the_run_directory(tmp_path):
+    run = tmp_path / "run"
+    out = rl_cli(QUICKSTART, "--smoke", "--run-dir", run, *SMALL)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    rows = jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1]
+    assert KEYS <= set(rows[-1]), KEYS - set(rows[-1])
+    assert rows[-1]["train_rollout_logprob_abs_diff"] < 1e-3, "engine and trainer must agree on log-probs"
+    assert rows[-1]["rollout/samples"] == 32
+    for name in ("config.yaml", "plugins.json", "curves.png", "rollouts.jsonl"):
+        assert (run / name).is_file(), name
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert "done: 2 steps" in out.stdout
+    assert not leftovers(run)
+
+
+def test_kill_9_then_resume_loses_and_repeats_no_step(tmp_path):
+    args = [QUICKSTART, *SMALL, "rollout.num_rollouts=6", "checkpoint.interval=2"]
+    reference = tmp_path / "reference"
+    assert rl_cli(*args, "--run-dir", reference).returncode == 0
+    run = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "posttrain.cli.main", "run", *map(str, args), "--run-dir", str(run)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while len(jsonl(run / "metrics.jsonl")) < 3 and time.monotonic() < deadline:  # steps 0-2 done, ckpt at 1
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert len(jsonl(run / "metrics.jsonl")) < 6, "the run finished before it could be killed"
+    deadline = time.monotonic() + 30
+    while leftovers(run) and time.monotonic() < deadline:  # engines and router die with their parent
+        time.sleep(0.2)
+    assert not leftovers(run)
+
+    out = rl_cli("--resume", run)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert [r["step"] for r in jsonl(run / "metrics.jsonl")] == list(range(6))
+    served = [r["prompts"] for r in jsonl(run / "rollouts.jsonl")]
+    assert served == [r["prompts"] for r in jsonl(reference / "rollouts.jsonl")], "data order changed"
+
+
+def test_ray_executor_runs_the_same_loop(tmp_path):
+    run = tmp_path / "ray"
+    out = rl_cli(QUICKSTART, "--smoke", "--run-dir", run, *SMALL, "resources.executor=ray")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    rows = jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1] and rows[-1]["train_rollout_logprob_abs_diff"] < 1e-3
+
+
+def test_failing_reward_is_counted_and_the_run_goes_on(tmp_path, write):
+    plugin = write("flaky.py", '''
+from dataclasses import dataclass
+from posttrain import hookimpl
+
+class Flaky:
+    """Raises on one sample in ten."""
+    name = "flaky"
+    @dataclass
+    class Config:
+        pass
+    def __init__(self, config=None):
+        self.config = config
+        self.calls = 0
+    def __call__(self, sample):
+        self.calls += 1
+        if self.calls % 10 == 0:
+            raise RuntimeError("reward server hiccup")
+        return float(sample.response == sample.label)
+
+@hookimpl
+def posttrain_register_rewards(registry):
+    registry.add(Flaky)
+''')
+    run = tmp_path / "flaky"
+    out = rl_cli(QUICKSTART, "--smoke", "--run-dir", run, *SMALL, "rewards=[{name: flaky}]", "--plugin", plugin)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    rows = jsonl(run / "metrics.jsonl")
+    failed = sum(r["reward/failed"] for r in rows)
+    assert 3 <= failed <= 10, failed  # 64 samples, one in ten raises
+    assert all(r["rollout/samples"] == 32 - r["reward/failed"] for r in rows)
+
+
+def test_killed_engine_is_restarted_and_the_run_continues(tmp_path):
+    run = tmp_path / "fleet"
+    proc = subprocess.Popen([sys.executable, "-m", "posttrain.cli.main", "run", str(QUICKSTART), *SMALL,
+                             "rollout.num_rollouts=8", "resources.num_engines=2", "--run-dir", str(run)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while len(jsonl(run / "metrics.jsonl")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    engines = [p for p in leftovers(run) if "serve" in p.cmdline()]
+    assert len(engines) == 2
+    engines[0].kill()
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-3000:]
+    rows = jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(8))
+    assert sum(r["perf/engine_restarts"] for r in rows) >= 1
+
+
+def test_bad_batch_identity_is_refused_before_anything_starts(tmp_path):
+    run = tmp_path / "never"
+    out = rl_cli(QUICKSTART, "--run-dir", run, "trainer.global_batch_size=512", "trainer.micro_batch_size=512")
+    assert out.returncode == 2 and "batch identity violated" in out.stderr
+    assert not run.exists()
