@@ -48,6 +48,10 @@ def _add_plugin_commands() -> None:
 
 
 def main() -> None:
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints every thread's stack
     debug = "--debug" in sys.argv or os.environ.get("POSTTRAIN_DEBUG", "") not in ("", "0")
     from posttrain.core.errors import UsageError
 

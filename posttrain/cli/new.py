@@ -76,14 +76,23 @@ BODIES = {
         return group
 '''),
     "model": ("posttrain_register_models", "ModelSpecContract", "model_spec", '''
-    @dataclass
-    class Config:
-        preset: str = option("tiny", help="a named shape of this family")
-
-    def __init__(self, config=None):
-        self.config = config or self.Config()
+    # A Llama-layout family: DenseGPTSpec maps HF <-> Megatron (fused QKV per query group, fused
+    # gate/up); override transformer_config / layer_spec / the mapping methods where yours differs.
+    model_types = ("llama",)
+    hf_architecture = "LlamaForCausalLM"
+    presets = {
+        "tiny": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128, hidden_size=64,
+                     intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0, hidden_act="silu",
+                     tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, torch_dtype="float32"),
+    }
 '''),
 }
+
+
+# kinds whose scaffold builds on a posttrain base class (the class line and its import)
+BASES = {"model": "(DenseGPTSpec)"}
+IMPORTS = {"model": "from posttrain.core.train.spec import DenseGPTSpec\n"}
 
 
 @app.command()
@@ -127,9 +136,9 @@ packages = ["{package}"]
 from dataclasses import dataclass
 
 from posttrain import hookimpl, option
+{IMPORTS.get(kind, "")}
 
-
-class {cls}:
+class {cls}{BASES.get(kind, "")}:
     """TODO: one line on what this {kind} does, then the formula and tensor shapes."""
 
     name = "{name}"

@@ -48,12 +48,17 @@ def run(config: Path = typer.Argument(None, help="run config (YAML); optional wi
             raise ConfigError(exc.errors + data_errors, exc.source) from None
         if data_errors:
             raise ConfigError(data_errors, str(config))
+    missing = cfg.missing_for_training()
+    if missing and not dry_run:
+        raise ConfigError(missing, str(config or resume))
     console.print(plugins.header())
     if dry_run:
         console.print(yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip(), markup=False)
         if dataset is not None:
             console.print(f"[green]data OK[/]: {dataset.summary()}", highlight=False)
         console.print(f"[green]config OK[/]: {config}")
+        for line in missing:
+            console.print(f"[yellow]note[/]: {line}", highlight=False)
         return
     if resume is None:
         run = RunDirectory.create(run_dir, config.stem)

@@ -259,12 +259,12 @@ class RunConfig:
     """The whole run. Component sections hold a :class:`Component`; the others plain dataclasses."""
 
     seed: int = 0
-    model: Any = component("models", help="model spec and checkpoint")
+    model: Any = component("models", optional=True, help="model spec and checkpoint")
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    generator: Any = component("generators", help="turns prompt groups into samples")
+    generator: Any = component("generators", optional=True, help="turns prompt groups into samples")
     estimator: Any = component("estimators", help="advantage estimator")
-    loss: Any = component("losses", help="policy loss")
+    loss: Any = component("losses", optional=True, help="policy loss")
     correction: Any = component("corrections", optional=True, help="rollout/training mismatch correction")
     rewards: Any = component("rewards", many=True, help="weighted reward functions")
     reward_runner: RewardRunnerConfig = field(default_factory=RewardRunnerConfig)
@@ -277,6 +277,12 @@ class RunConfig:
 
     def validate(self) -> list[str]:
         return batch_identity(self.rollout, self.trainer)
+
+    def missing_for_training(self) -> list[str]:
+        """Sections a config may leave out while it is validated piecemeal, but a run needs."""
+        return [f"{key}: required to train (see `rl-cli plugins list --kind {KINDS[kind]}`)"
+                for key, kind in (("model", "models"), ("generator", "generators"), ("loss", "losses"))
+                if getattr(self, key) is None]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (YAML-able), with components flattened back to ``{name, ...config}``."""

@@ -123,10 +123,8 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, plugin_f
                     await asyncio.wait([pending])
             with timer("sync"):
                 version = step + 1
-                restarted = engines.check_and_restart()
-                if restarted:  # a restarted engine left the weight group: rebuild it
-                    trainer.connect_engines(engine_urls)
-                await asyncio.to_thread(trainer.push_weights, version, str(run.path / "hf-latest"))
+                restarted = await asyncio.to_thread(_push_weights, trainer, engines, engine_urls, version,
+                                                    str(run.path / "hf-latest"))
 
             # log, checkpoint, eval
             phases, step_time = timer.pop(), time.perf_counter() - t0
@@ -148,6 +146,26 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, plugin_f
         if pending is not None:
             pending.cancel()
         return last
+
+
+def _push_weights(trainer: Any, engines: Any, engine_urls: list[str], version: int, disk_dir: str,
+                  attempts: int = 3) -> list[str]:
+    """Weights to every engine; an engine that died is restarted (from the initial checkpoint) and the
+    weight-update group rebuilt, then the push is repeated. Returns the URLs of restarted engines."""
+    restarted: list[str] = []
+    for attempt in range(attempts):
+        now = engines.check_and_restart()
+        restarted += now
+        if now or attempt:  # a restarted engine (or a failed broadcast) leaves the group broken
+            trainer.connect_engines(engine_urls)
+        try:
+            trainer.push_weights(version, disk_dir)
+            return restarted
+        except RuntimeError:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(1.0)  # let the process table show the death before checking again
+    return restarted
 
 
 class _client:

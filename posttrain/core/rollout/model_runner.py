@@ -190,12 +190,17 @@ class ModelRunner:
         if key not in self._graphs:
             static = {"tokens": torch.zeros(bucket, dtype=torch.long, device=self.device),
                       "positions": torch.zeros(bucket, dtype=torch.long, device=self.device)}
+            # The warm-up runs for real and writes K/V at position 0 of slots 0 .. bucket-1, which may
+            # belong to requests in flight: keep those cache entries and put them back afterwards.
+            saved = (self.k_cache[:, :bucket, :, 0].clone(), self.v_cache[:, :bucket, :, 0].clone())
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm up kernels outside the graph
                     self._decode_eager(static["tokens"], static["positions"], span)
             torch.cuda.current_stream().wait_stream(stream)
+            self.k_cache[:, :bucket, :, 0] = saved[0]
+            self.v_cache[:, :bucket, :, 0] = saved[1]
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._graph_pool):
                 static["logits"] = self._decode_eager(static["tokens"], static["positions"], span)

@@ -13,10 +13,19 @@ from posttrain.core.types import Sample, SampleStatus
 _TOKENIZERS: dict[str, Any] = {}
 
 
+_PATHS: dict[str, str] = {}
+
+
 async def engine_tokenizer(engine) -> Any:
-    """The tokenizer at the engine's ``tokenizer_path`` (``/get_model_info``), loaded once per process."""
-    info = await engine.get_model_info()
-    path = info.get("tokenizer_path") or info["model_path"]
+    """The tokenizer at the engine's ``tokenizer_path`` (``/get_model_info``), loaded once per process.
+
+    The path is asked once per engine URL: every later rollout skips the round trip, and a router whose
+    worker just died cannot fail it."""
+    key = getattr(engine, "base_url", None) or str(id(engine))
+    if key not in _PATHS:
+        info = await engine.get_model_info()
+        _PATHS[key] = info.get("tokenizer_path") or info["model_path"]
+    path = _PATHS[key]
     if path not in _TOKENIZERS:
         import asyncio
 

@@ -57,8 +57,11 @@ def _is_loopback(address: str) -> bool:
 
 
 def open_group(backend: str, master_address: str, master_port: int, world_size: int, rank: int,
-               group_name: str = DEFAULT_GROUP, timeout_s: float = 120.0):
+               group_name: str = DEFAULT_GROUP, timeout_s: float = 30.0):
     """A standalone process group (not the default group): rank 0 hosts the TCP store.
+
+    ``timeout_s`` bounds every collective: a member that died mid-update makes the others fail after it
+    (and the trainer rebuild the group) instead of hanging; a broadcast of many GB takes well under it.
 
     Rank 0's store listens on ``master_address`` only (a socket bound there and handed to the store),
     and with a loopback master Gloo's transport is bound to 127.0.0.1 too, so a single-machine group
