@@ -163,6 +163,10 @@ class TrainerConfig:
     steps_per_rollout: int = option(1, ge=1, help="optimizer steps per rollout step")
     lr: float = option(1e-6, gt=0.0)
     kl_loss_coef: float = option(0.0, ge=0.0, help="weight of the KL(policy || reference) loss term")
+    kl_kind: Literal["k1", "k2", "k3", "abs", "k1+", "k3+"] = option(
+        "k3", help="KL estimator of the loss term and the reward penalty (posttrain.core.losses.kl_divergence)")
+    kl_in_reward_coef: float = option(0.0, ge=0.0, help="per-token reward penalty -coef * KL_t (classic RLHF "
+                                                        "shaping), added to the estimator's token_rewards")
     log_kl: bool = option(True, help="log train/kl to the reference even when kl_loss_coef is 0 "
                                      "(one more forward pass per step)")
     entropy_coef: float = option(0.0, help="weight of the entropy bonus")

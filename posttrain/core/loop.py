@@ -24,6 +24,7 @@ from posttrain.core.buffer import DataBuffer, collect_groups
 from posttrain.core.data import load_prompts
 from posttrain.core.evaluation import evaluate
 from posttrain.core.executors import EXECUTORS
+from posttrain.core.losses import kl_penalty_rewards
 from posttrain.core.metrics import MetricsWriter
 from posttrain.core.rewards import RewardRunner, reward_metrics
 from posttrain.core.types import AdvantageBatch
@@ -101,7 +102,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, plugin_f
             # 5. log-probs: the sampling policy as the trainer sees it, the reference, critic values
             with timer("log_probs"):
                 batch.old_log_probs, entropy = await asyncio.to_thread(trainer.log_probs, batch, None, True)
-                if cfg.trainer.kl_loss_coef > 0 or cfg.trainer.log_kl:
+                if cfg.trainer.kl_loss_coef > 0 or cfg.trainer.kl_in_reward_coef > 0 or cfg.trainer.log_kl:
                     batch.ref_log_probs = await asyncio.to_thread(trainer.log_probs, batch, "ref")
                 values = await asyncio.to_thread(trainer.values, batch) if estimator.needs_critic else None
             step_metrics = {**batching.mismatch_metrics(batch.old_log_probs, rollout_lp, batch.response_mask),
@@ -111,8 +112,12 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, plugin_f
                 step_metrics.update({f"correction/{k}": v for k, v in correction_metrics.items()})
 
             # 6. advantages over the whole batch, then optimizer steps
+            token_rewards = (kl_penalty_rewards(batch.old_log_probs, batch.ref_log_probs, batch.response_mask,
+                                                cfg.trainer.kl_in_reward_coef, cfg.trainer.kl_kind)
+                             if cfg.trainer.kl_in_reward_coef > 0 else None)
             batch.advantages, batch.returns = estimator.advantages(AdvantageBatch(
-                rewards=reward, group_index=group_index, response_mask=batch.response_mask, values=values))
+                rewards=reward, group_index=group_index, response_mask=batch.response_mask, values=values,
+                token_rewards=token_rewards))
             batch.old_values = values
             with timer("train"):
                 train_metrics = await asyncio.to_thread(trainer.train, batch)

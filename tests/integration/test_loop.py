@@ -140,3 +140,12 @@ def test_async_mode_trains_one_step_off_policy(tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2]
     # step N+1 was generated while step N trained, with the weights from before step N
     assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
+
+
+def test_kl_as_loss_term_and_in_the_reward(tmp_path):
+    run = tmp_path / "kl"
+    out = rl_cli(QUICKSTART, "--smoke", "--run-dir", run, *SMALL, "trainer.kl_loss_coef=0.01",
+                 "trainer.kl_in_reward_coef=0.05", "trainer.kl_kind=k2", "estimator=reinforce_plus_plus")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    rows = jsonl(run / "metrics.jsonl")
+    assert all(r["train/kl"] >= 0 for r in rows) and rows[-1]["train/kl"] > 0  # weights moved after step 0

@@ -55,17 +55,6 @@ def lr_at(step: int, config: Any) -> float:
     return config.min_lr + (lr - config.min_lr) * 0.5 * (1 + math.cos(math.pi * frac))
 
 
-def k3_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
-    """k3 estimator of KL(policy || ref) per token: ``exp(r) - 1 - r`` with ``r = ref - policy``."""
-    try:
-        from posttrain.core.losses import kl_divergence  # the Algorithms issue's, once merged
-
-        return kl_divergence(log_probs, ref_log_probs, kind="k3")
-    except ImportError:
-        r = (ref_log_probs - log_probs).clamp(-20, 20)
-        return torch.exp(r) - 1 - r
-
-
 class MegatronTrainer:
     """A Megatron-core GPTModel (policy, or critic with ``role="critic"``) with its optimizer."""
 
@@ -389,7 +378,9 @@ class MegatronTrainer:
         if c.kl_loss_coef:
             if mb.ref_log_probs is None:
                 raise UsageError("train_step: kl_loss_coef > 0 needs batch.ref_log_probs")
-            kl = (k3_kl(lp, mb.ref_log_probs) * mask).sum() / global_tokens
+            from posttrain.core.losses import kl_divergence
+
+            kl = (kl_divergence(lp, mb.ref_log_probs, kind=c.kl_kind) * mask).sum() / global_tokens
             loss = loss + c.kl_loss_coef * kl
             metrics["kl"] = float(kl.detach()) * global_tokens / max(1.0, float(mask.sum()))
         if need_entropy:
