@@ -142,10 +142,32 @@ def test_async_mode_trains_one_step_off_policy(tmp_path):
     assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
 
 
-def test_kl_as_loss_term_and_in_the_reward(tmp_path):
+def test_kl_as_loss_term_and_in_the_reward(tmp_path, write):
+    # a reward that splits random responses about evenly, so the first step surely moves the weights
+    plugin = write("parity.py", '''
+from dataclasses import dataclass
+from posttrain import hookimpl
+
+class Parity:
+    """1.0 when the response's first character has an odd code point."""
+    name = "parity"
+    @dataclass
+    class Config:
+        pass
+    def __init__(self, config=None):
+        self.config = config
+    def __call__(self, sample):
+        return float(bool(sample.response) and ord(sample.response[0]) % 2 == 1)
+
+@hookimpl
+def posttrain_register_rewards(registry):
+    registry.add(Parity)
+''')
     run = tmp_path / "kl"
     out = rl_cli(QUICKSTART, "--smoke", "--run-dir", run, *SMALL, "trainer.kl_loss_coef=0.01",
-                 "trainer.kl_in_reward_coef=0.05", "trainer.kl_kind=k2", "estimator=reinforce_plus_plus")
+                 "trainer.kl_in_reward_coef=0.05", "trainer.kl_kind=k2", "estimator=reinforce_plus_plus",
+                 "rewards=[{name: parity}]", "--plugin", plugin)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     rows = jsonl(run / "metrics.jsonl")
-    assert all(r["train/kl"] >= 0 for r in rows) and rows[-1]["train/kl"] > 0  # weights moved after step 0
+    assert rows[0]["train/kl"] == 0.0  # the policy is the reference before the first update
+    assert rows[-1]["train/kl"] > 0  # and has moved away from it after
