@@ -53,11 +53,13 @@ def rollout_metrics(samples: list[Sample], weight_version: int) -> dict[str, flo
 
 def mismatch_metrics(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
                      mask: torch.Tensor) -> dict[str, float]:
-    """How far the trainer's log-probs of the sampled tokens are from the engine's (same weights)."""
-    diff = (train_log_probs - rollout_log_probs).abs() * mask
-    tokens = mask.sum().clamp(min=1)
-    return {"train_rollout_logprob_abs_diff": float(diff.sum() / tokens),
-            "train_rollout_logprob_abs_diff_max": float(diff.max()) if mask.any() else 0.0}
+    """How far the trainer's log-probs of the sampled tokens are from the engine's (same weights); the mean
+    is the one every correction reports (``core.losses``), the max is for spotting single bad tokens."""
+    from posttrain.core.losses import masked_mean
+
+    diff = (train_log_probs - rollout_log_probs).abs()
+    return {"train_rollout_logprob_abs_diff": float(masked_mean(diff, mask)),
+            "train_rollout_logprob_abs_diff_max": float((diff * mask).max()) if mask.any() else 0.0}
 
 
 def policy_metrics(batch: TrainBatch, entropy: torch.Tensor) -> dict[str, float]:
