@@ -1,29 +1,64 @@
 #!/usr/bin/env bash
-# One call on a lent H200 (see bench/RESULTS.md): installs the carried wheels and posttrain into /tmp/site,
-# runs the GPU tests, the rollout and train benchmarks at the Qwen3-1.7B shape and the quickstart on the GPU,
-# and prints a table last. Logs go to $OUT (the device tool brings them back).
-#   needs: .whl/ with megatron-core 0.16.1 (cp312), math-verify, latex2sympy2_extended, antlr4-python3-runtime
+# One call on lent H200s (bench/RESULTS.md): installs the carried wheels and posttrain into /tmp/site, runs
+# the named parts, keeps every log under $OUT and prints a table last.
+#   bash bench/gpu_session.sh PART...      (run tool: carry [".whl"], kind nvidia-h200-x2 for two GPUs)
+# parts:
+#   tests     GPU tests (tests/gpu: colocated, NCCL, async runs at a small shape; engine and trainer GPU tests)
+#   sync      weight-sync bench: Qwen3-1.7B shape, trainer GPU 0 -> engine GPU 1 over NCCL
+#   sync4b    weight-sync bench: Qwen3-4B shape to two engines sharing GPU 1 (issue 9 shrunk to two GPUs)
+#   rollout   engine decode variants at the Qwen3-1.7B shape, 256 prompts x 128, 256 new tokens
+#   train     train-step levers at Qwen3-1.7B, micro-batch 4 x 2048
+#   tp2       TP=2 train step on both GPUs (torchrun)
+#   colocated GRPO, Qwen3-1.7B shape, 64 x 8 x 512 new tokens, trainer and engine on GPU 0
+#   disagg    the same, trainer GPU 0 / engine GPU 1, synchronous then async
+#   shrunk    issue 9 shrunk: trainer GPU 0, two engines on GPU 1 behind sglang-router
+# needs: .whl/ with megatron-core 0.16.1 (cp312), math-verify, latex2sympy2_extended, antlr4-python3-runtime,
+#        and .whl/extra/ with sglang-router and what its launcher imports (fastapi, uvicorn, orjson, ...)
 set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/out}; LOGS=/tmp/gpu-logs; mkdir -p "$OUT" "$LOGS"  # logs come back as $OUT/logs.tgz
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/extra .whl/extra/*.whl || exit 1
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site . || exit 1
-export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH OMP_NUM_THREADS=8 PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch, transformers, megatron.core; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-declare -A RC
-step() {  # step NAME TIMEOUT_S CMD...: run, keep the log, remember the exit code
+# /tmp/extra last: it only fills what the image lacks (the router's web stack)
+export PYTHONPATH=/tmp/site:/tmp/extra PATH=/tmp/site/bin:$PATH OMP_NUM_THREADS=8 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c "import torch, transformers, megatron.core; print('torch', torch.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
+python3 -c "import sglang_router.launch_router" 2>&1 | tail -1 && echo "router importable"
+CFG=examples/gpu/qwen3-1.7b-grpo.yaml
+declare -A RC; ORDER=()
+step() {  # step NAME TIMEOUT_S CMD...: run, keep the log, remember the exit code and wall time
   local name=$1 limit=$2; shift 2
   local t0=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; RC[$name]="$? ($(( $(date +%s) - t0 )) s)"
-  echo "== $name: rc ${RC[$name]}"; tail -n 4 "$OUT/$name.log"
+  timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1; RC[$name]="$? ($(( $(date +%s) - t0 )) s)"; ORDER+=("$name")
+  echo "== $name: rc ${RC[$name]}"; grep -h '^{' "$LOGS/$name.log" | cut -c1-1500; tail -n 3 "$LOGS/$name.log" | cut -c1-300
 }
-step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider tests/unit/train/test_gpu.py \
-  tests/unit/rollout/test_rollout_gpu.py tests/unit/algorithms/test_gpu.py
-step rollout_bench 240 python3 bench/rollout.py --device cuda --shape qwen3-1.7b --prompts 256 --prompt-len 128 --new-tokens 256
-step train_bench 200 python3 bench/train.py --device cuda --preset qwen3-1.7B --micro-batch 4 --seq-len 2048 --steps 5 --warmup 2
-step quickstart_gpu 240 python3 -m posttrain.cli.main run examples/quickstart.yaml --run-dir /tmp/qs \
-  rollout.engine_device=cuda rollout.use_router=false
-cp /tmp/qs/metrics.jsonl "$OUT/quickstart_gpu_metrics.jsonl" 2>/dev/null
+e2e() { local name=$1 limit=$2; shift 2; step "$name" "$limit" python3 bench/e2e.py --config $CFG --name "$name" --keep "$LOGS/runs" "$@"; }
+for part in "$@"; do case $part in
+  tests) step tests 240 python3 -m pytest -q -p no:cacheprovider tests/unit/rollout/test_rollout_gpu.py tests/unit/rollout/test_decode_variants.py tests/gpu ;;
+  diag) step diag 150 python3 -m pytest -q -x -p no:cacheprovider tests/gpu -k disaggregated
+        grep -h -A12 "engine step failed" $LOGS/diag.log | head -40 ;;
+  sync) step sync 120 python3 bench/weight_sync.py $CFG --pushes 5 ;;
+  sync4b) step sync4b 200 python3 bench/weight_sync.py $CFG model.preset=qwen3-4B rollout.engine_device=cuda:1 \
+            resources.num_engines=2 rollout.use_router=true rollout.engine_max_running_requests=8 --pushes 5 ;;
+  rollout) step rollout 200 python3 bench/rollout.py --device cuda --shape qwen3-1.7b --prompts 256 --prompt-len 128 \
+             --new-tokens 256 --skip-hf --profile --variants ${ROLLOUT_VARIANTS:-sdpa,bmm,sdpa+compile,bmm+compile} --kernel-tables $LOGS/kernels ;;
+  train)
+    step train_gqa_accum8 90 python3 bench/train.py --device cuda --preset qwen3-1.7B --micro-batch 4 --seq-len 2048 --steps 3 --warmup 1 --sdpa-gqa --grad-accum 8
+    step train_compile_accum8 150 python3 bench/train.py --device cuda --preset qwen3-1.7B --micro-batch 4 --seq-len 2048 --steps 3 --warmup 1 --sdpa-gqa --grad-accum 8 --compile ;;
+  tp2) step tp2 120 python3 -m torch.distributed.run --nproc_per_node 2 bench/train.py --device cuda --preset qwen3-1.7B \
+         --tp 2 --micro-batch 4 --seq-len 2048 --steps 3 --warmup 1 --grad-accum 8 ;;
+  colocated) e2e colocated 200 resources.colocate=true ;;
+  disagg) e2e disagg_sync 190; e2e disagg_async 170 rollout.mode=async ;;
+  shrunk) e2e shrunk 150 rollout.engine_device=cuda:1 resources.num_engines=2 rollout.use_router=true \
+            rollout.engine_max_running_requests=256 rollout.num_rollouts=2 rollout.rollout_batch_size=32 \
+            trainer.global_batch_size=256 rollout.max_new_tokens=256 ;;
+  kernel) step kernel 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/rollout/test_decode_kernel.py \
+            tests/unit/rollout/test_decode_variants.py
+          ROLLOUT_VARIANTS=triton,triton+compile; step rollout_triton 120 python3 bench/rollout.py --device cuda \
+            --shape qwen3-1.7b --prompts 256 --prompt-len 128 --new-tokens 256 --skip-hf --profile --variants triton,triton+compile ;;
+  gputests) step gputests 170 python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
+  *) echo "unknown part $part"; exit 2 ;;
+esac; done
+tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null
 echo; echo "| step | rc (wall) |"; echo "|---|---|"
-for k in gpu_tests rollout_bench train_bench quickstart_gpu; do echo "| $k | ${RC[$k]} |"; done
-grep -h '^{' "$OUT"/rollout_bench.log "$OUT"/train_bench.log 2>/dev/null | tail -n 2
+for k in "${ORDER[@]}"; do echo "| $k | ${RC[$k]} |"; done

@@ -1,4 +1,4 @@
-"""Decode throughput of the local engine against HF ``generate`` on the same model and batch, one JSON line.
+"""Decode throughput of the local engine against HF ``generate`` on the same model and batch, one JSON line per variant.
 
     python bench/rollout.py                         # CPU, tiny Qwen3 (2 layers, hidden 64)
     python bench/rollout.py --device cuda --shape qwen3-1.7b --prompts 256 --prompt-len 128 --new-tokens 256
@@ -7,6 +7,24 @@ Both sides generate exactly ``new_tokens`` per prompt greedily (EOS ignored) fro
 ``prompt_len`` tokens; throughput is ``prompts x new_tokens / wall time`` (prefill included), after one
 warm-up round each. The engine runs in-process (the scheduler thread and model runner the HTTP server
 uses, without HTTP); ``--cuda-graphs`` (default on CUDA) captures its decode step.
+
+Decode levers (``ModelRunner`` arguments): ``--decode-attention sdpa|bmm``, ``--compile``
+(``--compile-mode``). ``--variants`` measures several in one call on the same built model, one JSON line
+each, e.g. ``--variants sdpa,bmm,sdpa+compile,bmm+compile,sdpa+eager``: ``+``-joined words among
+``sdpa``/``bmm`` (attention), ``compile``/``autotune`` (torch.compile, default or
+max-autotune-no-cudagraphs mode), ``eager``/``graphs`` (CUDA graphs off/on). A variant that fails prints
+its line with ``error`` and the next one still runs. The HF baseline (unless ``--skip-hf``) runs once,
+first, and its numbers go on every line.
+
+``--profile`` adds where the time goes, in ms: ``decode_ms`` (the model's decode step alone at the full
+batch and the mean context: graph replay, or the eager forward without graphs), ``decode_eager_ms``
+(the eager forward too, when graphs are on: the difference is launch overhead), ``sampling_ms`` (greedy
+sampling plus the device-to-host copy on full-batch logits), and from the timed run's engine steps
+(``perf_counter`` around each phase, averaged over decode steps): ``step_ms`` (the whole step), split into
+``step_launch_ms`` (host prep, H2D copy, enqueueing the forward), ``step_sample_ms`` (sampling and the
+D2H copy, which waits for the device) and ``step_advance_ms`` (Python bookkeeping); ``mean_batch``,
+``decode_steps``, ``prefill_s``. ``--kernel-tables DIR`` writes a ``torch.profiler`` op table of a few
+eager decode steps per variant to ``DIR/<variant>.txt`` (inside a CUDA graph the ops are not visible).
 
 Memory-bandwidth bound (``--bandwidth-gbs``, default 4800 on CUDA for an H200, none on CPU): each
 decode step must read every weight once plus the KV cache of every running sequence, so
@@ -55,6 +73,12 @@ def sync(device: str) -> None:
 
 
 def run_engine(engine, prompts, new_tokens: int) -> float:
+    """Generate for every prompt; return the wall seconds from the first submit to the last answer.
+
+    The prompts are queued while the engine is paused, so it admits them the same way every run
+    (prefill batches of its token budget): the batch buckets then repeat run to run, and the warm-up
+    runs have compiled and captured every shape the timed run meets. Submitting into a running engine
+    instead lets it start on the first few prompts, at sizes that vary with thread timing."""
     from posttrain.core.rollout.sampling import parse_sampling
 
     params = parse_sampling({"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True})
@@ -65,9 +89,11 @@ def run_engine(engine, prompts, new_tokens: int) -> float:
         lengths.append(len(out["output_ids"]))
         done.release()
 
+    engine.pause(mode="in_place")
     start = time.perf_counter()
     for p in prompts:
         engine.submit(p, params, False, finished)
+    engine.resume()
     for _ in prompts:
         done.acquire()
     elapsed = time.perf_counter() - start
@@ -89,6 +115,133 @@ def run_hf(model, prompts, new_tokens: int, device: str) -> float:
     return time.perf_counter() - start
 
 
+VARIANT_WORDS = {"sdpa": {"decode_attention": "sdpa"}, "bmm": {"decode_attention": "bmm"},
+                 "triton": {"decode_attention": "triton"},
+                 "compile": {"compile": True, "compile_mode": "default"},
+                 "autotune": {"compile": True, "compile_mode": "max-autotune-no-cudagraphs"},
+                 "eager": {"cuda_graphs": False}, "graphs": {"cuda_graphs": True}}
+
+
+def parse_variant(name: str, defaults: dict) -> dict:
+    """``"bmm+compile"`` -> ``ModelRunner`` options (``decode_attention``, ``compile``, ``compile_mode``,
+    ``cuda_graphs``) over ``defaults``."""
+    opts = dict(defaults)
+    for word in name.split("+"):
+        if word not in VARIANT_WORDS:
+            raise ValueError(f"variant {name!r}: unknown word {word!r}; valid: {', '.join(VARIANT_WORDS)}")
+        opts.update(VARIANT_WORDS[word])
+    return opts
+
+
+def time_ms(fn, device: str, iters: int = 20, warmup: int = 3) -> float:
+    """Mean wall milliseconds of ``fn()`` over ``iters`` back-to-back calls (synced at both ends only,
+    so on CUDA it is device time whenever the host enqueues faster than the device runs)."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync(device)
+    return round(1e3 * (time.perf_counter() - start) / iters, 3)
+
+
+def profile_runner(runner, batch: int, position: int, device: str) -> dict:
+    """Decode step alone, eager forward, and sampling alone at ``batch`` slots all at ``position``
+    (run in the engine thread while the engine is idle: it writes K/V at ``position`` of idle slots)."""
+    import torch
+
+    from posttrain.core.rollout.sampling import parse_sampling, sample_tokens, to_host
+
+    tokens = torch.randint(1, runner.vocab_size, (batch,), device=device)
+    positions = torch.full((batch,), position, device=device)
+    out = {"decode_ms": time_ms(lambda: runner.decode(tokens, positions, max_position=position), device)}
+    if runner.cuda_graphs:
+        span = runner._span(position + 1)  # the graph's span, so both attend over the same window
+        out["decode_eager_ms"] = time_ms(lambda: runner._decode_eager(tokens, positions, span), device)
+    logits = runner.decode(tokens, positions, max_position=position).clone()
+    params = [parse_sampling({"temperature": 0})] * batch
+    out["sampling_ms"] = time_ms(lambda: to_host(*sample_tokens(logits, params)), device)
+    return out
+
+
+def kernel_table(runner, batch: int, position: int, device: str, path: str) -> None:
+    """Write ``torch.profiler``'s op table of 3 eager decode steps (plus sampling) to ``path``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from posttrain.core.rollout.sampling import parse_sampling, sample_tokens, to_host
+
+    tokens = torch.randint(1, runner.vocab_size, (batch,), device=device)
+    positions = torch.full((batch,), position, device=device)
+    params = [parse_sampling({"temperature": 0})] * batch
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    runner._decode_eager(tokens, positions, position + 1)  # first-call costs stay out of the table
+    with profile(activities=activities) as prof:
+        for _ in range(3):
+            logits = runner._decode_eager(tokens, positions, position + 1)
+            to_host(*sample_tokens(logits, params))
+        sync(device)
+    averages = prof.key_averages()
+    table = None
+    for key in (["self_device_time_total", "self_cuda_time_total"] if cuda else []) + ["self_cpu_time_total"]:
+        try:  # the device-time column's name changed across torch versions
+            table = averages.table(sort_by=key, row_limit=40)
+            break
+        except (AttributeError, KeyError, ValueError):
+            continue
+    with open(path, "w") as f:
+        f.write(table if table is not None else averages.table(row_limit=40))
+
+
+def bench_variant(model, prompts: list[list[int]], args, name: str, opts: dict, out: dict) -> None:
+    """Build a runner with ``opts`` around ``model``, warm it up, time one full run into ``out``; with
+    ``--profile``, add the step breakdown and the decode/sampling timings. ``out`` is filled as results
+    come, so a later failure keeps what was measured; a failing profile only adds ``profile_error``.
+    The runner is freed afterwards."""
+    import torch
+
+    from posttrain.core.rollout.engine import LocalEngine
+    from posttrain.core.rollout.model_runner import ModelRunner
+
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    context = args.prompt_len + args.new_tokens + 1
+    position = args.prompt_len + args.new_tokens // 2  # the run's mean context, for the profile
+    runner = ModelRunner(None, device=args.device, dtype=dtype, max_slots=args.prompts, context_length=context,
+                         model=model, **opts)
+    engine = LocalEngine(runner, tokenizer=None, eos_token_ids=[])
+    try:
+        start = time.perf_counter()
+        run_engine(engine, prompts, min(args.new_tokens, 8))  # warm-up: kernels, allocator, graphs, compiles
+        run_engine(engine, prompts, args.new_tokens)  # warm-up at full size (the graphs of the longer spans)
+        out["warmup_s"] = round(time.perf_counter() - start, 3)
+        engine.call_in_engine(engine.stats.reset)
+        engine_s = run_engine(engine, prompts, args.new_tokens)
+        out.update(engine_s=round(engine_s, 3), engine_tok_s=round(len(prompts) * args.new_tokens / engine_s, 1))
+        if args.profile:
+            stats = engine.call_in_engine(engine.stats.summary)
+            out.update(step_ms=stats["step_ms"], step_launch_ms=stats["launch_ms"],
+                       step_sample_ms=stats["sample_ms"], step_advance_ms=stats["advance_ms"],
+                       mean_batch=stats["mean_batch"], decode_steps=stats["decode_steps"], prefill_s=stats["prefill_s"])
+            try:
+                out.update(engine.call_in_engine(lambda: profile_runner(runner, len(prompts), position, args.device)))
+            except Exception as exc:  # instrumentation must not cost the throughput numbers
+                out["profile_error"] = repr(exc)[:300]
+        if args.kernel_tables:
+            os.makedirs(args.kernel_tables, exist_ok=True)
+            path = os.path.join(args.kernel_tables, f"{name}.txt")
+            try:
+                engine.call_in_engine(lambda: kernel_table(runner, len(prompts), position, args.device, path))
+            except Exception as exc:
+                out["kernel_table_error"] = repr(exc)[:300]
+    finally:
+        engine.shutdown()
+        del engine, runner
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
@@ -97,60 +250,77 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--cuda-graphs", default=None, action=argparse.BooleanOptionalAction)
+    ap.add_argument("--decode-attention", default="sdpa", choices=["auto", "sdpa", "bmm", "triton"])
+    ap.add_argument("--compile", action="store_true", help="torch.compile the per-layer decode parts")
+    ap.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"])
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated variants, e.g. sdpa,bmm,bmm+compile (overrides the flags above)")
+    ap.add_argument("--profile", action="store_true", help="add decode_ms, step_ms and their breakdown")
+    ap.add_argument("--kernel-tables", default=None, metavar="DIR", help="write profiler op tables here")
     ap.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth for the bound (GB/s)")
     ap.add_argument("--skip-hf", action="store_true", help="measure the engine only")
     args = ap.parse_args()
 
     import torch
 
-    from posttrain.core.rollout.engine import LocalEngine
-    from posttrain.core.rollout.model_runner import ModelRunner
-
     cuda = args.device.startswith("cuda")
     if not cuda:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     dtype = torch.bfloat16 if cuda else torch.float32
-    graphs = cuda if args.cuda_graphs is None else args.cuda_graphs
+    defaults = {"decode_attention": args.decode_attention, "compile": args.compile, "compile_mode": args.compile_mode,
+                "cuda_graphs": cuda if args.cuda_graphs is None else args.cuda_graphs}
+    names = args.variants.split(",") if args.variants else [
+        args.decode_attention + ("+compile" if args.compile else "")]
+    try:
+        variants = [(name, parse_variant(name, defaults)) for name in names]
+    except ValueError as exc:
+        ap.error(str(exc))
     bandwidth = args.bandwidth_gbs if args.bandwidth_gbs is not None else (4800.0 if cuda else None)
     model = build_model(args.shape, args.device, dtype)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(1, vocab, (args.prompts, args.prompt_len), generator=gen).tolist()
-    context = args.prompt_len + args.new_tokens + 1
-
-    runner = ModelRunner(None, device=args.device, dtype=str(dtype).removeprefix("torch."), max_slots=args.prompts,
-                         context_length=context, cuda_graphs=graphs, model=model)
-    engine = LocalEngine(runner, tokenizer=None, eos_token_ids=[])
-    run_engine(engine, prompts, min(args.new_tokens, 8))  # warm-up: kernels, allocator, graphs of small buckets
-    run_engine(engine, prompts, args.new_tokens)  # warm-up at full size (captures the full-batch graph)
-    engine_s = run_engine(engine, prompts, args.new_tokens)
-    engine.shutdown()
     total = args.prompts * args.new_tokens
-    result = {"bench": "rollout", "device": torch.cuda.get_device_name() if cuda else f"cpu {platform.machine()} "
+
+    common = {"bench": "rollout", "device": torch.cuda.get_device_name() if cuda else f"cpu {platform.machine()} "
               f"{torch.get_num_threads()} threads", "shape": args.shape, "dtype": str(dtype).removeprefix("torch."),
-              "prompts": args.prompts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-              "cuda_graphs": graphs, "engine_s": round(engine_s, 3), "engine_tok_s": round(total / engine_s, 1)}
-    if not args.skip_hf:
-        del runner, engine
-        if cuda:
-            torch.cuda.empty_cache()
+              "prompts": args.prompts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
+    hf: dict = {}
+    if not args.skip_hf:  # first, once: its numbers go on every variant's line
         run_hf(model, prompts, min(args.new_tokens, 8), args.device)  # warm-up
         hf_s = run_hf(model, prompts, args.new_tokens, args.device)
-        result.update(hf_generate_s=round(hf_s, 3), hf_generate_tok_s=round(total / hf_s, 1),
-                      speedup=round(hf_s / engine_s, 2))
+        hf = {"hf_generate_s": round(hf_s, 3), "hf_generate_tok_s": round(total / hf_s, 1)}
+        if cuda:
+            torch.cuda.empty_cache()
     cfg = model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
     mean_context = args.prompt_len + args.new_tokens / 2
+    bound = None
     if bandwidth:
-        step_s = (weight_bytes + kv_per_token * args.prompts * mean_context) / (bandwidth * 1e9)
-        bound = args.prompts / step_s
-        result.update(bandwidth_gbs=bandwidth, bandwidth_bound_tok_s=round(bound, 1),
-                      fraction_of_bound=round(total / engine_s / bound, 3))
-    if args.shape == "qwen3-1.7b" and cuda:
-        result["target_tok_s"] = 25000
-        result["target_met"] = total / engine_s >= 25000
-    print(json.dumps(result))
+        bound_step_s = (weight_bytes + kv_per_token * args.prompts * mean_context) / (bandwidth * 1e9)
+        bound = args.prompts / bound_step_s
+
+    for name, opts in variants:
+        result = dict(common, variant=name, decode_attention=opts["decode_attention"], compile=opts["compile"],
+                      compile_mode=opts["compile_mode"] if opts["compile"] else None, cuda_graphs=opts["cuda_graphs"])
+        try:
+            bench_variant(model, prompts, args, name, opts, result)
+        except Exception as exc:  # one broken lever must not hide the others' numbers
+            result["error"] = repr(exc)[:500]
+        result.update(hf)
+        tok_s = result.get("engine_tok_s")
+        if hf and tok_s:
+            result["speedup"] = round(tok_s / hf["hf_generate_tok_s"], 2)
+        if bound:
+            result.update(bandwidth_gbs=bandwidth, bandwidth_bound_tok_s=round(bound, 1))
+            if tok_s:
+                result["fraction_of_bound"] = round(tok_s / bound, 3)
+                result["bound_step_ms"] = round(1e3 * args.prompts / bound, 3)
+        if args.shape == "qwen3-1.7b" and cuda and tok_s:
+            result["target_tok_s"] = 25000
+            result["target_met"] = tok_s >= 25000
+        print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

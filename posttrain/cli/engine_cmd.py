@@ -12,6 +12,9 @@ app = typer.Typer(help="Serve a HF checkpoint over SGLang's native HTTP API (CPU
                   no_args_is_help=True)
 
 
+DECODE_ATTENTION = ("auto", "sdpa", "bmm", "triton")
+
+
 @app.command()
 def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (config.json, *.safetensors, tokenizer)",
                                            show_default=False),
@@ -21,7 +24,9 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
           dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16"),
           max_running_requests: int = typer.Option(32, "--max-running-requests", help="KV-cache slots (requests decoded together)"),
           context_length: int = typer.Option(0, "--context-length", help="tokens per request (prompt + output); 0: the model's max_position_embeddings, at most 4096"),
-          cuda_graphs: bool = typer.Option(False, "--cuda-graphs", help="capture the decode step in CUDA graphs (GPU only)")) -> None:
+          cuda_graphs: bool = typer.Option(False, "--cuda-graphs", help="capture the decode step in CUDA graphs (GPU only)"),
+          decode_attention: str = typer.Option("auto", "--decode-attention", help="decode attention: auto (triton on a GPU, else sdpa) | sdpa | bmm | triton"),
+          compile: bool = typer.Option(False, "--compile", help="torch.compile the decode step's layer parts (fused norms, rotary, SwiGLU)")) -> None:
     """Serve MODEL_DIR: /generate, /health_generate, abort/pause, weight updates, /model_info, /server_info."""
     if not (model_dir / "config.json").is_file():
         raise UsageError(f"{model_dir}: not a HF checkpoint directory (no config.json)")
@@ -33,9 +38,12 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
         raise UsageError("--max-running-requests: must be >= 1")
     if dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise UsageError(f"--dtype: expected auto, float32, bfloat16 or float16, got {dtype!r}")
+    if decode_attention not in DECODE_ATTENTION:
+        raise UsageError(f"--decode-attention: expected {', '.join(DECODE_ATTENTION)}, got {decode_attention!r}")
     if device != "cpu" and not device.startswith("cuda"):
         raise UsageError(f"--device: expected cpu or cuda[:N], got {device!r}")
     from posttrain.core.rollout.server import serve as run
 
     run(str(model_dir), host=host, port=port, device=device, dtype=dtype,
-        max_running_requests=max_running_requests, context_length=context_length or None, cuda_graphs=cuda_graphs)
+        max_running_requests=max_running_requests, context_length=context_length or None, cuda_graphs=cuda_graphs,
+        decode_attention=decode_attention, compile=compile)

@@ -13,8 +13,15 @@ from posttrain.core.types import Sample, SampleStatus
 
 def trainable(groups: list[list[Sample]]) -> list[Sample]:
     """The samples a step trains on: every sample of the kept groups except failed ones (a reward or
-    tool raised; counted in ``reward/failed``) and those without a response."""
-    return [s for g in groups for s in g if s.status != SampleStatus.FAILED and s.response_length > 0]
+    tool raised; counted in ``reward/failed``), aborted ones (the engine gave up on them; unscored) and
+    those without a response."""
+    dropped = (SampleStatus.FAILED, SampleStatus.ABORTED)
+    return [s for g in groups for s in g if s.status not in dropped and s.response_length > 0]
+
+
+def dropped_metrics(groups: list[list[Sample]]) -> dict[str, float]:
+    """``rollout/aborted``: samples of the kept groups the engine aborted (not trained on)."""
+    return {"rollout/aborted": float(sum(s.status == SampleStatus.ABORTED for g in groups for s in g))}
 
 
 def to_batch(samples: list[Sample]) -> tuple[TrainBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -72,6 +79,9 @@ def policy_metrics(batch: TrainBatch, entropy: torch.Tensor) -> dict[str, float]
     if batch.ref_log_probs is not None:
         kl = kl_divergence(batch.old_log_probs, batch.ref_log_probs, kind="k3")
         out["train/kl"] = float(aggregate(kl, mask, "token-mean"))
+        # 0 before the first update: the reference snapshot and the policy are the same weights
+        out["train/ref_policy_logprob_abs_diff"] = float(
+            aggregate((batch.old_log_probs - batch.ref_log_probs).abs(), mask, "token-mean"))
     return out
 
 

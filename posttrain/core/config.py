@@ -138,12 +138,24 @@ class RolloutConfig:
     router_args: list[str] = option(default_factory=list, help="extra sglang_router.launch_router options")
     engine_device: str = option("cpu", help="local engine device: cpu | cuda[:N]")
     engine_max_running_requests: int = option(32, ge=1, help="local engine KV-cache slots")
+    engine_decode_attention: Literal["auto", "sdpa", "bmm", "triton"] = option(
+        "auto", help="local engine decode attention: auto = triton on a GPU (a kernel reading each request's "
+                     "own length), sdpa elsewhere")
+    engine_compile: bool = option(False, help="local engine: torch.compile the decode step (GPU; slower start)")
     engine_context_length: int = option(0, ge=0, help="local engine tokens per request; 0: the model's maximum")
     mem_fraction_static: float | None = option(None, gt=0.0, lt=1.0, help="SGLang --mem-fraction-static")
     sglang: dict[str, Any] = option(default_factory=dict, help="extra SGLang server options by name (--sglang-* pass-through)")
     server_concurrency: int = option(512, ge=1, help="requests in flight per engine client")
-    weight_sync: Literal["distributed", "disk"] = option("distributed", help="how weights reach the engines")
+    weight_sync: Literal["auto", "distributed", "tensor", "disk"] = option(
+        "auto", help="how weights reach the engines: distributed (NCCL between GPUs, else Gloo), tensor (CUDA IPC "
+                     "handles, colocated), disk (an HF checkpoint); auto: tensor when colocated, else distributed")
     weight_bucket_mb: int = option(512, ge=1, help="bucket size of a distributed weight update")
+
+    def weight_sync_mode(self, colocate: bool) -> str:
+        """``weight_sync`` with ``auto`` resolved: ``tensor`` when colocated, else ``distributed``."""
+        if self.weight_sync != "auto":
+            return self.weight_sync
+        return "tensor" if colocate else "distributed"
 
     def sampling_params(self):
         """The run's :class:`~posttrain.core.types.SamplingParams`."""
@@ -214,7 +226,9 @@ class ResourcesConfig:
     executor: Literal["local", "ray"] = option("local", help="local processes, or Ray actors")
     ray_address: str | None = option(None, help="an existing Ray cluster; default starts a local one")
     trainer_nodes: int = option(1, ge=1)
-    trainer_gpus_per_node: int = option(0, ge=0, help="0 trains on CPU")
+    trainer_gpus_per_node: int = option(
+        0, ge=0, help="GPUs of the trainer (it trains on CUDA whenever CUDA is there); engines on `cuda` start "
+                      "after them unless colocated")
     rollout_gpus: int = option(0, ge=0)
     gpus_per_engine: int = option(1, ge=1)
     num_engines: int = option(1, ge=1)
@@ -280,7 +294,15 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def validate(self) -> list[str]:
-        return batch_identity(self.rollout, self.trainer)
+        errors = batch_identity(self.rollout, self.trainer)
+        r, colocate = self.rollout, self.resources.colocate
+        if colocate and r.mode == "async":
+            errors.append("rollout.mode: async overlaps generation with training, which needs their own GPUs "
+                          "(resources.colocate: false)")
+        if colocate and r.weight_sync == "distributed" and r.engine_device.startswith("cuda"):
+            errors.append("rollout.weight_sync: distributed (NCCL) cannot join two processes on one GPU; "
+                          "colocated engines take tensor (or disk, or auto)")
+        return errors
 
     def missing_for_training(self) -> list[str]:
         """Sections a config may leave out while it is validated piecemeal, but a run needs."""

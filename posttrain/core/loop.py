@@ -7,6 +7,8 @@
 Every component comes from the plugin registries by the name the run config gives; nothing here names
 one. ``rollout.mode: async`` starts generating step N+1 before training step N (one step off-policy,
 staleness 1: the engines keep step N-1's weights until both are done, then get step N's).
+``resources.colocate`` shares the GPUs: the engines release their memory after generating and take it
+back (weights, the update, then the KV cache) before the next generation.
 
     rl-cli run examples/quickstart.yaml
 """
@@ -57,6 +59,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, plugin_f
         estimator = cfg.estimator.create(plugins)
         filters = [f.create(plugins) for f in cfg.filters]
         sampling = cfg.rollout.sampling_params()
+        colocate = cfg.resources.colocate
         metrics_out = MetricsWriter(run.path, cfg.logging.tensorboard, cfg.logging.wandb,
                                     cfg.logging.wandb_project, cfg.to_dict())
         stack.callback(metrics_out.close)
@@ -82,9 +85,9 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, plugin_f
             return group
 
         def generate():
-            return asyncio.ensure_future(collect_groups(
+            return asyncio.ensure_future(_watching(engines, engine, collect_groups(
                 buffer, rollout_group, cfg.rollout.rollout_batch_size, filters,
-                cfg.data.over_sampling_batch_size, cfg.data.max_sampled_groups))
+                cfg.data.over_sampling_batch_size, cfg.data.max_sampled_groups)))
 
         last: dict[str, float] = {}
         timer = _Timer()
@@ -93,9 +96,12 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, plugin_f
             t0 = time.perf_counter()
             # 1-4. prompts -> samples -> rewards -> filters (dynamic sampling keeps generating until full)
             with timer("generate"):
-                groups, sampling_metrics = await (pending or generate())
+                (groups, sampling_metrics), generate_s = await (pending or generate())
             overlap = cfg.rollout.mode == "async" and step + 1 < cfg.rollout.num_rollouts
             pending = generate() if overlap else None  # step N+1 generates while step N trains
+            if colocate:  # the trainer's turn on the shared GPUs
+                with timer("release"):
+                    await asyncio.to_thread(engines.release_memory)
             samples = batching.trainable(groups)
             batch, reward, group_index, rollout_lp = batching.to_batch(samples)
 
@@ -128,16 +134,23 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, plugin_f
                     await asyncio.wait([pending])
             with timer("sync"):
                 version = step + 1
-                restarted = await asyncio.to_thread(_push_weights, trainer, engines, engine_urls, version,
-                                                    str(run.path / "hf-latest"))
+                if colocate:  # room for the engine's weights, the update, then its KV cache
+                    await asyncio.to_thread(trainer.release_memory)
+                    await asyncio.to_thread(engines.resume_memory, ["weights"])
+                restarted, push_s = await asyncio.to_thread(_push_weights, trainer, engines, engine_urls, version,
+                                                            str(run.path / "hf-latest"))
+                if colocate:
+                    await asyncio.to_thread(engines.resume_memory, ["kv_cache"])
 
             # log, checkpoint, eval
             phases, step_time = timer.pop(), time.perf_counter() - t0
             tokens = sum(s.response_length for s in samples)
-            last = {**batching.rollout_metrics(samples, version - 1), **reward_metrics(groups),
+            last = {**batching.rollout_metrics(samples, version - 1), **batching.dropped_metrics(groups),
+                    **reward_metrics(groups),
                     **sampling_metrics, **step_metrics, **{f"train/{k}": v for k, v in train_metrics.items()},
                     **phases, "perf/step_time": step_time, "perf/engine_restarts": float(len(restarted)),
-                    "perf/rollout_tokens_per_s": tokens / max(phases["perf/time_generate"], 1e-9)}
+                    "perf/weight_push_s": push_s, **_memory_metrics(trainer, engines),
+                    "perf/rollout_tokens_per_s": tokens / max(generate_s, 1e-9)}
             if cfg.eval.interval and (step + 1) % cfg.eval.interval == 0:
                 last.update(await evaluate(cfg, engine, generator, rewards, run.base_dir))
             metrics_out.log(step, last)
@@ -154,9 +167,10 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, plugin_f
 
 
 def _push_weights(trainer: Any, engines: Any, engine_urls: list[str], version: int, disk_dir: str,
-                  attempts: int = 3) -> list[str]:
+                  attempts: int = 3) -> tuple[list[str], float]:
     """Weights to every engine; an engine that died is restarted (from the initial checkpoint) and the
-    weight-update group rebuilt, then the push is repeated. Returns the URLs of restarted engines."""
+    weight-update group rebuilt, then the push is repeated. Returns the URLs of restarted engines and
+    the seconds of the successful push."""
     restarted: list[str] = []
     for attempt in range(attempts):
         now = engines.check_and_restart()
@@ -164,13 +178,39 @@ def _push_weights(trainer: Any, engines: Any, engine_urls: list[str], version: i
         if now or attempt:  # a restarted engine (or a failed broadcast) leaves the group broken
             trainer.connect_engines(engine_urls)
         try:
-            trainer.push_weights(version, disk_dir)
-            return restarted
+            return restarted, trainer.push_weights(version, disk_dir)
         except RuntimeError:
             if attempt == attempts - 1:
                 raise
             time.sleep(1.0)  # let the process table show the death before checking again
-    return restarted
+    return restarted, 0.0
+
+
+async def _watching(engines: Any, engine: Any, generation: Any, every_s: float = 1.0) -> tuple[Any, float]:
+    """Await ``generation`` while watching the engines: when one dies, it leaves the router and the
+    requests in flight are sent again (to the live engines); the weight push restarts it. Returns the
+    result and its own wall time (in async mode it overlaps training, so the step's phases miss it)."""
+    start = time.perf_counter()
+    async def watch():
+        while True:
+            await asyncio.sleep(every_s)
+            if await asyncio.to_thread(engines.drop_dead):
+                engine.interrupt()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await generation, time.perf_counter() - start
+    finally:
+        watcher.cancel()
+
+
+def _memory_metrics(trainer: Any, engines: Any) -> dict[str, float]:
+    """Peak GPU memory of the trainer and of the busiest engine (GiB); nothing on CPU."""
+    out = {f"perf/trainer_{k}": v for k, v in trainer.memory_stats().items()}
+    peaks = [m["peak_gib"] for m in engines.memory_stats() if "peak_gib" in m]
+    if peaks:
+        out["perf/engine_peak_gib"] = max(peaks)
+    return out
 
 
 class _client:

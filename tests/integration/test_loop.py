@@ -52,6 +52,8 @@ def test_smoke_run_writes_the_run_directory(tmp_path):
     assert KEYS <= set(rows[-1]), KEYS - set(rows[-1])
     assert rows[-1]["train_rollout_logprob_abs_diff"] < 1e-3, "engine and trainer must agree on log-probs"
     assert rows[-1]["rollout/samples"] == 32
+    # the reference is the step-0 policy: identical log-probs before the first update, apart after it
+    assert rows[0]["train/ref_policy_logprob_abs_diff"] == 0.0 < rows[1]["train/ref_policy_logprob_abs_diff"]
     for name in ("config.yaml", "plugins.json", "curves.png", "rollouts.jsonl"):
         assert (run / name).is_file(), name
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
@@ -125,6 +127,30 @@ def posttrain_register_rewards(registry):
     assert all(r["rollout/samples"] == 32 - r["reward/failed"] for r in rows)
 
 
+def test_killed_engine_is_restarted_and_the_run_continues(tmp_path):
+    """kill -9 one of two engines mid-run: its requests are resent to the other through the router, the
+    run goes on, and the dead engine is restarted (and gets the weights) at the next push."""
+    run = tmp_path / "fleet"
+    proc = subprocess.Popen([sys.executable, "-m", "posttrain.cli.main", "run", str(QUICKSTART), *SMALL,
+                             "rollout.num_rollouts=8", "rollout.max_new_tokens=64", "resources.num_engines=2",
+                             "--run-dir", str(run)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while len(jsonl(run / "metrics.jsonl")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    engines = [p for p in leftovers(run) if "serve" in p.cmdline()]
+    assert len(engines) == 2
+    time.sleep(0.3)  # into the next step's generation (64 new tokens keep requests in flight)
+    engines[0].kill()
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-3000:]
+    rows = jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(8))
+    assert sum(r["perf/engine_restarts"] for r in rows) == 1
+    assert all(r["rollout/samples"] == 32 for r in rows)
+    assert max(r["perf/step_time"] for r in rows) < 60, "a request waited on the dead engine"
+
+
 def test_bad_batch_identity_is_refused_before_anything_starts(tmp_path):
     run = tmp_path / "never"
     out = rl_cli(QUICKSTART, "--run-dir", run, "trainer.global_batch_size=512", "trainer.micro_batch_size=512")
@@ -140,6 +166,20 @@ def test_async_mode_trains_one_step_off_policy(tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2]
     # step N+1 was generated while step N trained, with the weights from before step N
     assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
+
+
+def test_colocated_run_releases_engine_memory_and_syncs_by_tensor(tmp_path):
+    """``resources.colocate``: the engine releases its memory for the trainer's turn, takes it back for
+    the next generation, and the weights travel by ``/update_weights_from_tensor`` (by value on a CPU)."""
+    run = tmp_path / "colocated"
+    out = rl_cli(QUICKSTART, "--run-dir", run, *SMALL, "rollout.num_rollouts=3", "resources.colocate=true")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    rows = jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all("perf/time_release" in r for r in rows)
+    # the pushed weights reached the engine: what it sampled with agrees with the trainer at every step
+    assert max(r["train_rollout_logprob_abs_diff"] for r in rows) < 1e-3
+    assert [r["rollout/staleness_max"] for r in rows] == [0.0, 0.0, 0.0]
 
 
 def test_kl_as_loss_term_and_in_the_reward(tmp_path, write):

@@ -21,6 +21,18 @@ class EngineRole:
         """``(url generators talk to, every engine's own URL)``."""
         return self.fleet.url, self.fleet.engine_urls
 
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        self.fleet.release_memory(tags)
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        self.fleet.resume_memory(tags)
+
+    def memory_stats(self) -> list[dict[str, Any]]:
+        return self.fleet.memory_stats()
+
+    def drop_dead(self) -> list[str]:
+        return self.fleet.drop_dead()
+
     def check_and_restart(self) -> list[str]:
         return self.fleet.check_and_restart()
 

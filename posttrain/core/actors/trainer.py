@@ -80,29 +80,58 @@ class TrainerRole:
             AutoTokenizer.from_pretrained(tokenizer).save_pretrained(out_dir)
         return str(out_dir)
 
-    def connect_engines(self, engine_urls: list[str], backend: str = "gloo", ranks_per_engine: int = 1) -> None:
-        """Open the weight-update group with every engine (the trainer is rank 0)."""
+    def connect_engines(self, engine_urls: list[str], backend: str | None = None, ranks_per_engine: int = 1) -> None:
+        """Open the weight-update group with every engine (the trainer is rank 0). ``backend``: NCCL when
+        the trainer and the engines are on GPUs, else Gloo (only ``weight_sync: distributed`` opens one)."""
         from posttrain.core.rollout.weight_sync import WeightSender
 
         if self.sender is not None:
             self._leave_group()
+        if backend is None:
+            on_gpus = self.policy.device.type == "cuda" and self.cfg.rollout.engine_device.startswith("cuda")
+            backend = "nccl" if on_gpus else "gloo"
         self.sender = WeightSender(engine_urls, backend=backend, ranks_per_engine=ranks_per_engine)
-        if self.cfg.rollout.weight_sync == "distributed":
+        if self.weight_sync == "distributed":
             self.sender.init()
 
+    @property
+    def weight_sync(self) -> str:
+        return self.cfg.rollout.weight_sync_mode(self.cfg.resources.colocate)
+
     def push_weights(self, version: int, disk_dir: str | None = None) -> float:
-        """New weights to the engines: broadcast in buckets under their HF names (``weight_sync:
-        distributed``), or an HF checkpoint in ``disk_dir`` that the engines load. Seconds taken."""
+        """New weights to the engines under their HF names, by ``rollout.weight_sync``: ``distributed``
+        broadcasts buckets over the group, ``tensor`` hands colocated engines CUDA IPC handles bucket by
+        bucket, ``disk`` writes an HF checkpoint to ``disk_dir`` that the engines load. Seconds taken."""
         import time
 
         start = time.perf_counter()
-        if self.cfg.rollout.weight_sync == "disk":
+        bucket = int(self.cfg.rollout.weight_bucket_mb * (1 << 20))
+        mode = self.weight_sync
+        if mode == "disk":
             self.save_hf(disk_dir)
             self.sender.update_from_disk(disk_dir, version=version)
+        elif mode == "tensor":
+            for named in self.policy.export_hf(bucket):  # every bucket sets the same version (idempotent)
+                self.sender.update_from_tensors(named, version=version)
         else:
-            bucket = int(self.cfg.rollout.weight_bucket_mb * (1 << 20))
             self.sender.send(self.policy.export_hf(bucket), version=version)
         return time.perf_counter() - start
+
+    def release_memory(self) -> None:
+        """Return cached, unused GPU memory to the driver (colocated engines resume into it)."""
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def memory_stats(self) -> dict[str, float]:
+        """Peak and current GPU memory of this process (GiB); empty on CPU."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return {}
+        return {"peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                "allocated_gib": torch.cuda.memory_allocated() / 2**30}
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, ckpt_dir: str) -> None:

@@ -44,6 +44,7 @@ class EngineClient:
         self._session: aiohttp.ClientSession | None = None
         self._sem: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._inflight: set[asyncio.Future] = set()
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -72,23 +73,44 @@ class EngineClient:
         attempt = 0
         async with self._sem:
             while True:
+                attempt_task = asyncio.ensure_future(self._attempt(method, url, payload, attempt))
+                self._inflight.add(attempt_task)
                 try:
-                    async with self._session.request(method, url, json=payload) as resp:
-                        body = await resp.text()
-                        if resp.status >= 500 and attempt < self.max_retries:
-                            raise _Retry(f"HTTP {resp.status}: {body[:200]}")
-                        if resp.status >= 400:
-                            raise EngineRequestError(url, resp.status, _message(body))
-                        if not body:
-                            return None
-                        if "json" in resp.headers.get("Content-Type", ""):
-                            return await resp.json(content_type=None)
-                        return body
-                except (aiohttp.ClientConnectionError, asyncio.TimeoutError, _Retry) as exc:
-                    if attempt >= self.max_retries:
-                        raise ConnectionError(f"{url}: {exc!r} after {attempt + 1} attempt(s)") from exc
-                    await asyncio.sleep(self.backoff_s * (2 ** attempt) * (1 + random.random()))
-                    attempt += 1
+                    return await attempt_task
+                except asyncio.CancelledError:
+                    if asyncio.current_task().cancelling() or not attempt_task.cancelled():
+                        raise  # our caller cancelled us: not an interrupt
+                    exc: BaseException = _Retry("interrupted: the engine serving it died")
+                except (aiohttp.ClientConnectionError, asyncio.TimeoutError, _Retry) as err:
+                    exc = err
+                finally:
+                    self._inflight.discard(attempt_task)
+                if attempt >= self.max_retries:
+                    raise ConnectionError(f"{url}: {exc!r} after {attempt + 1} attempt(s)") from exc
+                await asyncio.sleep(self.backoff_s * (2 ** attempt) * (1 + random.random()))
+                attempt += 1
+
+    async def _attempt(self, method: str, url: str, payload: dict[str, Any] | None, attempt: int) -> Any:
+        async with self._session.request(method, url, json=payload) as resp:
+            body = await resp.text()
+            if resp.status >= 500 and attempt < self.max_retries:
+                raise _Retry(f"HTTP {resp.status}: {body[:200]}")
+            if resp.status >= 400:
+                raise EngineRequestError(url, resp.status, _message(body))
+            if not body:
+                return None
+            if "json" in resp.headers.get("Content-Type", ""):
+                return await resp.json(content_type=None)
+            return body
+
+    def interrupt(self) -> int:
+        """Cancel every request in flight and send it again (an engine behind the router died with them:
+        a router keeps waiting on a dead worker's connection). Call it in this client's event loop
+        after the dead engine left the router. Returns how many were resent."""
+        tasks = list(self._inflight)
+        for task in tasks:
+            task.cancel()
+        return len(tasks)
 
     # -- generation -----------------------------------------------------------------------------
     async def generate(self, input_ids: list[int] | None = None, text: str | None = None,
@@ -164,11 +186,12 @@ class EngineClient:
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
         return await self.request("POST", "/destroy_weights_update_group", {"group_name": group_name})
 
-    async def release_memory_occupation(self) -> Any:
-        return await self.request("POST", "/release_memory_occupation", {})
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> Any:
+        """Free GPU memory (``tags``: ``weights``, ``kv_cache``; default both) while a colocated trainer runs."""
+        return await self.request("POST", "/release_memory_occupation", {"tags": tags} if tags else {})
 
-    async def resume_memory_occupation(self) -> Any:
-        return await self.request("POST", "/resume_memory_occupation", {})
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> Any:
+        return await self.request("POST", "/resume_memory_occupation", {"tags": tags} if tags else {})
 
 
 class _Retry(Exception):

@@ -11,12 +11,18 @@ thread loops:
 
 Work that must not interleave with a forward pass (weight loads) goes through :meth:`call_in_engine`,
 which runs a function in the engine thread between two steps.
+
+A decode step keeps host work and device syncs low: one host-to-device copy for tokens and positions,
+the attention span from Python ints (no ``positions.max()`` sync), a sampling path picked from the
+Python parameters, and one device-to-host copy for the sampled tokens and their log-probs.
+:class:`StepStats` (``engine.stats``) times each phase of every step with ``perf_counter``.
 """
 
 from __future__ import annotations
 
 import itertools
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -26,6 +32,45 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from posttrain.core.rollout.sampling import RequestSampling
+
+
+@dataclass
+class StepStats:
+    """Wall time of the engine's steps, summed since the last :meth:`reset` (engine thread only; read
+    it through ``call_in_engine`` so a step is never half counted).
+
+    A decode step is ``launch`` (gather tokens/positions, copy them to the device, run or enqueue the
+    forward pass), ``sample`` (sampling and the device-to-host copy of its result, which waits for
+    the device to finish the step) and ``advance`` (append tokens, check stops, complete requests).
+    """
+
+    decode_steps: int = 0
+    decode_rows: int = 0  # running requests summed over decode steps (mean batch = rows / steps)
+    decode_s: float = 0.0
+    launch_s: float = 0.0
+    sample_s: float = 0.0
+    advance_s: float = 0.0
+    prefill_steps: int = 0
+    prefill_s: float = 0.0
+
+    def reset(self) -> None:
+        self.__init__()
+
+    def add_decode(self, rows: int, t0: float, t1: float, t2: float, t3: float) -> None:
+        self.decode_steps += 1
+        self.decode_rows += rows
+        self.decode_s += t3 - t0
+        self.launch_s += t1 - t0
+        self.sample_s += t2 - t1
+        self.advance_s += t3 - t2
+
+    def summary(self) -> dict[str, float]:
+        """Mean milliseconds per decode step for each phase, the mean batch, and prefill totals."""
+        n = max(self.decode_steps, 1)
+        return {"decode_steps": self.decode_steps, "mean_batch": round(self.decode_rows / n, 1),
+                "step_ms": round(1e3 * self.decode_s / n, 3), "launch_ms": round(1e3 * self.launch_s / n, 3),
+                "sample_ms": round(1e3 * self.sample_s / n, 3), "advance_ms": round(1e3 * self.advance_s / n, 3),
+                "prefill_steps": self.prefill_steps, "prefill_s": round(self.prefill_s, 3)}
 
 
 @dataclass
@@ -66,6 +111,7 @@ class LocalEngine:
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="posttrain-engine", daemon=True)
         self.steps = 0
+        self.stats = StepStats()
         self._ids = itertools.count()
         self._thread.start()
 
@@ -145,6 +191,10 @@ class LocalEngine:
                 if self._running:
                     self._decode()
             except Exception as exc:  # a failing step must answer its requests, not hang them
+                import traceback
+
+                print(f"engine step failed; aborting {len(self._running) + len(self._waiting)} request(s):\n"
+                      f"{traceback.format_exc()}", file=sys.stderr, flush=True)
                 for req in list(self._running.values()) + list(self._waiting):
                     req.finish = {"type": "abort", "message": f"engine error: {exc!r}"}
                     self._complete(req)
@@ -201,33 +251,46 @@ class LocalEngine:
             budget -= len(req.prompt_ids)
         if not batch:
             return
+        t0 = time.perf_counter()
         logits = self.runner.prefill([r.slot for r in batch], [r.prompt_ids for r in batch])
         for req in batch:
             self._running[req.slot] = req
-        self._sample_and_advance(batch, logits)
+        self._advance(batch, *self._sample(batch, logits))
+        self.stats.prefill_steps += 1
+        self.stats.prefill_s += time.perf_counter() - t0
 
     def _decode(self) -> None:
         import torch
 
+        t0 = time.perf_counter()
         slots = sorted(self._running)
+        reqs = [self._running[s] for s in slots]
         nb = slots[-1] + 1
         tokens, positions = [0] * nb, [0] * nb  # plain lists: per-element tensor writes cost ~10 us each
-        for slot in slots:
-            req = self._running[slot]
+        for slot, req in zip(slots, reqs):
             tokens[slot] = req.output_ids[-1]
             positions[slot] = len(req.prompt_ids) + len(req.output_ids) - 1
         device = self.runner.device
-        logits = self.runner.decode(torch.tensor(tokens, device=device), torch.tensor(positions, device=device))
+        both = torch.tensor([tokens, positions], device=device)  # [2, nb]: one host-to-device copy
+        logits = self.runner.decode(both[0], both[1], max_position=max(positions))
         if len(slots) != nb:  # idle slots below the highest busy one: keep the busy rows only
             logits = logits[torch.tensor(slots, device=device)]
-        self._sample_and_advance([self._running[s] for s in slots], logits)
+        t1 = time.perf_counter()
+        sampled = self._sample(reqs, logits)
+        t2 = time.perf_counter()
+        self._advance(reqs, *sampled)
+        self.stats.add_decode(len(reqs), t0, t1, t2, time.perf_counter())
 
-    def _sample_and_advance(self, reqs: list[Request], logits) -> None:
-        from posttrain.core.rollout.sampling import sample_tokens
+    def _sample(self, reqs: list[Request], logits) -> tuple[list[int], list[float]]:
+        """Sample a token per request from ``logits`` ``[len(reqs), V]``; return tokens and log-probs as
+        Python lists (one device-to-host copy: the step's only sync on the fast path)."""
+        from posttrain.core.rollout.sampling import sample_tokens, to_host
 
         gens = [r.generator for r in reqs]
-        tokens, logprobs = sample_tokens(logits, [r.sampling for r in reqs], gens if any(gens) else None)
-        tokens, logprobs = tokens.tolist(), logprobs.tolist()
+        return to_host(*sample_tokens(logits, [r.sampling for r in reqs], gens if any(gens) else None))
+
+    def _advance(self, reqs: list[Request], tokens: list[int], logprobs: list[float]) -> None:
+        """Append each request's new token and log-prob; complete the requests that finish."""
         for req, tok, lp in zip(reqs, tokens, logprobs):
             req.output_ids.append(tok)
             req.logprobs.append(lp)

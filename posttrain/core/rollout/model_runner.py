@@ -17,6 +17,20 @@ The weights, projections, norms, rotary embedding and MLP are the ``transformers
 checkpoint's own class (Llama, Qwen2, Qwen3 and other models with the same decoder layout); only the
 attention over the slot cache is ours. On CUDA the decode step over a fixed ``(nb, S_max)`` can be
 captured in a CUDA graph per (batch bucket, span bucket) (``cuda_graphs=True``).
+
+Decode levers (constructor arguments, defaults are the safe baseline; ``bench/rollout.py`` compares them):
+
+- ``decode_attention``: ``"sdpa"`` runs ``scaled_dot_product_attention`` over the GQA-grouped query
+  with a boolean mask over the span bucket; ``"bmm"`` runs two batched matmuls with a float32 masked
+  softmax between them; ``"triton"`` is our flash-decoding kernel (``decode_kernel``), which reads
+  only each slot's own ``position + 1`` cache entries. All compute the same attention (equal to
+  float32 rounding); ``"auto"`` picks ``triton`` on CUDA. On an H200 (Qwen3-1.7B shape, 256 slots)
+  SDPA's masked kernel took ~70% of the step; triton + compile decodes 2.1x faster (bench/RESULTS.md).
+- ``compile``: ``torch.compile`` (``fullgraph``, ``dynamic=False``) of the per-layer parts around the
+  attention (norms, projections, rotary, residuals, SwiGLU MLP) so their elementwise work fuses. The
+  KV-cache write and the attention stay eager: a compiled in-place write into a cache passed as an
+  input may be functionalized into a copy of the whole cache layer. Decode batches are padded to
+  the power-of-two bucket so the compiled code sees a handful of shapes (one compile per bucket).
 """
 
 from __future__ import annotations
@@ -28,14 +42,89 @@ import torch
 import torch.nn.functional as F
 
 DEFAULT_MAX_CONTEXT = 4096
+DECODE_ATTENTION = ("sdpa", "bmm", "triton")  # "triton": decode_kernel.decode_attention
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+
+
+def _project_qkv(layer, h, cos, sin, rope):
+    """A decoder layer up to its attention: input norm, Q/K/V projections, Qwen3's Q/K norms, rotary.
+
+    ``h`` ``[n, q, hidden]``; ``cos``/``sin`` ``[n, q, D]`` -> ``q`` ``[n, H, q, D]``, ``k``/``v``
+    ``[n, Hkv, q, D]``. A plain function of its inputs (no runner state) so ``torch.compile`` can
+    reuse one compiled graph for every layer (the layer's parameters are graph inputs).
+    """
+    attn = layer.self_attn
+    n, q_len, _ = h.shape
+    x = layer.input_layernorm(h)
+    shape = (n, q_len, -1, attn.head_dim)
+    q = attn.q_proj(x).view(shape)
+    k = attn.k_proj(x).view(shape)
+    v = attn.v_proj(x).view(shape).transpose(1, 2)
+    if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm on queries and keys before RoPE
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    return q, k, v
+
+
+def _finish_layer(layer, h, o):
+    """The rest of a decoder layer: output projection, residual, post-attention norm, MLP, residual.
+
+    ``h`` ``[n, q, hidden]`` (the layer's input), ``o`` ``[n, H, q, D]`` (attention output) -> ``[n, q, hidden]``.
+    """
+    n, q_len, _ = h.shape
+    h = h + layer.self_attn.o_proj(o.transpose(1, 2).reshape(n, q_len, -1))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def _compiled(fn, mode: str):
+    """``fn`` under ``torch.compile``: one graph (``fullgraph``), static shapes (one compile per batch
+    bucket, which CUDA graphs need anyway), no Inductor CUDA graphs (ours wrap the whole step)."""
+    return torch.compile(fn, fullgraph=True, dynamic=False, mode=None if mode == "default" else mode)
+
+
+def _raise_recompile_limit(shapes: int) -> None:
+    """Dynamo stops compiling a function after ``recompile_limit`` versions (8 by default) and runs it
+    eagerly from then on; decode needs one per batch bucket (10 for 512 slots), and runners of other
+    dtypes or devices in the same process add theirs to the same functions: leave room for several."""
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo_config, name, max(getattr(dynamo_config, name), 4 * shapes))
+
+
+def _bmm_fp32_out_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.bmm(..., out_dtype=torch.float32)`` works here for ``dtype`` inputs (CUDA
+    half/bf16 only): scores then leave the matmul in float32 instead of being rounded to bf16."""
+    if device.type != "cuda" or dtype == torch.float32:
+        return False
+    try:
+        a = torch.zeros((1, 2, 8), dtype=dtype, device=device)
+        return torch.bmm(a, a.transpose(1, 2), out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
 
 
 class ModelRunner:
     """Owns the model and its slot KV cache. Not thread-safe: the engine thread alone calls it."""
 
     def __init__(self, model_dir: str | Path | None, device: str = "cpu", dtype: str = "auto", max_slots: int = 32,
-                 context_length: int | None = None, cuda_graphs: bool = False, model: Any = None):
+                 context_length: int | None = None, cuda_graphs: bool = False, model: Any = None,
+                 decode_attention: str = "sdpa", compile: bool = False, compile_mode: str = "default"):
+        """``decode_attention``: ``"sdpa"``, ``"bmm"``, ``"triton"`` (see the module docstring) or ``"auto"``
+        (``triton`` on CUDA when Triton imports, else ``sdpa``); ``compile``:
+        ``torch.compile`` the per-layer decode parts, with Inductor ``compile_mode`` (``"default"`` or
+        ``"max-autotune-no-cudagraphs"``: autotuned matmuls, much longer compiles)."""
         from transformers import AutoModelForCausalLM
+
+        if decode_attention == "auto":  # the measured fastest on an H200 (bench/RESULTS.md)
+            from posttrain.core.rollout.decode_kernel import triton_available
+
+            decode_attention = "triton" if str(device).startswith("cuda") and triton_available() else "sdpa"
+        if decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention: expected one of {', '.join(DECODE_ATTENTION)}, "
+                             f"got {decode_attention!r}")
+        if compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode: expected one of {', '.join(COMPILE_MODES)}, got {compile_mode!r}")
 
         self.model_dir = str(model_dir) if model_dir is not None else None
         self.device = torch.device(device)
@@ -67,6 +156,14 @@ class ModelRunner:
         self._graphs: dict[tuple[int, int], tuple[Any, dict[str, torch.Tensor]]] = {}
         # graphs share one memory pool: they never run at the same time
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        self.decode_attention = decode_attention
+        self._fp32_scores = decode_attention == "bmm" and _bmm_fp32_out_supported(self.device, self.dtype)
+        self.compile = bool(compile)
+        self.compile_mode = compile_mode
+        self._qkv, self._finish = _project_qkv, _finish_layer  # the decode step's per-layer parts
+        if self.compile:
+            _raise_recompile_limit(self._bucket(self.max_slots).bit_length() + 1)
+            self._qkv, self._finish = _compiled(_project_qkv, compile_mode), _compiled(_finish_layer, compile_mode)
 
     # -- weights --------------------------------------------------------------------------------
     def named_weights(self) -> dict[str, torch.Tensor]:
@@ -86,34 +183,23 @@ class ModelRunner:
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the model's {tuple(target.shape)}")
             target.data.copy_(tensor.to(device=target.device, dtype=target.dtype))
-        self._graphs.clear()  # graphs captured the old parameter storage only by pointer, but stay safe
+        # In-place copies keep every parameter's storage, so captured graphs stay valid. (Dropping them
+        # here and capturing again into the same memory pool trips an allocator assertion in PyTorch.)
         return missing
 
-    # -- forward passes -------------------------------------------------------------------------
-    def _attention_block(self, layer, h, positions, write, attend):
-        """One decoder layer. ``h`` ``[n, q, hidden]``; ``positions`` ``[n, q]``; ``write(l, k, v)``
-        stores new keys/values, ``attend(l, q)`` returns the attention output ``[n, H, q, D]``."""
-        attn = layer.self_attn
-        n, q_len, _ = h.shape
-        x = layer.input_layernorm(h)
-        shape = (n, q_len, -1, self.head_dim)
-        q = attn.q_proj(x).view(shape)
-        k = attn.k_proj(x).view(shape)
-        v = attn.v_proj(x).view(shape).transpose(1, 2)
-        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm on queries and keys before RoPE
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        cos, sin = self._cos_sin
-        q, k = self._rope(q, k, cos, sin)
-        write(attn.layer_idx, k, v)
-        o = attend(attn.layer_idx, q, k, v)
-        o = o.transpose(1, 2).reshape(n, q_len, -1)
-        h = h + attn.o_proj(o)
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+    def reset_graphs(self) -> None:
+        """Drop the captured graphs (after weights or the KV cache moved to new storage); later captures
+        go into a fresh memory pool: capturing into the pool of destroyed graphs is not safe."""
+        self._graphs.clear()
+        if self.cuda_graphs:
+            self._graph_pool = torch.cuda.graph_pool_handle()
 
+    # -- forward passes -------------------------------------------------------------------------
     @torch.no_grad()
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
-        """Run ``prompts`` into ``slots``; return the next-token logits ``[n, V]`` (float32)."""
+        """Run ``prompts`` into ``slots``; return the next-token logits ``[n, V]`` (float32).
+
+        Always eager: prompt shapes vary too much for static compiled graphs."""
         n = len(prompts)
         lens = torch.tensor([len(p) for p in prompts], device=self.device)
         width = int(lens.max())
@@ -123,52 +209,106 @@ class ModelRunner:
         positions = torch.arange(width, device=self.device)[None, :].expand(n, width)
         slot_idx = torch.tensor(slots, dtype=torch.long, device=self.device)
         h = self.model.model.embed_tokens(ids)
-        self._cos_sin = self.model.model.rotary_emb(h, positions)
-
-        def write(l, k, v):
+        cos, sin = self.model.model.rotary_emb(h, positions)
+        for l, layer in enumerate(self.layers):
+            q, k, v = _project_qkv(layer, h, cos, sin, self._rope)
             self.k_cache[l, slot_idx, :, :width] = k
             self.v_cache[l, slot_idx, :, :width] = v
-
-        def attend(l, q, k, v):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
-
-        for layer in self.layers:
-            h = self._attention_block(layer, h, positions, write, attend)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
+            h = _finish_layer(layer, h, o)
         last = h[torch.arange(n, device=self.device), lens - 1]
         return self.model.lm_head(self.model.model.norm(last)).float()
 
     @torch.no_grad()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One step for slots ``0 .. nb - 1``: ``tokens``/``positions`` ``[nb]`` -> logits ``[nb, V]``."""
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, max_position: int | None = None) -> torch.Tensor:
+        """One step for slots ``0 .. nb - 1``: ``tokens``/``positions`` ``[nb]`` -> logits ``[nb, V]``.
+
+        ``max_position``: ``max(positions)`` when the caller knows it (the engine does, from Python
+        ints); it saves a device-to-host sync per step that would stall the CPU until the GPU is idle.
+        """
+        need = (int(positions.max()) if max_position is None else int(max_position)) + 1
         if self.cuda_graphs:
-            return self._decode_graphed(tokens, positions)
-        span = int(positions.max()) + 1
-        return self._decode_eager(tokens, positions, span)
+            return self._decode_graphed(tokens, positions, need)
+        if self.compile:  # pad to the bucket: compiled code is specialized to its batch size
+            nb = tokens.shape[0]
+            bucket = self._bucket(nb)
+            if bucket > nb:
+                pad = tokens.new_zeros(bucket - nb)  # position 0 of idle slots nb..bucket-1, as graphs do
+                return self._decode_eager(torch.cat([tokens, pad]), torch.cat([positions, pad]), need)[:nb]
+        return self._decode_eager(tokens, positions, need)
 
     def _decode_eager(self, tokens, positions, span: int):
+        """The decode step over an attention window of ``span`` cache positions (``>= max(positions) + 1``;
+        positions past each slot's own are masked). ``tokens``/``positions`` ``[nb]`` -> logits ``[nb, V]``."""
         nb = tokens.shape[0]
         rows = torch.arange(nb, device=self.device)
         h = self.model.model.embed_tokens(tokens[:, None])
-        self._cos_sin = self.model.model.rotary_emb(h, positions[:, None])
-        mask = (torch.arange(span, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
-
-        def write(l, k, v):
+        cos, sin = self.model.model.rotary_emb(h, positions[:, None])
+        attend = self._decode_attention_fn(positions, span)
+        for l, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, h, cos, sin, self._rope)
             self.k_cache[l][rows, :, positions] = k[:, :, 0]
             self.v_cache[l][rows, :, positions] = v[:, :, 0]
-
-        def attend(l, q, k, v):
-            # GQA with one query token: the G query heads sharing a KV head become G query rows of that
-            # head ([nb, Hkv, G, D]), so the kernel reads each cached K/V once instead of expanding it.
-            kc = self.k_cache[l, :nb, :, :span]
-            vc = self.v_cache[l, :nb, :, :span]
-            heads = q.shape[1]
-            qg = q.reshape(nb, self.num_kv_heads, heads // self.num_kv_heads, self.head_dim)
-            o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=self.scaling)
-            return o.reshape(nb, heads, 1, self.head_dim)
-
-        for layer in self.layers:
-            h = self._attention_block(layer, h, positions, write, attend)
+            o = attend(q, self.k_cache[l, :nb, :, :span], self.v_cache[l, :nb, :, :span])
+            h = self._finish(layer, h, o)
         return self.model.lm_head(self.model.model.norm(h[:, 0])).float()
+
+    def _decode_attention_fn(self, positions, span: int):
+        """``attend(q [nb, H, 1, D], k, v [nb, Hkv, span, D]) -> [nb, H, 1, D]`` for this step, with its
+        mask built once for all layers."""
+        if self.decode_attention == "triton":  # no mask: each slot reads its own ``position + 1`` entries
+            lengths = positions + 1
+            return lambda q, k, v: self._attend_triton(q, k, v, lengths)
+        past = torch.arange(span, device=self.device)[None, :] > positions[:, None]  # [nb, span]: masked out
+        if self.decode_attention == "bmm":
+            masked = past[:, None, :]
+            return lambda q, k, v: self._attend_bmm(q, k, v, masked)
+        allowed = ~past[:, None, None, :]
+        return lambda q, k, v: self._attend_sdpa(q, k, v, allowed)
+
+    def _attend_sdpa(self, q, k, v, allowed):
+        """SDPA with one query token per slot. ``q`` ``[nb, H, 1, D]``, ``k``/``v`` ``[nb, Hkv, span, D]``,
+        ``allowed`` ``[nb, 1, 1, span]`` bool -> ``[nb, H, 1, D]``.
+
+        GQA: the ``G = H / Hkv`` query heads sharing a KV head become ``G`` query rows of that head
+        (``[nb, Hkv, G, D]``), so the kernel reads each cached K/V once instead of expanding it."""
+        nb, heads, _, d = q.shape
+        qg = q.reshape(nb, self.num_kv_heads, heads // self.num_kv_heads, d)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=allowed, scale=self.scaling)
+        return o.reshape(nb, heads, 1, d)
+
+    def _attend_triton(self, q, k, v, lengths):
+        """The Triton flash-decoding kernel (``decode_kernel.decode_attention``): ``q`` ``[nb, H, 1, D]``,
+        ``k``/``v`` ``[nb, Hkv, span, D]`` (strided views of the cache), ``lengths`` ``[nb]`` (``position + 1``)
+        -> ``[nb, H, 1, D]``. Each slot reads only its own ``lengths[i]`` cache entries. Without CUDA or
+        triton, the same attention in plain torch (``decode_attention_reference``)."""
+        from posttrain.core.rollout.decode_kernel import (decode_attention, decode_attention_reference,
+                                                          triton_available)
+
+        attend = decode_attention if q.is_cuda and triton_available() else decode_attention_reference
+        return attend(q, k, v, lengths, self.scaling)
+
+    def _attend_bmm(self, q, k, v, masked):
+        """The same attention as two batched matmuls. ``q`` ``[nb, H, 1, D]``, ``k``/``v``
+        ``[nb, Hkv, span, D]`` (strided views of the cache), ``masked`` ``[nb, 1, span]`` bool (True past
+        the slot's position) -> ``[nb, H, 1, D]``.
+
+        ``scores = q_g @ K^T`` over ``[nb*Hkv, G, D] x [nb*Hkv, D, span]`` (the cache views merge
+        ``nb`` and ``Hkv`` without a copy), scaled and masked in float32, softmax in float32, cast back
+        to the cache dtype for ``@ V``."""
+        nb, heads, _, d = q.shape
+        hkv, span = k.shape[1], k.shape[2]
+        g = heads // hkv
+        qg = q.reshape(nb * hkv, g, d)
+        kt = k.reshape(nb * hkv, span, d).transpose(1, 2)
+        if self._fp32_scores:  # bf16 inputs, float32 accumulator written out as float32
+            scores = torch.bmm(qg, kt, out_dtype=torch.float32)
+        else:
+            scores = torch.bmm(qg, kt).float()
+        scores = scores.view(nb, hkv * g, span).mul_(self.scaling).masked_fill_(masked, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype).view(nb * hkv, g, span)
+        o = torch.bmm(probs, v.reshape(nb * hkv, span, d))
+        return o.view(nb, heads, 1, d)
 
     def _bucket(self, nb: int) -> int:
         b = 1
@@ -176,35 +316,18 @@ class ModelRunner:
             b *= 2
         return min(b, self.max_slots)
 
-    def _span(self, positions) -> int:
-        """Attention span of a graph: the longest context rounded up to 256 (capped at the context length)."""
-        need = int(positions.max()) + 1
+    def _span(self, need: int) -> int:
+        """Attention span of a graph: ``need`` (longest context) rounded up to 256, capped at the context length."""
         return min(self.context_length, -(-need // 256) * 256)
 
-    def _decode_graphed(self, tokens, positions):
+    def _decode_graphed(self, tokens, positions, need: int):
         """CUDA-graph decode: one graph per (power-of-two batch bucket, 256-token span bucket)."""
         nb = tokens.shape[0]
         bucket = self._bucket(nb)
-        span = self._span(positions)
+        span = self._span(need)
         key = (bucket, span)
         if key not in self._graphs:
-            static = {"tokens": torch.zeros(bucket, dtype=torch.long, device=self.device),
-                      "positions": torch.zeros(bucket, dtype=torch.long, device=self.device)}
-            # The warm-up runs for real and writes K/V at position 0 of slots 0 .. bucket-1, which may
-            # belong to requests in flight: keep those cache entries and put them back afterwards.
-            saved = (self.k_cache[:, :bucket, :, 0].clone(), self.v_cache[:, :bucket, :, 0].clone())
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up kernels outside the graph
-                    self._decode_eager(static["tokens"], static["positions"], span)
-            torch.cuda.current_stream().wait_stream(stream)
-            self.k_cache[:, :bucket, :, 0] = saved[0]
-            self.v_cache[:, :bucket, :, 0] = saved[1]
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._graph_pool):
-                static["logits"] = self._decode_eager(static["tokens"], static["positions"], span)
-            self._graphs[key] = (graph, static)
+            self._capture(bucket, span)
         graph, static = self._graphs[key]
         static["tokens"][:nb].copy_(tokens)
         static["positions"][:nb].copy_(positions)
@@ -212,3 +335,23 @@ class ModelRunner:
             static["positions"][nb:].zero_()
         graph.replay()
         return static["logits"][:nb]
+
+    def _capture(self, bucket: int, span: int) -> None:
+        """Capture the decode step of ``bucket`` slots over ``span`` positions into ``self._graphs``."""
+        static = {"tokens": torch.zeros(bucket, dtype=torch.long, device=self.device),
+                  "positions": torch.zeros(bucket, dtype=torch.long, device=self.device)}
+        # The warm-up runs for real and writes K/V at position 0 of slots 0 .. bucket-1, which may
+        # belong to requests in flight: keep those cache entries and put them back afterwards.
+        saved = (self.k_cache[:, :bucket, :, 0].clone(), self.v_cache[:, :bucket, :, 0].clone())
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up kernels (and torch.compile) outside the graph
+                self._decode_eager(static["tokens"], static["positions"], span)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.k_cache[:, :bucket, :, 0] = saved[0]
+        self.v_cache[:, :bucket, :, 0] = saved[1]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            static["logits"] = self._decode_eager(static["tokens"], static["positions"], span)
+        self._graphs[(bucket, span)] = (graph, static)

@@ -107,27 +107,70 @@ def sample_tokens(logits, params: list[RequestSampling], generators: list[Any] |
     :param params: ``B`` per-row parameters.
     :param generators: optional per-row ``torch.Generator`` (rows with a ``sampling_seed``); ``None``
         entries use the global RNG.
-    :returns: ``(tokens [B] int64, logprobs [B] float32)``.
+    :returns: ``(tokens [B] int64, logprobs [B] float32)``, on the logits' device.
+
+    The path is chosen from the Python parameters, never from device values (that would be a
+    device-to-host sync per step): a batch that is all greedy, or all sampled at one temperature
+    without truncation or seeds, needs no per-row tensors built from Python lists.
     """
     import torch
 
     logits = logits.float()
+    temperature = uniform_temperature(params)
+    if temperature == 0.0:  # every row greedy (seeds do not matter): argmax, log-prob at T = 1
+        logprobs = torch.log_softmax(logits, dim=-1)
+        tokens = logits.argmax(dim=-1)
+    elif temperature is not None and not (generators and any(g is not None for g in generators)):
+        logprobs = torch.log_softmax(logits / temperature, dim=-1)
+        tokens = torch.multinomial(logprobs.exp(), 1).squeeze(1)
+    else:
+        return _sample_mixed(logits, params, generators)
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def uniform_temperature(params: list[RequestSampling]) -> float | None:
+    """``0.0`` when every row is greedy; ``T`` when every row samples at temperature ``T`` with no
+    top-p / top-k / min-p; ``None`` otherwise (mixed rows, truncation, or an empty batch)."""
+    if not params:
+        return None
+    if all(p.greedy for p in params):
+        return 0.0
+    t = params[0].temperature
+    if all(p.temperature == t and not p.greedy and p.top_p >= 1.0 and p.top_k <= 0 and p.min_p <= 0.0
+           for p in params):
+        return t
+    return None
+
+
+def _sample_mixed(logits, params: list[RequestSampling], generators: list[Any] | None):
+    """The general path: per-row temperatures, truncation and generators; greedy rows mixed in.
+    ``logits`` ``[B, V]`` float32 -> ``(tokens [B], logprobs [B])``. At least one row is not greedy."""
+    import torch
+
     device = logits.device
     temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
     logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)
-    greedy = torch.tensor([p.greedy for p in params], device=device)
-    tokens = logits.argmax(dim=-1)
-    if not bool(greedy.all()):
-        probs = logprobs.exp()
-        if any(p.top_p < 1.0 or p.top_k > 0 or p.min_p > 0.0 for p in params if not p.greedy):
-            probs = _truncate(probs, params)
-        if generators and any(g is not None for g in generators):
-            sampled = torch.stack([torch.multinomial(probs[i], 1, generator=g).squeeze(0)
-                                   for i, g in enumerate(generators)])
-        else:
-            sampled = torch.multinomial(probs, 1).squeeze(1)
-        tokens = torch.where(greedy, tokens, sampled)
+    probs = logprobs.exp()
+    if any(p.top_p < 1.0 or p.top_k > 0 or p.min_p > 0.0 for p in params if not p.greedy):
+        probs = _truncate(probs, params)
+    if generators and any(g is not None for g in generators):
+        tokens = torch.stack([torch.multinomial(probs[i], 1, generator=g).squeeze(0)
+                              for i, g in enumerate(generators)])
+    else:
+        tokens = torch.multinomial(probs, 1).squeeze(1)
+    if any(p.greedy for p in params):
+        greedy = torch.tensor([p.greedy for p in params], device=device)
+        tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def to_host(tokens, logprobs) -> tuple[list[int], list[float]]:
+    """``tokens`` ``[B]`` int64 and ``logprobs`` ``[B]`` float32 as Python lists, with one device-to-host
+    copy: both go through float64, which holds token ids (< 2**53) and float32 values exactly."""
+    import torch
+
+    both = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)]).tolist()
+    return [int(t) for t in both[0]], both[1]
 
 
 def _truncate(probs, params: list[RequestSampling]):

@@ -33,6 +33,7 @@ from typing import Any
 
 from aiohttp import web
 
+from posttrain.core.rollout.memory import MEMORY_TAGS, EngineMemory
 from posttrain.core.rollout.sampling import SamplingError, parse_sampling
 
 log = logging.getLogger("posttrain.engine")
@@ -62,7 +63,7 @@ class EngineServer:
 
     def __init__(self, model_dir: str, host: str = "127.0.0.1", port: int = 30000, device: str = "cpu",
                  dtype: str = "auto", max_running_requests: int = 32, context_length: int | None = None,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, decode_attention: str = "auto", compile: bool = False):
         from transformers import AutoTokenizer
 
         from posttrain.core.rollout.engine import LocalEngine
@@ -71,7 +72,8 @@ class EngineServer:
         self.model_dir = str(Path(model_dir).resolve())
         self.host, self.port, self.device = host, port, device
         self.runner = ModelRunner(self.model_dir, device=device, dtype=dtype, max_slots=max_running_requests,
-                                  context_length=context_length, cuda_graphs=cuda_graphs)
+                                  context_length=context_length, cuda_graphs=cuda_graphs,
+                                  decode_attention=decode_attention, compile=compile)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         eos = self.runner.hf_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
@@ -79,12 +81,14 @@ class EngineServer:
             eos.append(self.tokenizer.eos_token_id)
         self.engine = LocalEngine(self.runner, self.tokenizer, eos)
         self.receiver = None
+        self.memory = EngineMemory(self.runner)
         self.released = False
         self.server_args = {
             "model_path": self.model_dir, "tokenizer_path": self.model_dir, "host": host, "port": port,
             "device": device, "dtype": str(self.runner.dtype).removeprefix("torch."),
             "context_length": self.runner.context_length, "max_running_requests": max_running_requests,
-            "tp_size": 1, "dp_size": 1, "cuda_graphs": self.runner.cuda_graphs, "skip_tokenizer_init": False,
+            "tp_size": 1, "dp_size": 1, "cuda_graphs": self.runner.cuda_graphs,
+            "decode_attention": self.runner.decode_attention, "compile": bool(compile), "skip_tokenizer_init": False,
         }
 
     # -- helpers --------------------------------------------------------------------------------
@@ -161,6 +165,9 @@ class EngineServer:
         return_logprob = body.get("return_logprob", False)
         if not isinstance(return_logprob, bool):
             raise BadRequest("return_logprob: expected true or false")
+        if self.released:
+            raise BadRequest(f"engine memory is released ({', '.join(sorted(self.memory.released))}): "
+                             "POST /resume_memory_occupation first")
         try:
             params = [parse_sampling(s) for s in sps]
         except SamplingError as exc:
@@ -219,6 +226,7 @@ class EngineServer:
         return web.json_response({**self.server_args, "version": "posttrain-local-engine",
                                   "weight_version": self.engine.weight_version,
                                   "internal_states": [{"num_requests": self.engine.num_requests,
+                                                       "memory": self.memory.stats(),
                                                        "steps": self.engine.steps}]})
 
     async def weight_version(self, request: web.Request) -> web.Response:
@@ -317,27 +325,27 @@ class EngineServer:
         return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 
     async def release_memory(self, request: web.Request) -> web.Response:
-        await asyncio.to_thread(self.engine.call_in_engine, lambda: self._move("cpu"))
-        self.released = True
-        return web.json_response({"success": True, "message": "released"})
+        """SGLang's ``/release_memory_occupation``: ``tags`` (``weights``, ``kv_cache``; default both).
+        Weights go to pinned host memory, the KV cache is dropped; the engine must be idle."""
+        tags = await self._tags(request)
+        if self.engine.num_requests:
+            return _error(400, f"release_memory_occupation: {self.engine.num_requests} request(s) in flight")
+        await asyncio.to_thread(self.engine.call_in_engine, lambda: self.memory.release(tags))
+        self.released = bool(self.memory.released)
+        return web.json_response({"success": True, "message": f"released {', '.join(sorted(tags))}"})
 
     async def resume_memory(self, request: web.Request) -> web.Response:
-        await asyncio.to_thread(self.engine.call_in_engine, lambda: self._move(self.device))
-        self.released = False
-        return web.json_response({"success": True, "message": "resumed"})
+        tags = await self._tags(request)
+        await asyncio.to_thread(self.engine.call_in_engine, lambda: self.memory.resume(tags))
+        self.released = bool(self.memory.released)
+        return web.json_response({"success": True, "message": f"resumed {', '.join(sorted(tags))}"})
 
-    def _move(self, device: str) -> None:
-        """Weights and KV cache to ``device`` (``cpu`` frees the GPU while a colocated trainer runs)."""
-        import torch
-
-        r = self.runner
-        if r.device.type == "cpu":
-            return
-        r.model.to(device)
-        r.k_cache, r.v_cache = r.k_cache.to(device), r.v_cache.to(device)
-        r._graphs.clear()
-        if device == "cpu":
-            torch.cuda.empty_cache()
+    async def _tags(self, request: web.Request) -> set[str]:
+        body = await self._json(request, required=False)
+        tags = body.get("tags") or list(MEMORY_TAGS)
+        if not isinstance(tags, list) or not set(tags) <= set(MEMORY_TAGS):
+            raise BadRequest(f"tags: expected a list of {', '.join(MEMORY_TAGS)}, got {tags!r}")
+        return set(tags)
 
     def app(self) -> web.Application:
         @web.middleware

@@ -9,7 +9,8 @@ Two sides of one protocol (the same one real SGLang servers speak):
                                                 # joins the group as rank 0 (engines: ranks 1..)
     sender.send(buckets, version=3)             # buckets: iterable of [(hf_name, tensor), ...]
     sender.update_from_disk("/ckpt/hf-step3", version=3)   # the universal fallback
-    sender.update_from_tensors([(hf_name, tensor), ...], version=3)  # colocated: CUDA IPC handles
+    sender.update_from_tensors([(hf_name, tensor), ...], version=3)  # colocated: CUDA IPC handles, a
+                                                                      # bucket per call
     sender.destroy()
 
 For each bucket ``send`` POSTs ``/update_weights_from_distributed {names, dtypes, shapes, group_name,
@@ -135,11 +136,16 @@ class ReceiverGroup:
 
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError(f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) differ in length")
+        import contextlib
+
         out = {}
-        for name, dtype, shape in zip(names, dtypes, shapes):
-            t = torch.empty(tuple(shape), dtype=_dtype(dtype), device=self.device)
-            broadcast(self.group, t)
-            out[name] = t
+        # NCCL binds its communicator to the current device, which is per thread: name it explicitly
+        on_gpu = str(self.device).startswith("cuda")
+        with torch.cuda.device(self.device) if on_gpu else contextlib.nullcontext():
+            for name, dtype, shape in zip(names, dtypes, shapes):
+                t = torch.empty(tuple(shape), dtype=_dtype(dtype), device=self.device)
+                broadcast(self.group, t)
+                out[name] = t
         return out
 
 

@@ -100,3 +100,19 @@ def test_unreadable_files(write, plugins, text, needle):
 def test_missing_config_file(tmp_path, plugins):
     with pytest.raises(ConfigError, match="no such config file"):
         load_config(tmp_path / "nope.yaml", plugins=plugins)
+
+
+def test_colocated_runs_refuse_async_and_nccl_on_one_gpu(write, plugins):
+    path = write("c.yaml", GOOD + "resources: {colocate: true}\n")
+    overrides = ["rollout.mode=async", "rollout.weight_sync=distributed", "rollout.engine_device=cuda"]
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides, plugins=plugins)
+    assert [e.split(":")[0] for e in info.value.errors] == ["rollout.mode", "rollout.weight_sync"]
+
+
+@pytest.mark.parametrize("colocate, given, mode", [(True, "auto", "tensor"), (False, "auto", "distributed"),
+                                                   (True, "disk", "disk"), (False, "tensor", "tensor")])
+def test_weight_sync_auto_follows_colocation(write, plugins, colocate, given, mode):
+    path = write("c.yaml", GOOD + f"resources: {{colocate: {str(colocate).lower()}}}\n")
+    cfg = load_config(path, [f"rollout.weight_sync={given}"], plugins=plugins)
+    assert cfg.rollout.weight_sync_mode(cfg.resources.colocate) == mode

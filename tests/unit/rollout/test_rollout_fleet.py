@@ -57,3 +57,22 @@ def test_external_engines_need_urls_and_several_engines_need_the_router():
         fleet.url
     cfg = config(engine="external", engine_urls=["http://127.0.0.1:1/"], use_router=False)
     assert EngineFleet(cfg.rollout, cfg.resources, "/m").start().url == "http://127.0.0.1:1"
+
+
+@pytest.mark.parametrize("colocate, device, expect", [(False, "cuda", ["1", "2"]), (True, "cuda", ["0", "1"]),
+                                                      (False, "cuda:3", ["3", "3"])])
+def test_engines_get_their_gpu_after_the_trainers(colocate, device, expect, monkeypatch):
+    """Disaggregated engines start after the trainer's GPUs; each sees its GPU alone (as cuda:0)."""
+    from posttrain.core.config import ResourcesConfig, RolloutConfig
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    fleet = EngineFleet(RolloutConfig(engine_device=device), ResourcesConfig(
+        trainer_gpus_per_node=1, num_engines=2, colocate=colocate), model_path="/m")
+    servers = [fleet._server(i) for i in range(2)]
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in servers] == expect
+    assert all(s.command[s.command.index("--device") + 1] == "cuda" for s in servers)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # the parent's own list maps the indices
+    assert fleet._server(0).env["CUDA_VISIBLE_DEVICES"] == str(4 + int(expect[0]))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4")
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES has 1 GPU"):
+        fleet._server(1)

@@ -186,3 +186,52 @@ async def test_release_and_resume_memory_keep_the_engine_serving(engine_url, hf_
         assert (await engine.resume_memory_occupation())["success"]
         out = await engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
     assert out["output_ids"] == hf_greedy(hf_model, PROMPTS[0], 12)
+
+
+async def test_generate_while_released_is_refused_until_resumed(engine_url, hf_model):
+    async with EngineClient(engine_url) as engine:
+        assert (await engine.release_memory_occupation(["kv_cache"]))["success"]
+        with pytest.raises(EngineRequestError, match="400.*resume_memory_occupation"):
+            await engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+        info = await engine.get_server_info()
+        assert info["internal_states"][0]["memory"]["released"] == ["kv_cache"]
+        with pytest.raises(EngineRequestError, match="400.*tags"):
+            await engine.resume_memory_occupation(["kv"])
+        assert (await engine.resume_memory_occupation(["kv_cache"]))["success"]
+        out = await engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+    assert out["output_ids"] == hf_greedy(hf_model, PROMPTS[0], 12)
+
+
+async def test_interrupt_resends_requests_stuck_on_a_dead_worker():
+    """A router keeps waiting on a dead worker's connection: ``interrupt()`` cancels the attempt in flight
+    and the request goes out again (here to a server whose first answer never comes)."""
+    from aiohttp import web
+
+    from posttrain.core.rollout.procs import free_port
+
+    calls, gone = [], asyncio.Event()
+
+    async def generate(request):
+        calls.append(await request.json())
+        if len(calls) == 1:
+            await gone.wait()  # the dead worker: no answer, no error (until the test ends)
+        return web.json_response({"text": "", "output_ids": [7], "meta_info": {"finish_reason": {"type": "length"}}})
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with EngineClient(f"http://127.0.0.1:{port}", backoff_s=0.01) as engine:
+            task = asyncio.ensure_future(engine.generate(input_ids=[1, 2]))
+            while not calls:
+                await asyncio.sleep(0.01)
+            assert engine.interrupt() == 1
+            out = await asyncio.wait_for(task, 10)
+        assert out["output_ids"] == [7] and len(calls) == 2 and calls[0] == calls[1]
+        assert engine.interrupt() == 0  # nothing in flight any more
+    finally:
+        gone.set()
+        await runner.cleanup()

@@ -1,0 +1,295 @@
+"""Flash-decoding attention for the decode step of the local engine: one query token per slot, GQA, read
+straight from the slot KV cache.
+
+For slot ``b`` with ``n_b = lengths[b]`` valid cache positions, query head ``h`` and its KV head
+``j = h // G`` (``G = H / Hkv`` query heads share a KV head)::
+
+    s_t    = scale * <q[b, h], k[b, j, t]>                  t = 0 .. n_b - 1
+    out[b, h] = sum_t softmax(s)_t * v[b, j, t]
+
+Positions ``t >= n_b`` are never read. This is the difference from the ``sdpa``/``bmm`` decode paths of
+``model_runner``, which attend over a span shared by the whole batch (``max(positions) + 1``, or its
+256-rounded bucket inside a CUDA graph) and mask the tail of each row: their cost follows the longest slot
+(rounded up), this kernel's follows each slot's own length. A slot with ``n_b <= 0`` gets zeros (finite,
+never NaN); lengths past the cache view's span are clamped to it.
+
+- :func:`decode_attention`: the Triton kernel (CUDA). Grid ``(nb, Hkv, splits)``: one program per (slot,
+  KV head, sequence chunk) loads the ``G`` query heads of its KV head (padded to 16 rows for ``tl.dot``),
+  walks its slot's positions in blocks of ``BLOCK_N``, scores in float32, keeps an online softmax
+  (running max and sum) and a float32 accumulator of ``V``. With one split it writes the output directly;
+  with several (small batches, where ``nb * Hkv`` programs cannot fill the GPU) each split writes a partial
+  (max, sum, accumulator) and a second kernel merges them. The loop bounds come from ``lengths`` read on
+  the device, grid and arguments depend only on shapes: it can be captured in a CUDA graph and replayed with
+  new ``lengths``.
+- :func:`decode_attention_reference`: the same function in plain torch (float32 math), for CPU and as the
+  fallback where Triton or CUDA is missing.
+- :func:`triton_available`: whether the kernel can run here.
+
+``triton`` is optional: this module imports without it (``triton_available()`` is then False), and
+``model_runner`` imports this module only when ``decode_attention="triton"`` runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+
+import torch
+
+try:  # optional dependency: CPU-only installs have no triton
+    import triton
+    import triton.language as tl
+except Exception:  # noqa: BLE001 - a missing or broken triton only disables the kernel
+    triton = tl = None
+
+BLOCK_N = 64  # cache positions per loop iteration (at most; fewer for wide float32 heads, see _block_n)
+TILE_BYTES = 16384  # one K or V tile in shared memory: 64 x 128 bf16
+MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows: the G query heads of a KV head are padded to this
+MAX_SPLITS = 32
+MIN_SPLIT_POSITIONS = 128  # a sequence chunk covers at least this many positions
+_INT32_MAX = 2**31 - 1
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    """True when CUDA is present and ``triton`` imported: :func:`decode_attention` can run."""
+    return triton is not None and torch.cuda.is_available()
+
+
+def _as_3d(q: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``[nb, H, D]`` or ``[nb, H, 1, D]`` -> ``[nb, H, D]`` (a view) and whether it was 4-D."""
+    if q.dim() == 4:
+        if q.shape[2] != 1:
+            raise ValueError(f"decode attention takes one query token per slot, got q of shape {tuple(q.shape)}")
+        return q[:, :, 0], True
+    if q.dim() != 3:
+        raise ValueError(f"q: expected [nb, H, D] or [nb, H, 1, D], got shape {tuple(q.shape)}")
+    return q, False
+
+
+def _check(q3: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> tuple[int, int, int, int, int]:
+    nb, heads, d = q3.shape
+    if k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"k, v: expected equal shapes [nb, Hkv, S, D], got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != nb or k.shape[3] != d:
+        raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q3.shape)} (slots, head dim)")
+    hkv = k.shape[1]
+    if heads % hkv:
+        raise ValueError(f"{heads} query heads are not a multiple of {hkv} KV heads")
+    if lengths.shape != (nb,) or lengths.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"lengths: expected int32/int64 of shape [{nb}], got {lengths.dtype} {tuple(lengths.shape)}")
+    return nb, heads, hkv, k.shape[2], d
+
+
+def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """:func:`decode_attention` in plain torch, same semantics: ``q`` ``[nb, H, D]`` or ``[nb, H, 1, D]``,
+    ``k``/``v`` ``[nb, Hkv, S, D]``, ``lengths`` ``[nb]`` -> the shape of ``q`` in ``q``'s dtype.
+
+    Scores, softmax and the weighted sum run in float32 over the whole span with positions
+    ``>= lengths[b]`` masked out; a row with no valid position gives zeros."""
+    q3, four_d = _as_3d(q)
+    nb, heads, hkv, span, d = _check(q3, k, v, lengths)
+    qg = q3.reshape(nb, hkv, heads // hkv, d).float()
+    scores = torch.einsum("bjgd,bjsd->bjgs", qg, k.float()) * scale
+    valid = torch.arange(span, device=k.device)[None, :] < lengths[:, None]  # [nb, S]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    top = scores.amax(dim=-1, keepdim=True).clamp_min(-1e30)  # finite even for a row with nothing valid
+    weights = torch.exp(scores - top)
+    probs = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-30)  # all-masked rows: 0 / tiny = 0
+    out = torch.einsum("bjgs,bjsd->bjgd", probs, v.float()).reshape(nb, heads, d).to(q.dtype)
+    return out[:, :, None, :] if four_d else out
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["span", "chunk"])
+    def _decode_kernel(Q, K, V, LENS, OUT, PART_ACC, PART_M, PART_L, scale_log2, span, chunk,
+                       stride_qb, stride_qh, stride_qd,
+                       stride_kb, stride_kh, stride_ks, stride_kd,
+                       stride_vb, stride_vh, stride_vs, stride_vd,
+                       stride_ob, stride_oh, stride_od,
+                       G: tl.constexpr, G_PAD: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
+        """One (slot, KV head, chunk): positions ``[split * chunk, min((split + 1) * chunk, length))``.
+
+        Scores are kept in base 2 (``scale_log2 = scale * log2(e)``, ``exp2``): the same softmax."""
+        slot = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        num_splits = tl.num_programs(2)
+        heads = tl.num_programs(1) * G
+
+        length = tl.load(LENS + slot).to(tl.int32)
+        length = tl.minimum(tl.maximum(length, 0), span)
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, length)
+
+        offs_g = tl.arange(0, G_PAD)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK)
+        mask_g = offs_g < G
+        mask_d = offs_d < HEAD_D
+        head = kvh * G + offs_g  # query heads of this KV head (rows past G are padding)
+
+        # 64-bit slot/head base offsets: across the whole cache they can pass 2**31 elements; the offsets
+        # inside one (slot, head) are small (checked on the host)
+        q_ptrs = Q + slot.to(tl.int64) * stride_qb + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
+        q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+        k_base = K + slot.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
+        v_base = V + slot.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
+
+        m_i = tl.full([G_PAD], -1.0e30, dtype=tl.float32)  # finite: exp2(m_i - m_new) is 0, never NaN
+        l_i = tl.zeros([G_PAD], dtype=tl.float32)
+        acc = tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32)
+        for start in range(lo, hi, BLOCK):
+            pos = start + offs_n
+            mask_n = pos < hi
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(k_base + pos[:, None] * stride_ks + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+            if IEEE:  # float32 inputs: full-precision products (no TF32)
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:  # bf16/fp16 inputs, float32 accumulation
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(mask_n[None, :], s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every block holds at least one valid position
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + pos[:, None] * stride_vs + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+            if IEEE:
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+        if SPLIT:  # partials [nb, H, splits] (max, sum) and [nb, H, splits, BLOCK_D] (unnormalized sum of V)
+            row = (slot.to(tl.int64) * heads + head) * num_splits + split
+            tl.store(PART_M + row, m_i, mask=mask_g)
+            tl.store(PART_L + row, l_i, mask=mask_g)
+            tl.store(PART_ACC + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=mask_g[:, None])
+        else:
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no valid position: zeros
+            o_ptrs = OUT + slot.to(tl.int64) * stride_ob + head[:, None] * stride_oh + offs_d[None, :] * stride_od
+            tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+
+    @triton.jit
+    def _merge_kernel(OUT, PART_ACC, PART_M, PART_L, num_splits, stride_ob, stride_oh, stride_od,
+                      HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr):
+        """One (slot, query head): combine the chunks' softmax partials into the output row."""
+        slot = tl.program_id(0)
+        head = tl.program_id(1)
+        heads = tl.num_programs(1)
+        offs_s = tl.arange(0, SPLITS_PAD)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_s = offs_s < num_splits
+        row = (slot.to(tl.int64) * heads + head) * num_splits + offs_s
+        m = tl.load(PART_M + row, mask=mask_s, other=-1.0e30)
+        l = tl.load(PART_L + row, mask=mask_s, other=0.0)
+        acc = tl.load(PART_ACC + row[:, None] * BLOCK_D + offs_d[None, :], mask=mask_s[:, None], other=0.0)
+        w = tl.exp2(m - tl.max(m, 0))  # empty chunks hold m = -1e30: weight 0 (or all equal when all empty)
+        total = tl.sum(w * l, 0)
+        out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+        o_ptrs = OUT + slot.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh + offs_d * stride_od
+        tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=offs_d < HEAD_D)
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _block_n(block_d: int, itemsize: int) -> int:
+    """Positions per loop iteration: ``BLOCK_N``, fewer where a tile would pass ``TILE_BYTES`` (float32 or
+    ``D = 256``), so two pipeline stages of K and V stay well inside shared memory."""
+    return max(16, min(BLOCK_N, TILE_BYTES // (block_d * itemsize)))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _plan_splits(nb: int, hkv: int, span: int, device: torch.device, num_splits: int | None) -> tuple[int, int]:
+    """``(splits, chunk)``: sequence chunks per (slot, KV head) and the positions in each (a multiple of
+    ``BLOCK_N``; ``splits * chunk >= span``). A function of shapes only: a CUDA graph replays one plan.
+
+    Default: one chunk when the ``nb * Hkv`` programs fill the GPU's SMs, else enough chunks of at least
+    ``MIN_SPLIT_POSITIONS`` for about two programs per SM."""
+    if num_splits is None:
+        programs = nb * hkv
+        if device.type == "cuda":
+            sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        else:  # the Triton interpreter (tests)
+            sms = 132
+        if programs >= sms:
+            num_splits = 1
+        else:
+            num_splits = min(_cdiv(2 * sms, programs), _cdiv(span, MIN_SPLIT_POSITIONS), MAX_SPLITS)
+    num_splits = max(1, min(int(num_splits), _cdiv(span, BLOCK_N)))
+    chunk = max(BLOCK_N, _cdiv(_cdiv(span, num_splits), BLOCK_N) * BLOCK_N)
+    return max(1, _cdiv(span, chunk)), chunk
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float,
+                     out: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
+                     num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """Decode attention with the Triton kernel.
+
+    ``q`` ``[nb, H, D]`` or ``[nb, H, 1, D]``; ``k``/``v`` ``[nb, Hkv, S, D]``, any strides (one layer's
+    view of the slot cache, e.g. ``k_cache[l, :nb, :, :span]``: read in place, never copied); ``lengths``
+    ``[nb]`` int32/int64 on the device: valid positions per slot (``position + 1``), clamped to ``[0, S]``;
+    ``scale`` the softmax scale. Returns the shape of ``q`` in ``q``'s dtype (``out``: an optional
+    preallocated ``[nb, H, D]`` tensor to write into). Query head ``h`` attends with KV head
+    ``h // (H / Hkv)``. ``num_splits``: sequence chunks per (slot, KV head), default chosen from the
+    shapes (1 when ``nb * Hkv`` fills the GPU); ``block_n`` (a power of two >= 16), ``num_warps``,
+    ``num_stages``: launch tuning (defaults: 64 positions per iteration for bf16 at ``D <= 128``).
+
+    No host synchronization and no allocation but the output (and the split partials): capturable in a
+    CUDA graph, and a replay with new ``lengths`` values attends over the new lengths.
+    """
+    if triton is None:
+        raise RuntimeError("decode_attention needs triton; use decode_attention_reference")
+    q3, four_d = _as_3d(q)
+    nb, heads, hkv, span, d = _check(q3, k, v, lengths)
+    if not (q3.device == k.device == v.device == lengths.device):
+        raise ValueError("q, k, v and lengths must be on one device")
+    if k.dtype != q3.dtype or v.dtype != q3.dtype:
+        raise ValueError(f"q, k, v must share a dtype, got {q3.dtype}, {k.dtype}, {v.dtype}")
+    for t, name in ((k, "k"), (v, "v")):  # in-slot offsets stay in int32 (the slot/head bases are int64)
+        if span and (span - 1) * t.stride(2) + (d - 1) * t.stride(3) > _INT32_MAX:
+            raise ValueError(f"{name}: one (slot, head) spans more than 2**31 elements")
+    if out is None:
+        out = torch.empty((nb, heads, d), dtype=q3.dtype, device=q3.device)
+    elif out.shape != (nb, heads, d) or out.dtype != q3.dtype:
+        raise ValueError(f"out: expected {q3.dtype} [{nb}, {heads}, {d}], got {out.dtype} {tuple(out.shape)}")
+    if nb == 0:
+        return out[:, :, None, :] if four_d else out
+
+    g = heads // hkv
+    block_d = max(16, _pow2(d))
+    block = _block_n(block_d, q3.element_size()) if block_n is None else int(block_n)
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block_n: expected a power of two >= 16, got {block}")
+    splits, chunk = _plan_splits(nb, hkv, span, q3.device, num_splits)
+    if splits > 1:
+        part_acc = torch.empty((nb, heads, splits, block_d), dtype=torch.float32, device=q3.device)
+        part_m = torch.empty((nb, heads, splits), dtype=torch.float32, device=q3.device)
+        part_l = torch.empty((nb, heads, splits), dtype=torch.float32, device=q3.device)
+    else:  # unused by the single-pass kernel: any float32 tensors
+        part_acc = part_m = part_l = out
+    with torch.cuda.device(q3.device) if q3.is_cuda else contextlib.nullcontext():
+        _decode_kernel[(nb, hkv, splits)](
+            q3, k, v, lengths, out, part_acc, part_m, part_l, float(scale) * math.log2(math.e), span, chunk,
+            *q3.stride(), *k.stride(), *v.stride(), *out.stride(),
+            G=g, G_PAD=max(MIN_DOT_ROWS, _pow2(g)), HEAD_D=d, BLOCK_D=block_d, BLOCK=block,
+            SPLIT=splits > 1, IEEE=q3.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
+        if splits > 1:
+            _merge_kernel[(nb, heads)](out, part_acc, part_m, part_l, splits, *out.stride(),
+                                       HEAD_D=d, BLOCK_D=block_d, SPLITS_PAD=max(2, _pow2(splits)), num_warps=4)
+    return out[:, :, None, :] if four_d else out
