@@ -64,6 +64,7 @@ class EngineFleet:
 
     def _server(self, i: int) -> ManagedServer:
         port = free_port(self.host)
+        env = self.env
         if self.rollout.engine == "sglang":
             spec = sglang_spec_from_config(self.rollout, self.resources, self.model_path, port, engine_index=i,
                                            seed=self.seed, cli_options=self.sglang_cli_options)
@@ -85,8 +86,7 @@ class EngineFleet:
                                        cuda_graphs=device.startswith("cuda"),
                                        decode_attention=self.rollout.engine_decode_attention,
                                        compile=self.rollout.engine_compile)
-            return ManagedServer(cmd, f"http://{self.host}:{port}", log_path=self._log(f"engine-{i}.log"), env=env)
-        return ManagedServer(cmd, f"http://{self.host}:{port}", log_path=self._log(f"engine-{i}.log"), env=self.env)
+        return ManagedServer(cmd, f"http://{self.host}:{port}", log_path=self._log(f"engine-{i}.log"), env=env)
 
     def start(self) -> EngineFleet:
         try:
@@ -143,10 +143,13 @@ class EngineFleet:
         self._post_all("/resume_memory_occupation", {"tags": tags} if tags else {})
 
     def memory_stats(self) -> list[dict[str, Any]]:
-        """Each engine's ``/get_server_info`` memory figures (local engines report GiB on CUDA)."""
+        """Each engine's ``/get_server_info`` memory figures (local engines report GiB on CUDA; engines
+        elsewhere have none, so they are not asked: this runs every step)."""
         import json
         import urllib.request
 
+        if not self.rollout.engine_device.startswith("cuda"):
+            return [{} for _ in self.engine_urls]
         out = []
         for url in self.engine_urls:
             try:

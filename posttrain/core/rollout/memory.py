@@ -35,7 +35,7 @@ class EngineMemory:
         and every buffer, ``key`` stable across releases."""
         seen: set[int] = set()
         for module in self.runner.model.modules():
-            for name, p in module._parameters.items():
+            for p in module._parameters.values():
                 if p is None or id(p) in seen:
                     continue
                 seen.add(id(p))
