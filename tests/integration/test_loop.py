@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import psutil
 import pytest
@@ -140,7 +141,13 @@ def test_killed_engine_is_restarted_and_the_run_continues(tmp_path):
         time.sleep(0.05)
     engines = [p for p in leftovers(run) if "serve" in p.cmdline()]
     assert len(engines) == 2
-    time.sleep(0.3)  # into the next step's generation (64 new tokens keep requests in flight)
+    cmd = engines[0].cmdline()
+    info = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}/get_server_info"
+    while time.monotonic() < deadline:  # mid-rollout: kill it while it holds requests
+        with urllib.request.urlopen(info, timeout=10) as resp:
+            if json.loads(resp.read())["internal_states"][0]["num_requests"]:
+                break
+        time.sleep(0.01)
     engines[0].kill()
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output[-3000:]
