@@ -8,6 +8,8 @@
 #   sync4b    weight-sync bench: Qwen3-4B shape to two engines sharing GPU 1 (issue 9 shrunk to two GPUs)
 #   rollout   engine decode variants at the Qwen3-1.7B shape, 256 prompts x 128, 256 new tokens
 #   train     train-step levers at Qwen3-1.7B, micro-batch 4 x 2048
+#   levers    train-step levers one at a time on top of gqa + compile + 8 micro-batches (LEVERS picks some:
+#             base keep fused mb8 mb16 nopack nocompile best4 best8 best16 tests), with a kernel-time profile
 #   tp2       TP=2 train step on both GPUs (torchrun)
 #   colocated GRPO, Qwen3-1.7B shape, 64 x 8 x 512 new tokens, trainer and engine on GPU 0
 #   disagg    the same, trainer GPU 0 / engine GPU 1, synchronous then async
@@ -45,6 +47,23 @@ for part in "$@"; do case $part in
   train)
     step train_gqa_accum8 90 python3 bench/train.py --device cuda --preset qwen3-1.7B --micro-batch 4 --seq-len 2048 --steps 3 --warmup 1 --sdpa-gqa --grad-accum 8
     step train_compile_accum8 150 python3 bench/train.py --device cuda --preset qwen3-1.7B --micro-batch 4 --seq-len 2048 --steps 3 --warmup 1 --sdpa-gqa --grad-accum 8 --compile ;;
+  levers)
+    B="--device cuda --preset qwen3-1.7B --seq-len 2048 --steps 3 --warmup 1 --sdpa-gqa --compile"
+    for v in ${LEVERS:-base keep fused mb8 nopack}; do case $v in
+      base) step lev_base 150 python3 bench/train.py $B --micro-batch 4 --grad-accum 8 --profile --kernel-table $LOGS/kt_base.txt ;;
+      keep) step lev_keep 150 python3 bench/train.py $B --micro-batch 4 --grad-accum 8 --keep-logits ;;
+      fused) step lev_keep_fused 150 python3 bench/train.py $B --micro-batch 4 --grad-accum 8 --keep-logits --fused-adam \
+               --profile --kernel-table $LOGS/kt_fused.txt ;;
+      mb8) step lev_mb8 150 python3 bench/train.py $B --micro-batch 8 --grad-accum 4 --keep-logits --fused-adam ;;
+      nopack) step lev_nopack 150 python3 bench/train.py $B --micro-batch 4 --grad-accum 8 --keep-logits --fused-adam --no-packing ;;
+      mb16) step lev_mb16 150 python3 bench/train.py $B --micro-batch 16 --grad-accum 2 --keep-logits --fused-adam ;;
+      nocompile) step lev_nocompile 150 python3 bench/train.py ${B/--compile/} --micro-batch 4 --grad-accum 8 --keep-logits --fused-adam ;;
+      best4) step lev_best4 150 python3 bench/train.py $B --micro-batch 4 --grad-accum 8 --keep-logits --fused-adam \
+               --profile --kernel-table $LOGS/kt_best4.txt ;;
+      best16) step lev_best16 150 python3 bench/train.py $B --micro-batch 16 --grad-accum 2 --keep-logits --fused-adam ;;
+      best8) step lev_best8 150 python3 bench/train.py $B --micro-batch 8 --grad-accum 4 --keep-logits --fused-adam ;;
+      tests) step lev_tests 150 python3 -m pytest -q -p no:cacheprovider tests/unit/train/test_gpu.py ;;
+    esac; done ;;
   tp2) step tp2 120 python3 -m torch.distributed.run --nproc_per_node 2 bench/train.py --device cuda --preset qwen3-1.7B \
          --tp 2 --micro-batch 4 --seq-len 2048 --steps 3 --warmup 1 --grad-accum 8 ;;
   colocated) e2e colocated 200 resources.colocate=true ;;

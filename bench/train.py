@@ -13,6 +13,10 @@ attention term counting the full ``s x s`` score matrix. Recomputation (the chun
 backward) is not counted: TFLOP/s is model FLOPs over wall time.
 Options ``--megatron key=value`` set TransformerConfig/DDP/optimizer fields (e.g.
 ``bias_activation_fusion=true`` for the fused SwiGLU, ``recompute_granularity=selective``).
+Levers with their own flags: ``--compile``, ``--sdpa-gqa``, ``--fused-adam`` (torch's fused AdamW inside
+Megatron's optimizer), ``--keep-logits`` (the log-prob backward reuses the chunk's logits instead of
+recomputing them). ``--profile`` adds ``gpu_ms_by_kind`` (one step's kernel time: gemm, attention,
+optimizer, fused/elementwise, other) and ``--kernel-table PATH`` writes the profiler's op table.
 """
 
 from __future__ import annotations
@@ -63,6 +67,10 @@ def main() -> None:
     parser.add_argument("--no-packing", action="store_true", help="padded rows instead of THD packing")
     parser.add_argument("--compile", action="store_true", help="torch.compile each transformer layer")
     parser.add_argument("--sdpa-gqa", action="store_true", help="SDPA reads shared k/v heads (enable_gqa)")
+    parser.add_argument("--fused-adam", action="store_true", help="torch's fused AdamW kernel")
+    parser.add_argument("--keep-logits", action="store_true", help="log-prob backward without recomputing logits")
+    parser.add_argument("--profile", action="store_true", help="kernel time of one step by kind")
+    parser.add_argument("--kernel-table", default=None, metavar="PATH", help="write the profiler's op table")
     parser.add_argument("--megatron", action="append", default=[], help="key=value (repeatable)")
     args = parser.parse_args()
 
@@ -89,7 +97,8 @@ def main() -> None:
     batch_size = args.micro_batch * args.grad_accum
     config = TrainerConfig(lr=1e-6, micro_batch_size=args.micro_batch, global_batch_size=batch_size, tp=args.tp,
                            attention=args.attention, log_probs_chunk_size=args.chunk,
-                           sequence_packing=not args.no_packing, megatron=megatron, compile=args.compile)
+                           sequence_packing=not args.no_packing, megatron=megatron, compile=args.compile,
+                           fused_adam=args.fused_adam, log_probs_recompute=not args.keep_logits)
     trainer = MegatronTrainer(spec, config)
     hf = spec.hf_config()
     g = torch.Generator().manual_seed(0)
@@ -120,12 +129,50 @@ def main() -> None:
         "bench": "train_step", "spec": args.spec, "preset": args.preset, "device": args.device,
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "dtype": dtype, "tp": args.tp,
         "micro_batch": args.micro_batch, "grad_accum": args.grad_accum, "seq_len": args.seq_len,
-        "attention": args.attention, "compile": args.compile, "sdpa_gqa": args.sdpa_gqa, "packing": not args.no_packing, "megatron": megatron,
+        "attention": args.attention, "compile": args.compile, "sdpa_gqa": args.sdpa_gqa,
+        "fused_adam": args.fused_adam, "keep_logits": args.keep_logits, "packing": not args.no_packing,
+        "megatron": megatron,
         "step_s": round(seconds, 4), "tokens_per_s": round(tokens_per_step / seconds, 1),
         "model_tflops_per_s": round(flops / seconds / 1e12, 3),
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None,
     }
+    if args.profile or args.kernel_table:
+        result["gpu_ms_by_kind"] = profile_step(lambda: trainer.train_step(batch, ppo_loss), sync, args.kernel_table)
     print(json.dumps(result))
+
+
+KINDS = (("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),  # before gemm: flash names hold "gemm"
+         ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul")),
+         ("optimizer", ("adam", "multi_tensor", "l2norm")),
+         ("fused", ("triton",)),
+         ("elementwise", ("elementwise", "vectorized", "reduce", "softmax", "copy", "cat", "fill", "index")))
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a GPU kernel, from its name (first match in ``KINDS``; ``other`` if none)."""
+    low = name.lower()
+    return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
+
+
+def profile_step(step, sync, table_path: str | None) -> dict:
+    """One ``step`` under ``torch.profiler``: GPU kernel milliseconds by :func:`kernel_kind` (and the op
+    table written to ``table_path``)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        sync()
+    by_kind: dict[str, float] = {}
+    for evt in prof.key_averages():
+        if evt.device_type != DeviceType.CUDA:
+            continue
+        us = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0.0)
+        by_kind[kernel_kind(evt.key)] = by_kind.get(kernel_kind(evt.key), 0.0) + us / 1000.0
+    if table_path:
+        Path(table_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(table_path).write_text(prof.key_averages().table(sort_by="self_device_time_total", row_limit=50))
+    return {k: round(v, 1) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}
 
 
 if __name__ == "__main__":

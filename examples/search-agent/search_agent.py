@@ -30,11 +30,11 @@ async def search_agent(group, engine, sampling):
 
     tokenizer = await engine_tokenizer(engine)
     corpus = load_corpus(CORPUS)
-    params = {**sampling.to_sglang(), "stop": ["</search>", "</answer>"], "no_stop_trim": True}
     for sample in group:
         prompt = prompt_ids(sample, tokenizer)
         ids, mask, lps, text, finish, version = [], [], [], "", "stop", 0
-        for _ in range(MAX_TURNS):
+        for turn in range(MAX_TURNS):  # for_sample: the run's sampling seed, if any, per sample and turn
+            params = {**sampling.for_sample(sample, turn), "stop": ["</search>", "</answer>"], "no_stop_trim": True}
             budget = sampling.max_new_tokens - len(ids)
             if budget <= 0:
                 finish = "length"

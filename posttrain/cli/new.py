@@ -67,8 +67,8 @@ BODIES = {
         from posttrain.core.rollout.samples import engine_tokenizer, fill, finish_type, prompt_ids
 
         tokenizer = await engine_tokenizer(engine)
-        params = {**sampling.to_sglang(), "max_new_tokens": self.config.max_new_tokens}
-        for sample in group:
+        for sample in group:  # for_sample: the run's sampling seed, if any, per sample
+            params = {**sampling.for_sample(sample), "max_new_tokens": self.config.max_new_tokens}
             prompt = prompt_ids(sample, tokenizer)
             out = await engine.generate(input_ids=prompt, sampling_params=params, return_logprob=True)
             ids, logprobs = tokens_and_logprobs(out)

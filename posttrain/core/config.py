@@ -150,6 +150,9 @@ class RolloutConfig:
         "auto", help="how weights reach the engines: distributed (NCCL between GPUs, else Gloo), tensor (CUDA IPC "
                      "handles, colocated), disk (an HF checkpoint); auto: tensor when colocated, else distributed")
     weight_bucket_mb: int = option(512, ge=1, help="bucket size of a distributed weight update")
+    seed_sampling: bool = option(False, help="give every sample its own sampling_seed, from the run's seed and the "
+                                             "sample's index, so a rerun draws the same tokens (SGLang engines also "
+                                             "need sglang: {enable_deterministic_inference: true})")
 
     def weight_sync_mode(self, colocate: bool) -> str:
         """``weight_sync`` with ``auto`` resolved: ``tensor`` when colocated, else ``distributed``."""
@@ -157,13 +160,15 @@ class RolloutConfig:
             return self.weight_sync
         return "tensor" if colocate else "distributed"
 
-    def sampling_params(self):
-        """The run's :class:`~posttrain.core.types.SamplingParams`."""
+    def sampling_params(self, seed: int | None = None):
+        """The run's :class:`~posttrain.core.types.SamplingParams`; ``seed`` (the run's) is kept only when
+        ``seed_sampling`` is on."""
         from posttrain.core.types import SamplingParams
 
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                               max_new_tokens=self.max_new_tokens, stop=list(self.stop) or None,
-                              stop_token_ids=list(self.stop_token_ids) or None)
+                              stop_token_ids=list(self.stop_token_ids) or None,
+                              seed=seed if self.seed_sampling else None, seed_rows=self.engine == "local")
 
 
 @dataclass
@@ -195,9 +200,12 @@ class TrainerConfig:
     min_lr: float = option(0.0, ge=0.0)
     sequence_packing: bool = option(True, help="pack a micro-batch's samples into one row (THD attention)")
     log_probs_chunk_size: int = option(1024, ge=1, help="tokens per chunk of the vocab-parallel log-softmax")
+    log_probs_recompute: bool = option(True, help="backward recomputes each chunk's logits (least memory); false "
+                                                  "keeps them (tokens x vocab/tp in bf16) and skips that matmul")
     attention: Literal["auto", "sdpa", "local", "te"] = option("auto", help="core attention: auto = TE if installed on GPU, else SDPA")
     compile: bool = option(False, help="torch.compile each transformer layer (fuses norms, SwiGLU, rotary)")
     use_distributed_optimizer: bool = option(True, help="Megatron's distributed optimizer (GPU only; CPU uses torch AdamW)")
+    fused_adam: bool = option(True, help="GPU without TE/Apex: torch's fused AdamW kernel inside Megatron's optimizer")
     value_clip: float = option(0.2, ge=0.0, help="critic value clipping range; 0 disables")
     megatron: dict[str, Any] = option(default_factory=dict, help="Megatron TransformerConfig/DDP/optimizer fields by name")
 

@@ -20,8 +20,8 @@ async def evaluate(cfg: Any, engine: Any, generator: Any, rewards: Any, base_dir
         data = DataConfig(path=ds.path, input_key=ds.input_key, label_key=ds.label_key,
                           metadata_key=ds.metadata_key, apply_chat_template=ds.apply_chat_template, shuffle=False)
         rows = load_prompts(data, base_dir=base_dir).rows[: ds.limit]
-        sampling = dataclasses.replace(cfg.rollout.sampling_params(), temperature=ds.temperature, top_p=ds.top_p,
-                                       max_new_tokens=ds.max_new_tokens or cfg.rollout.max_new_tokens)
+        sampling = dataclasses.replace(cfg.rollout.sampling_params(seed=cfg.seed), temperature=ds.temperature,
+                                       top_p=ds.top_p, max_new_tokens=ds.max_new_tokens or cfg.rollout.max_new_tokens)
         groups = [[Sample(prompt=r.prompt, label=r.label, metadata=dict(r.metadata), group_index=g, index=i)
                    for i in range(ds.n_samples_per_prompt)] for g, r in enumerate(rows)]
         groups = list(await asyncio.gather(*[generator(g, engine, sampling) for g in groups]))

@@ -119,7 +119,9 @@ def posttrain_register_generators(registry: Registry) -> None:
 
     A generator is called as
     ``await generator(group: list[Sample], engine: EngineClient, sampling: SamplingParams) -> list[Sample]``
-    and may return more samples than it got (fan-out keeps ``group_index``).
+    and may return more samples than it got (fan-out keeps ``group_index``). It builds each request's
+    ``sampling_params`` with ``sampling.for_sample(sample, turn)`` (or ``sampling.for_group(group)`` for
+    one batched request), so that runs with ``rollout.seed_sampling`` draw the same tokens again.
 
     Fires once per process inside ``load_plugins()``. Use in ``--plugin`` files: yes.
     """

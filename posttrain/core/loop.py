@@ -58,7 +58,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, plugin_f
         generator = cfg.generator.create(plugins)
         estimator = cfg.estimator.create(plugins)
         filters = [f.create(plugins) for f in cfg.filters]
-        sampling = cfg.rollout.sampling_params()
+        sampling = cfg.rollout.sampling_params(seed=cfg.seed)
         colocate = cfg.resources.colocate
         metrics_out = MetricsWriter(run.path, cfg.logging.tensorboard, cfg.logging.wandb,
                                     cfg.logging.wandb_project, cfg.to_dict())

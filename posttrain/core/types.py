@@ -8,6 +8,7 @@ group share ``group_index`` (an id, not a position: groups need not be contiguou
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -61,7 +62,14 @@ class Sample:
 
 @dataclass
 class SamplingParams:
-    """SGLang's ``sampling_params`` (the subset posttrain sets; ``extra`` passes anything else through)."""
+    """SGLang's ``sampling_params`` (the subset posttrain sets; ``extra`` passes anything else through).
+
+    ``seed``: the run's sampling seed (``rollout.seed_sampling``), or None to sample unseeded. It is not
+    sent as is: :meth:`for_sample` turns it into one ``sampling_seed`` per sample and turn, so every
+    sample draws its own stream and a rerun draws the same ones. ``seed_rows``: the engines seed row
+    ``j`` of a batched request with ``sampling_seed + j`` (posttrain's local engine does; SGLang does
+    not), so a seeded group can still go as one request (:meth:`for_group`).
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -73,12 +81,31 @@ class SamplingParams:
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
+    seed: int | None = None
+    seed_rows: bool = False
 
     def to_sglang(self) -> dict[str, Any]:
-        """The JSON object SGLang's ``/generate`` takes as ``sampling_params``."""
-        out = {k: v for k, v in vars(self).items() if k != "extra" and v is not None}
+        """The JSON object SGLang's ``/generate`` takes as ``sampling_params`` (unseeded)."""
+        out = {k: v for k, v in vars(self).items() if k not in ("extra", "seed", "seed_rows") and v is not None}
         out.update(self.extra)
         return out
+
+    def for_sample(self, sample: Sample, turn: int = 0) -> dict[str, Any]:
+        """:meth:`to_sglang` for one sample's ``turn``-th ``/generate``: with a run ``seed``, adds
+        ``sampling_seed``, a hash of ``(seed, sample.index, turn)`` (``sample.index`` is unique in a run
+        and survives resume). Generators call this rather than :meth:`to_sglang` so seeded runs repeat."""
+        out = self.to_sglang()
+        if self.seed is not None:
+            key = f"{self.seed}/{sample.index}/{turn}".encode()
+            out["sampling_seed"] = int.from_bytes(hashlib.blake2b(key, digest_size=7).digest(), "little")
+        return out
+
+    def for_group(self, group: list[Sample]) -> dict[str, Any] | None:
+        """One ``sampling_params`` for the whole ``group`` sent as one batched request, or None when that
+        cannot keep a seeded run's samples distinct (seeded, and the engines do not seed by row)."""
+        if self.seed is None:
+            return self.to_sglang()
+        return self.for_sample(group[0]) if self.seed_rows else None
 
 
 @dataclass

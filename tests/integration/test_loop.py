@@ -85,14 +85,29 @@ def test_kill_9_then_resume_loses_and_repeats_no_step(tmp_path):
     assert [r["step"] for r in jsonl(run / "metrics.jsonl")] == list(range(6))
     served = [r["prompts"] for r in jsonl(run / "rollouts.jsonl")]
     assert served == [r["prompts"] for r in jsonl(reference / "rollouts.jsonl")], "data order changed"
+    # the quickstart seeds its sampling: the resumed run draws the same responses and trains the same way
+    assert jsonl(run / "rollouts.jsonl") == jsonl(reference / "rollouts.jsonl")
+    for resumed, uninterrupted in zip(jsonl(run / "metrics.jsonl"), jsonl(reference / "metrics.jsonl")):
+        assert resumed["rollout/reward_mean"] == uninterrupted["rollout/reward_mean"]
+        assert resumed["train/loss"] == pytest.approx(uninterrupted["train/loss"], abs=1e-6)
 
 
 def test_ray_executor_runs_the_same_loop(tmp_path):
-    run = tmp_path / "ray"
-    out = rl_cli(QUICKSTART, "--smoke", "--run-dir", run, *SMALL, "resources.executor=ray")
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    rows = jsonl(run / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [0, 1] and rows[-1]["train_rollout_logprob_abs_diff"] < 1e-3
+    """Same config, seeded sampling: the Ray executor draws the same responses and gets the same rewards
+    and losses as the local one."""
+    runs = {}
+    for executor in ("ray", "local"):
+        run = tmp_path / executor
+        out = rl_cli(QUICKSTART, "--smoke", "--run-dir", run, *SMALL, f"resources.executor={executor}")
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+        runs[executor] = (jsonl(run / "metrics.jsonl"), jsonl(run / "rollouts.jsonl"))
+    (ray_rows, ray_rollouts), (local_rows, local_rollouts) = runs["ray"], runs["local"]
+    assert [r["step"] for r in ray_rows] == [0, 1] and ray_rows[-1]["train_rollout_logprob_abs_diff"] < 1e-3
+    assert ray_rollouts == local_rollouts  # prompts and sampled responses
+    for a, b in zip(ray_rows, local_rows):
+        assert a["rollout/reward_mean"] == b["rollout/reward_mean"]
+        assert a["train/loss"] == pytest.approx(b["train/loss"], abs=1e-6)
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)
 
 
 def test_failing_reward_is_counted_and_the_run_goes_on(tmp_path, write):

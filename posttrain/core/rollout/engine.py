@@ -87,7 +87,6 @@ class Request:
     slot: int = -1
     finish: dict[str, Any] | None = None
     text_cut: int | None = None  # char offset of a matched stop string (trimmed unless no_stop_trim)
-    generator: Any = None
     created: float = field(default_factory=time.monotonic)
 
 
@@ -120,10 +119,6 @@ class LocalEngine:
                on_done: Callable[[dict[str, Any]], None], rid: str | None = None) -> str:
         rid = rid or uuid.uuid4().hex
         req = Request(rid, list(prompt_ids), sampling, return_logprob, on_done)
-        if sampling.sampling_seed is not None:
-            import torch
-
-            req.generator = torch.Generator(device=self.runner.device).manual_seed(sampling.sampling_seed)
         self._inbox.put(req)
         self._wake.set()
         return rid
@@ -286,8 +281,7 @@ class LocalEngine:
         Python lists (one device-to-host copy: the step's only sync on the fast path)."""
         from posttrain.core.rollout.sampling import sample_tokens, to_host
 
-        gens = [r.generator for r in reqs]
-        return to_host(*sample_tokens(logits, [r.sampling for r in reqs], gens if any(gens) else None))
+        return to_host(*sample_tokens(logits, [r.sampling for r in reqs], [len(r.output_ids) for r in reqs]))
 
     def _advance(self, reqs: list[Request], tokens: list[int], logprobs: list[float]) -> None:
         """Append each request's new token and log-prob; complete the requests that finish."""

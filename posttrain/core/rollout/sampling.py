@@ -100,13 +100,13 @@ def parse_sampling(raw: Any) -> RequestSampling:
     return RequestSampling(**vals)
 
 
-def sample_tokens(logits, params: list[RequestSampling], generators: list[Any] | None = None):
+def sample_tokens(logits, params: list[RequestSampling], steps: list[int] | None = None):
     """Pick one token per row and its log-prob under ``softmax(logits / T)``.
 
     :param logits: ``[B, V]`` float logits of the next token.
     :param params: ``B`` per-row parameters.
-    :param generators: optional per-row ``torch.Generator`` (rows with a ``sampling_seed``); ``None``
-        entries use the global RNG.
+    :param steps: per-row count of tokens the request has generated so far; needed only for rows with
+        a ``sampling_seed`` (their draw is a function of ``(seed, step)``, see :func:`seeded_uniform`).
     :returns: ``(tokens [B] int64, logprobs [B] float32)``, on the logits' device.
 
     The path is chosen from the Python parameters, never from device values (that would be a
@@ -117,14 +117,15 @@ def sample_tokens(logits, params: list[RequestSampling], generators: list[Any] |
 
     logits = logits.float()
     temperature = uniform_temperature(params)
+    seeded = any(p.sampling_seed is not None for p in params)
     if temperature == 0.0:  # every row greedy (seeds do not matter): argmax, log-prob at T = 1
         logprobs = torch.log_softmax(logits, dim=-1)
         tokens = logits.argmax(dim=-1)
-    elif temperature is not None and not (generators and any(g is not None for g in generators)):
+    elif temperature is not None and not seeded:
         logprobs = torch.log_softmax(logits / temperature, dim=-1)
         tokens = torch.multinomial(logprobs.exp(), 1).squeeze(1)
     else:
-        return _sample_mixed(logits, params, generators)
+        return _sample_mixed(logits, params, steps)
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
 
@@ -142,9 +143,41 @@ def uniform_temperature(params: list[RequestSampling]) -> float | None:
     return None
 
 
-def _sample_mixed(logits, params: list[RequestSampling], generators: list[Any] | None):
-    """The general path: per-row temperatures, truncation and generators; greedy rows mixed in.
-    ``logits`` ``[B, V]`` float32 -> ``(tokens [B], logprobs [B])``. At least one row is not greedy."""
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x):
+    """A 32-bit integer hash (xor-shift-multiply rounds) on an int64 tensor holding values < 2**32.
+    Multipliers stay below 2**31 so no product overflows int64."""
+    for mult in (0x7FEB352D, 0x2C1B3C6D, 0x297A2D39):
+        x = x ^ (x >> 16)
+        x = (x * mult) & _MASK32
+    return x ^ (x >> 15)
+
+
+def seeded_uniform(seeds, steps, vocab: int):
+    """Uniform draws in (0, 1) of shape ``[B, V]``, a pure function of ``(seed, step, token id)``.
+
+    ``seeds`` and ``steps`` are ``[B]`` int64. A counter-based hash rather than a ``torch.Generator``
+    per row: the draw for a request does not depend on which other requests share its batch, its slot,
+    or the device, so a seeded request reproduces exactly under any scheduling (SGLang's
+    ``sampling_seed`` makes the same promise with its own hash). One vectorized pass for the batch.
+    """
+    import torch
+
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    row = _mix32((seeds & _MASK32) ^ _mix32(((seeds >> 32) & _MASK32) ^ (steps * 0x3C6EF372 & _MASK32)))
+    h = _mix32(row[:, None] ^ ((ids[None, :] * 0x61C88647) & _MASK32))
+    return (h.to(torch.float64) + 0.5) / 2.0**32
+
+
+def _sample_mixed(logits, params: list[RequestSampling], steps: list[int] | None):
+    """The general path: per-row temperatures, truncation and seeds; greedy rows mixed in.
+    ``logits`` ``[B, V]`` float32 -> ``(tokens [B], logprobs [B])``. At least one row is not greedy.
+
+    Seeded rows draw by the exponential race ``argmax_v p_v / E_v`` with ``E_v = -log U_v`` (the
+    Gumbel-max trick), ``U`` from :func:`seeded_uniform`; that picks ``v`` with probability ``p_v``.
+    """
     import torch
 
     device = logits.device
@@ -153,11 +186,17 @@ def _sample_mixed(logits, params: list[RequestSampling], generators: list[Any] |
     probs = logprobs.exp()
     if any(p.top_p < 1.0 or p.top_k > 0 or p.min_p > 0.0 for p in params if not p.greedy):
         probs = _truncate(probs, params)
-    if generators and any(g is not None for g in generators):
-        tokens = torch.stack([torch.multinomial(probs[i], 1, generator=g).squeeze(0)
-                              for i, g in enumerate(generators)])
-    else:
-        tokens = torch.multinomial(probs, 1).squeeze(1)
+    rows = [i for i, p in enumerate(params) if p.sampling_seed is not None and not p.greedy]
+    tokens = torch.multinomial(probs, 1).squeeze(1) if len(rows) < len(params) else None
+    if rows:
+        if steps is None:
+            raise ValueError("sample_tokens: rows with a sampling_seed need their steps")
+        index = torch.tensor(rows, device=device)
+        seeds = torch.tensor([params[i].sampling_seed for i in rows], device=device, dtype=torch.int64)
+        step = torch.tensor([steps[i] for i in rows], device=device, dtype=torch.int64)
+        race = probs[index].double() / -torch.log(seeded_uniform(seeds, step, probs.shape[1]))
+        drawn = race.argmax(dim=-1)
+        tokens = drawn if tokens is None else tokens.index_copy(0, index, drawn)
     if any(p.greedy for p in params):
         greedy = torch.tensor([p.greedy for p in params], device=device)
         tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)

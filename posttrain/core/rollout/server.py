@@ -21,11 +21,16 @@ answers as ``sglang.srt.entrypoints.http_server``):
 
 Bad input (malformed JSON, unknown fields, bad sampling values, a prompt as long as the context) is
 answered with HTTP 400 ``{"error": {"message": ...}}`` and the server keeps serving.
+
+Where we differ from SGLang: a batched ``/generate`` whose one ``sampling_params`` has a ``sampling_seed``
+``s`` seeds row ``j`` with ``s + j`` (SGLang seeds every row with ``s``, so identical prompts would give
+identical samples). Seeded runs send a group of samples as one request this way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -172,6 +177,11 @@ class EngineServer:
             params = [parse_sampling(s) for s in sps]
         except SamplingError as exc:
             raise BadRequest(str(exc)) from None
+        if batched and not isinstance(sp, list) and params[0].sampling_seed is not None:
+            # One shared sampling_params with a seed: row j draws with seed + j, so the samples of one
+            # prompt differ (sglang-router forwards one sampling_params per request). SGLang would give
+            # every row the seed itself.
+            params = [dataclasses.replace(p, sampling_seed=p.sampling_seed + j) for j, p in enumerate(params)]
         prompts = [self._prompt(texts[i] if text is not None else None, ids_list[i] if input_ids is not None else None)
                    for i in range(n)]
         outs = await asyncio.gather(*[self._run_one(p, s, return_logprob, r) for p, s, r in zip(prompts, params, rids)])

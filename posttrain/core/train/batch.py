@@ -78,8 +78,8 @@ class Packed:
     """Samples concatenated into one row for THD attention.
 
     ``input_ids [1, N]``, ``position_ids [1, N]`` (restart at 0 per sample), ``targets [N]`` (next token,
-    0 at each sample's last position), ``cu_seqlens [B + 1]`` int32, ``index``: for each ``[B, T]`` entry
-    with ``t >= 1``, the packed position whose prediction it is.
+    0 at each sample's last position), ``cu_seqlens [B + 1]`` int32 (and ``cu_host``, the same offsets as
+    a Python list: attention and unpacking read them without a device-to-host copy per layer).
     """
 
     input_ids: torch.Tensor
@@ -87,21 +87,25 @@ class Packed:
     targets: torch.Tensor
     cu_seqlens: torch.Tensor
     max_len: int
+    cu_host: list[int]
 
     def unpack(self, values: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
         """``values [N]`` per packed position (prediction of the next token) -> ``[B, width]`` aligned."""
         out = values.new_zeros(len(lengths), width)
-        for b, (start, n) in enumerate(zip(self.cu_seqlens[:-1].tolist(), lengths.tolist())):
+        for b, (start, n) in enumerate(zip(self.cu_host[:-1], lengths.tolist())):
             out[b, 1:n] = values[start:start + n - 1]
         return out
 
 
 def pack(tokens: torch.Tensor, lengths: torch.Tensor) -> Packed:
     """Concatenate the real tokens of each row of ``tokens [B, T]``."""
-    pieces = [tokens[b, :n] for b, n in enumerate(lengths.tolist())]
+    sizes = lengths.tolist()
+    pieces = [tokens[b, :n] for b, n in enumerate(sizes)]
     ids = torch.cat(pieces)
     positions = torch.cat([torch.arange(len(p), device=tokens.device) for p in pieces])
     targets = torch.cat([torch.cat([p[1:], p.new_zeros(1)]) for p in pieces])
-    cu = torch.zeros(len(pieces) + 1, dtype=torch.int32, device=tokens.device)
-    cu[1:] = torch.cumsum(lengths.to(tokens.device), 0)
-    return Packed(ids.unsqueeze(0), positions.unsqueeze(0), targets, cu, int(lengths.max()))
+    cu_host = [0]
+    for n in sizes:
+        cu_host.append(cu_host[-1] + n)
+    cu = torch.tensor(cu_host, dtype=torch.int32).to(tokens.device)
+    return Packed(ids.unsqueeze(0), positions.unsqueeze(0), targets, cu, max(sizes), cu_host)

@@ -39,6 +39,7 @@ from posttrain.core.errors import UsageError
 from posttrain.core.train import model as M
 from posttrain.core.train.batch import TrainBatch, pack
 from posttrain.core.train.logprobs import vocab_parallel_log_probs
+from posttrain.core.train.optim import init_adam_state, use_fused_adam
 
 
 def lr_at(step: int, config: Any) -> float:
@@ -114,6 +115,8 @@ class MegatronTrainer:
                                      "use_distributed_optimizer": c.use_distributed_optimizer,
                                      **overrides["optimizer"]})
             self.optimizer = get_megatron_optimizer(opt, [self.model])
+            if c.fused_adam:
+                use_fused_adam(self.optimizer)
             if self.value_head is not None:
                 self.head_optimizer = torch.optim.AdamW(self.value_head.parameters(), lr=c.lr)
         else:
@@ -162,6 +165,7 @@ class MegatronTrainer:
                 p = pack(tokens, lengths)
                 psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=p.cu_seqlens, cu_seqlens_kv=p.cu_seqlens,
                                       max_seqlen_q=p.max_len, max_seqlen_kv=p.max_len)
+                psp.cu_seqlens_host = p.cu_host  # read by SDPAttention: no device sync per layer
                 hidden = self.model(p.input_ids, p.position_ids, attention_mask=None, packed_seq_params=psp)[0]
                 return hidden, p.targets, lambda v: p.unpack(v, lengths.cpu(), width)
             positions = torch.arange(width, device=self.device).unsqueeze(0).expand_as(tokens)
@@ -331,6 +335,7 @@ class MegatronTrainer:
             p = pack(mb.tokens, mb.lengths)
             psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=p.cu_seqlens, cu_seqlens_kv=p.cu_seqlens,
                                   max_seqlen_q=p.max_len, max_seqlen_kv=p.max_len)
+            psp.cu_seqlens_host = p.cu_host
             with self._hidden_only():
                 out = model(p.input_ids, p.position_ids, attention_mask=None, packed_seq_params=psp)
 
@@ -338,7 +343,7 @@ class MegatronTrainer:
                 lp, ent = vocab_parallel_log_probs(
                     hidden.reshape(-1, hidden.shape[-1]), self._output_weight(), p.targets,
                     vocab_size=int(self.hf["vocab_size"]), chunk_size=self.config.log_probs_chunk_size,
-                    with_entropy=need_entropy)
+                    with_entropy=need_entropy, recompute=self.config.log_probs_recompute)
                 width = mb.tokens.shape[1]
                 lp = p.unpack(lp, mb.lengths.cpu(), width)
                 ent = p.unpack(ent, mb.lengths.cpu(), width) if ent is not None else None
@@ -512,7 +517,20 @@ class MegatronTrainer:
         if self.value_head is not None:
             state["value_head"] = {k: v.detach().cpu() for k, v in self.value_head.state_dict().items()}
         if self.megatron_optimizer:
-            state["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+            # dp_reshardable: each rank saves its own optimizer shards, in parallel. Megatron-core 0.16's
+            # default (fully_sharded_model_space) builds flattened ShardedTensors that its own checker
+            # refuses ("ShardedTensor.flattened_range is not supported").
+            # Without TE/Apex, Megatron reads the step from torch's AdamW state, which exists only after a
+            # first step: a fresh trainer loading a checkpoint needs it made. Megatron's distributed
+            # optimizer (0.16, dp_reshardable) restores the moments but not that step counter (measured on
+            # an H200: 0 after load), so it travels beside them as "adam_steps".
+            adams = self._torch_adams()
+            for adam in adams:
+                init_adam_state(adam)
+            state["adam_steps"] = [max((float(st["step"]) for st in adam.state.values()), default=0.0)
+                                   for adam in adams]
+            state["optimizer"] = self.optimizer.sharded_state_dict(
+                model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
             return state
         # Every parameter gets a state, also those without gradients so far (the critic never uses the
         # output layer), so saved and loading structures agree.
@@ -536,12 +554,14 @@ class MegatronTrainer:
         state["optimizer_step"] = max((float(v) for v in steps.values()), default=0.0)
         return state
 
-    def _init_adam_state(self) -> None:
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if p not in self.optimizer.state or not self.optimizer.state[p]:
-                    self.optimizer.state[p] = {"step": torch.zeros(()), "exp_avg": torch.zeros_like(p),
-                                               "exp_avg_sq": torch.zeros_like(p)}
+    def _init_adam_state(self, optimizer: Any = None) -> None:
+        init_adam_state(optimizer or self.optimizer)
+
+    def _torch_adams(self) -> list[torch.optim.Optimizer]:
+        """The torch Adam(W) instances inside Megatron's (chained) optimizer."""
+        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        inners = [getattr(o, "optimizer", None) for o in chained]
+        return [o for o in inners if isinstance(o, torch.optim.Adam | torch.optim.AdamW)]
 
     def save(self, ckpt_dir: str | Path) -> None:
         """Model + optimizer + step with Megatron dist-checkpointing (torch_dist); collective."""
@@ -571,6 +591,9 @@ class MegatronTrainer:
             self.value_head.load_state_dict(loaded["value_head"])
         if self.megatron_optimizer:
             self.optimizer.load_state_dict(loaded["optimizer"])
+            for adam, step in zip(self._torch_adams(), loaded.get("adam_steps", [])):
+                for st in adam.state.values():
+                    st["step"] = torch.full_like(st["step"], step) if torch.is_tensor(st["step"]) else step
             return
         optim = loaded["optimizer"]
         optim["param_groups"] = self.optimizer.state_dict()["param_groups"]

@@ -66,7 +66,7 @@ class MultiTurn:
         lps: list[float] = []
         text = ""
         finish, version = "stop", 0
-        params = sampling.to_sglang()
+        params = sampling.to_sglang()  # the seed, if any, is set per turn below
         stops = list(params.get("stop") or [])
         params["stop"] = stops + ["</tool_call>"] if "</tool_call>" not in stops else stops
         params["no_stop_trim"] = True  # keep the closing tag in the text the parser reads
@@ -75,7 +75,9 @@ class MultiTurn:
             if budget <= 0:
                 finish = "length"
                 break
-            out = await engine.generate(input_ids=prompt + ids, sampling_params={**params, "max_new_tokens": budget})
+            seeded = {k: v for k, v in sampling.for_sample(sample, turn).items() if k == "sampling_seed"}
+            out = await engine.generate(input_ids=prompt + ids,
+                                        sampling_params={**params, **seeded, "max_new_tokens": budget})
             new_ids, new_lps = tokens_and_logprobs(out)
             ids += new_ids
             mask += [1] * len(new_ids)

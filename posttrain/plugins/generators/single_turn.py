@@ -25,7 +25,8 @@ class SingleTurn:
     class Config:
         chat_template: bool = option(True, help="apply the tokenizer's chat template to chat-message prompts")
         batch_group: bool = option(True, help="send a group as one batched /generate (SGLang's list input) "
-                                              "instead of one request per sample")
+                                              "instead of one request per sample (seeded runs on SGLang "
+                                              "engines send one per sample: each has its own seed)")
 
     def __init__(self, config=None):
         self.config = config or self.Config()
@@ -42,14 +43,16 @@ class SingleTurn:
                         finish_type(out), weight_version_int(out))
 
         prompts = [prompt_ids(s, tokenizer, self.config.chat_template) for s in group]
-        if self.config.batch_group and len(group) > 1:
+        params = sampling.for_group(group) if self.config.batch_group and len(group) > 1 else None
+        if params is not None:  # None: seeded on engines that cannot seed a batch by row
             outs = await engine.request("POST", "/generate", {"input_ids": prompts, "return_logprob": True,
-                                                              "sampling_params": sampling.to_sglang()})
+                                                              "sampling_params": params})
             return [store(s, p, o) for s, p, o in zip(group, prompts, outs)]
 
         async def one(sample, prompt):
-            return store(sample, prompt, await engine.generate(input_ids=prompt, sampling_params=sampling.to_sglang(),
-                                                               return_logprob=True))
+            out = await engine.generate(input_ids=prompt, sampling_params=sampling.for_sample(sample),
+                                        return_logprob=True)
+            return store(sample, prompt, out)
 
         return list(await asyncio.gather(*[one(s, p) for s, p in zip(group, prompts)]))
 

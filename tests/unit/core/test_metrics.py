@@ -36,3 +36,22 @@ def test_tensor_values_become_numbers(tmp_path):
     writer.close()
     row = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert row["a"] == 1.5 and row["b"] is None and not math.isnan(row["a"])
+
+
+def test_wandb_logging_writes_an_offline_run(tmp_path, monkeypatch):
+    """``logging.wandb: true`` really initializes, logs and finishes a W&B run (offline: no network here).
+    W&B's run file is protobuf records; the logged keys and values are in it as JSON strings."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.chdir(tmp_path)
+    writer = MetricsWriter(tmp_path / "run", tensorboard=False, wandb=True, wandb_project="posttrain-test",
+                           config={"seed": 7})
+    writer.log(0, {"rollout/reward_mean": 0.125, "train/loss": float("nan")})
+    writer.log(1, {"rollout/reward_mean": 0.875})
+    writer.close()
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, list((tmp_path / "run").rglob("*"))
+    data = runs[0].read_bytes()
+    assert b"rollout/reward_mean" in data and b"0.875" in data and b"0.125" in data
+    assert b"train/loss" not in data  # a non-finite value is not sent
+    assert b"posttrain-test" in data and b"seed" in data  # project and run config

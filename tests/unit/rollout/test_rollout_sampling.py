@@ -43,11 +43,42 @@ def test_rows_use_their_own_parameters_and_logprobs_follow_the_temperature():
     assert math.isclose(logprobs[2].item(), scaled[tokens[2]].item(), rel_tol=1e-5)
 
 
-def test_seeded_rows_repeat():
+def test_seeded_rows_repeat_whatever_shares_their_batch():
     p = parse_sampling({"sampling_seed": 5})
-    a = [sample_tokens(LOGITS[None], [p], [torch.Generator().manual_seed(5)])[0].item() for _ in range(20)]
-    b = [sample_tokens(LOGITS[None], [p], [torch.Generator().manual_seed(5)])[0].item() for _ in range(20)]
-    assert a == b
+    alone = [sample_tokens(LOGITS[None], [p], [step])[0].item() for step in range(40)]
+    again = [sample_tokens(LOGITS[None], [p], [step])[0].item() for step in range(40)]
+    assert alone == again
+    assert len(set(alone)) > 1  # the step moves the draw
+    other = parse_sampling({"temperature": 0.3})
+    torch.manual_seed(1)
+    crowded = [sample_tokens(LOGITS.repeat(3, 1), [other, p, other], [9, step, 2])[0][1].item() for step in range(40)]
+    assert crowded == alone  # neighbours, slot and the global RNG do not move a seeded draw
+
+
+def test_seeded_draws_follow_the_distribution_and_the_truncation():
+    n = 4000
+    params = [parse_sampling({"sampling_seed": s}) for s in range(n)]
+    tokens, _ = sample_tokens(LOGITS.repeat(n, 1), params, [0] * n)
+    freq = torch.bincount(tokens, minlength=4).double() / n
+    assert torch.allclose(freq, PROBS.double(), atol=0.025), freq  # 4-sigma band at n = 4000
+    top2 = [parse_sampling({"sampling_seed": s, "top_k": 2}) for s in range(400)]
+    assert set(sample_tokens(LOGITS.repeat(400, 1), top2, [3] * 400)[0].tolist()) == {0, 1}
+
+
+def test_seeded_uniform_is_well_spread_and_separates_seeds_and_steps():
+    from posttrain.core.rollout.sampling import seeded_uniform
+
+    u = seeded_uniform(torch.tensor([0, 1, 2**40 + 1, -3]), torch.tensor([0, 0, 0, 5]), 10_000)
+    assert u.shape == (4, 10_000) and bool(((u > 0) & (u < 1)).all())
+    assert abs(u.mean().item() - 0.5) < 0.01
+    assert len({tuple(r[:8].tolist()) for r in u}) == 4  # different seeds (and high bits) differ
+    again = seeded_uniform(torch.tensor([1]), torch.tensor([1]), 10_000)
+    assert not torch.equal(again[0], u[1])  # step 1 differs from step 0
+
+
+def test_seeded_rows_need_their_steps():
+    with pytest.raises(ValueError, match="steps"):
+        sample_tokens(LOGITS[None], [parse_sampling({"sampling_seed": 1})])
 
 
 @pytest.mark.parametrize("raw, key", [

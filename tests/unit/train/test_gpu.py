@@ -32,6 +32,42 @@ def test_trainer_uses_megatron_distributed_optimizer_and_learns_in_bf16(tiny_ckp
     assert losses[-1] < losses[0]
 
 
+def test_fused_adam_and_kept_logits_step_like_the_defaults(tiny_ckpts, megatron_tp1, tmp_path):
+    """The two training levers change speed, not the update: three bf16 steps land on the same
+    parameters (within bf16 rounding), and a fused-Adam checkpoint loads and steps on."""
+    from posttrain.core.config import TrainerConfig
+    from posttrain.core.train.trainer import MegatronTrainer
+    from train_helpers import local_loss, spec_for, tp_batch
+
+    results = []
+    for levers in ({}, {"fused_adam": True, "log_probs_recompute": False}):
+        trainer = MegatronTrainer(spec_for("qwen3", tiny_ckpts("qwen3"), dtype="bfloat16"),
+                                  TrainerConfig(lr=1e-3, micro_batch_size=2, global_batch_size=4, **levers))
+        batch = tp_batch()
+        batch.advantages = batch.response_mask.clone()
+        batch.old_log_probs = trainer.log_probs(batch)[0]
+        losses = [trainer.train_step(batch, local_loss)["loss"] for _ in range(3)]
+        results.append((losses, {k: v.float().cpu() for b in trainer.export_hf(1 << 20) for k, v in b}))
+    (base_losses, base), (lever_losses, lever) = results
+    assert lever_losses == pytest.approx(base_losses, abs=2e-2)
+    assert max((base[k] - lever[k]).abs().max().item() for k in base) < 2e-2
+    config = trainer.config
+    saved = {k: v.float().cpu() for b in trainer.export_hf(1 << 20) for k, v in b}
+    trainer.save(str(tmp_path / "ckpt"))
+    trainer.train_step(batch, local_loss)
+    stepped = {k: v.float().cpu() for b in trainer.export_hf(1 << 20) for k, v in b}
+    fresh = MegatronTrainer(spec_for("qwen3", tiny_ckpts("qwen3"), dtype="bfloat16"), config)
+    fresh.load(str(tmp_path / "ckpt"))  # fused Adam's state (its step counter on the GPU) round-trips
+    assert fresh.step == trainer.step - 1
+    fresh.train_step(batch, local_loss)
+    reloaded = {k: v.float().cpu() for b in fresh.export_hf(1 << 20) for k, v in b}
+    # Flash attention's backward is not bitwise deterministic: compare the step taken with the step
+    # that should have been taken (lost Adam moments or a reset step counter change it by O(lr)).
+    moved = sum((stepped[k] - saved[k]).abs().mean().item() for k in saved)
+    apart = sum((reloaded[k] - stepped[k]).abs().mean().item() for k in saved)
+    assert moved > 0 and apart < 0.1 * moved, (apart, moved)
+
+
 def test_bench_runs_on_cuda():
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "train.py"), "--preset", "tiny", "--device", "cuda",
                           "--seq-len", "256", "--steps", "2", "--warmup", "1"], capture_output=True, text=True,
@@ -39,3 +75,41 @@ def test_bench_runs_on_cuda():
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["tokens_per_s"] > 0 and result["peak_mem_gib"] > 0
+
+
+@pytest.mark.parametrize("gqa", [True, False])
+def test_packed_attention_on_cuda_uses_varlen_and_equals_the_per_sample_loop(megatron_tp1, gqa):
+    """bf16 packed sequences go through ``varlen_attn`` (one flash kernel); output and gradients equal
+    the per-sample SDPA loop within bf16 rounding."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from posttrain.core.train import attention
+
+    if attention.varlen_attn is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    config = TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=8,
+                               num_query_groups=2 if gqa else 8, kv_channels=64, attention_dropout=0.0)
+    sdpa = attention.SDPAttention(config, 1, AttnMaskType.causal, "self")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lengths = [37, 200, 5, 128]
+    t, groups = sum(lengths), config.num_query_groups
+    q = torch.randn(t, 8, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    k = torch.randn(t, groups, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    v = torch.randn(t, groups, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    cu_host = [0]
+    for n in lengths:
+        cu_host.append(cu_host[-1] + n)
+    cu = torch.tensor(cu_host, dtype=torch.int32, device="cuda")
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=200, max_seqlen_kv=200)
+    psp.cu_seqlens_host = cu_host
+    assert sdpa._varlen_ok(q)
+    fast = sdpa(q, k, v, None, packed_seq_params=psp)
+    grads_fast = torch.autograd.grad(fast.float().square().sum(), (q, k, v))
+    slow = sdpa._per_sample(q, k, v, psp)
+    grads_slow = torch.autograd.grad(slow.float().square().sum(), (q, k, v))
+    assert fast.shape == slow.shape == (t, 8 * 64)
+    assert (fast.float() - slow.float()).abs().max() < 2e-2
+    for a, b in zip(grads_fast, grads_slow):
+        assert (a.float() - b.float()).abs().max() < 5e-2 * max(1.0, b.float().abs().max().item())

@@ -46,6 +46,8 @@ def test_gradients_equal_the_unchunked_gradients():
 
 
 def test_peak_memory_is_below_the_unchunked_version_for_a_32k_vocab():
+    """Recomputing: under half the plain version's peak. Keeping the logits (one fp32 copy on CPU):
+    still at least half a logits tensor below it (the plain version holds logits and log-softmax)."""
     g = torch.Generator().manual_seed(2)
     tokens, vocab, dim = 256, 32_768, 32
     hidden = torch.randn(tokens, dim, generator=g, requires_grad=True)
@@ -61,8 +63,34 @@ def test_peak_memory_is_below_the_unchunked_version_for_a_32k_vocab():
 
     chunked_peak, lp = run(lambda: vocab_parallel_log_probs(hidden, weight, targets, vocab_size=vocab,
                                                             chunk_size=32, with_entropy=True))
+    kept_peak, kept_lp = run(lambda: vocab_parallel_log_probs(hidden, weight, targets, vocab_size=vocab,
+                                                              chunk_size=32, with_entropy=True, recompute=False))
     plain_peak, ref = run(lambda: _plain(hidden, weight, targets, vocab))
-    assert (lp - ref).abs().max() < 1e-4
+    assert (lp - ref).abs().max() < 1e-4 and (kept_lp - ref).abs().max() < 1e-4
     full_logits = tokens * vocab * 4
     assert plain_peak >= full_logits  # the meter sees the [N, V] fp32 logits of the plain version
     assert chunked_peak < plain_peak / 2, (chunked_peak, plain_peak)
+    assert kept_peak < plain_peak - full_logits / 2, (kept_peak, plain_peak)
+
+
+@pytest.mark.parametrize("with_entropy", [True, False])
+def test_kept_logits_path_matches_the_recomputing_path(with_entropy):
+    g = torch.Generator().manual_seed(3)
+    h1 = torch.randn(40, 8, generator=g, requires_grad=True)
+    w1 = torch.randn(96, 8, generator=g, requires_grad=True)  # 70 real rows + 26 padding rows
+    h2, w2 = h1.detach().clone().requires_grad_(), w1.detach().clone().requires_grad_()
+    targets = torch.randint(0, 70, (40,), generator=g)
+    coef = torch.randn(40, generator=g)  # a non-uniform upstream gradient, as a PPO loss gives
+    out = []
+    for h, w, recompute in ((h1, w1, False), (h2, w2, True)):
+        lp, ent = vocab_parallel_log_probs(h, w, targets, vocab_size=70, chunk_size=9, with_entropy=with_entropy,
+                                           recompute=recompute)
+        loss = (coef * lp).sum() + (0.3 * (coef * ent).sum() if with_entropy else 0.0)
+        loss.backward()
+        out.append((lp.detach(), None if ent is None else ent.detach()))
+    assert torch.allclose(out[0][0], out[1][0], atol=1e-6)
+    if with_entropy:
+        assert torch.allclose(out[0][1], out[1][1], atol=1e-5)
+    assert torch.allclose(h1.grad, h2.grad, atol=1e-5), (h1.grad - h2.grad).abs().max()
+    assert torch.allclose(w1.grad, w2.grad, atol=1e-5), (w1.grad - w2.grad).abs().max()
+    assert w1.grad[70:].abs().max() == 0  # padding rows get no gradient

@@ -35,16 +35,17 @@ def _torchrun(*args: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["tp", "pp", "pp-tied"])
+@pytest.mark.parametrize("mode", ["tp", "tp-kept", "pp", "pp-tied"])
 def test_model_parallel_equals_tp1(tiny_ckpts, tmp_path, megatron_tp1, mode):
     """TP=2 (or PP=2: one layer per stage, 1F1B schedule; also with tied embeddings split over the first
-    and last stage) gives TP=1's log-probs and train step, and save -> load -> step is exact."""
+    and last stage; also TP=2 keeping the log-prob logits instead of recomputing them) gives TP=1's
+    log-probs and train step, and save -> load -> step is exact."""
     from posttrain.testing.tiny import make_tiny_checkpoint
 
     hf_dir = (make_tiny_checkpoint(tmp_path / "tied", "qwen3", tie_word_embeddings=True) if mode == "pp-tied"
               else tiny_ckpts("qwen3"))
     out = tmp_path / "mp.pt"
-    _torchrun(str(hf_dir), str(out), str(tmp_path / "ckpt"), *([] if mode == "tp" else ["pp"]))
+    _torchrun(str(hf_dir), str(out), str(tmp_path / "ckpt"), *{"tp": [], "tp-kept": ["kept"]}.get(mode, ["pp"]))
     tp2 = torch.load(out)
 
     trainer = MegatronTrainer(spec_for("qwen3", hf_dir), TrainerConfig(lr=1e-3, micro_batch_size=2,

@@ -218,3 +218,28 @@ def test_critic_checkpoint_round_trip(tiny_ckpts, tmp_path):
     fresh.load(tmp_path / "critic")
     fresh.train_step(batch)
     assert torch.equal(fresh.values(batch), expected) and expected.abs().max() > 0
+
+
+def test_use_fused_adam_switches_torch_adamw_inside_an_optimizer_wrapper():
+    """Megatron wraps torch's AdamW (``.optimizer``; chained ones in ``.chained_optimizers``); the switch
+    reaches it, and the fused kernel (CPU has one too) takes the same step as the default."""
+    from types import SimpleNamespace
+
+    from posttrain.core.train.optim import use_fused_adam
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(2)]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fused = torch.optim.AdamW(params, lr=1e-2)
+    plain = torch.optim.AdamW(twins, lr=1e-2)
+    chained = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=fused), SimpleNamespace(optimizer=None)])
+    assert use_fused_adam(chained) == 1 and fused.param_groups[0]["fused"] is True
+    assert use_fused_adam(SimpleNamespace(optimizer=torch.optim.SGD(twins, lr=0.1))) == 0  # only AdamW
+    for _ in range(3):
+        for group in (params, twins):
+            for p in group:
+                p.grad = p.detach() * 0.5 + 1.0
+        fused.step()
+        plain.step()
+    for a, b in zip(params, twins):
+        assert torch.allclose(a, b, atol=1e-6)

@@ -1,8 +1,8 @@
 """Run under ``torchrun --nproc_per_node 2``: the trainer with TP=2 on gloo; rank 0 saves the results.
 
-usage: tp_worker.py HF_DIR OUT_FILE CKPT_DIR [dp|pp]
+usage: tp_worker.py HF_DIR OUT_FILE CKPT_DIR [dp|pp|kept]
 
-With ``pp``: TP=1, PP=2 (one layer per stage) instead of TP=2. With ``dp``: TP=1 and data parallelism over the two processes instead, each rank taking half the batch.
+With ``pp``: TP=1, PP=2 (one layer per stage) instead of TP=2. With ``kept``: TP=2 with ``log_probs_recompute=False``. With ``dp``: TP=1 and data parallelism over the two processes instead, each rank taking half the batch.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ def main() -> None:
     if sys.argv[4:] == ["dp"]:
         return data_parallel(hf_dir, out_file)
     parallel = {"tp": 1, "pp": 2} if sys.argv[4:] == ["pp"] else {"tp": 2}
+    if sys.argv[4:] == ["kept"]:
+        parallel["log_probs_recompute"] = False
     config = TrainerConfig(lr=1e-3, micro_batch_size=2, global_batch_size=4, **parallel)
     trainer = MegatronTrainer(spec_for("qwen3", hf_dir), config)
     batch = tp_batch()
