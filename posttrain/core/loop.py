@@ -16,6 +16,7 @@ back (weights, the update, then the KV cache) before the next generation.
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from contextlib import AsyncExitStack, contextmanager
 from pathlib import Path
@@ -92,6 +93,8 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, plugin_f
         last: dict[str, float] = {}
         timer = _Timer()
         pending = None  # async mode: the next step's generation, already running
+        gc.collect()
+        gc.freeze()  # start-up's objects (models, modules) leave the collector: no long gen-2 pauses per step
         for step in range(start, cfg.rollout.num_rollouts):
             t0 = time.perf_counter()
             # 1-4. prompts -> samples -> rewards -> filters (dynamic sampling keeps generating until full)

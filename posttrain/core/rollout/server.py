@@ -30,6 +30,7 @@ identical samples). Seeded runs send a group of samples as one request this way.
 from __future__ import annotations
 
 import asyncio
+import gc
 import dataclasses
 import json
 import logging
@@ -395,5 +396,7 @@ def _next(version: str) -> str:
 def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, **kwargs: Any) -> None:
     """Run the server until interrupted (``rl-cli engine serve``)."""
     server = EngineServer(model_dir, host=host, port=port, **kwargs)
+    gc.collect()
+    gc.freeze()  # the model and its modules leave the collector: no long gen-2 pauses between requests
     print(f"posttrain engine serving {server.model_dir} on http://{host}:{port}", flush=True)
     web.run_app(server.app(), host=host, port=port, print=None, access_log=None)
