@@ -95,10 +95,17 @@ class SamplingParams:
         ``sampling_seed``, a hash of ``(seed, sample.index, turn)`` (``sample.index`` is unique in a run
         and survives resume). Generators call this rather than :meth:`to_sglang` so seeded runs repeat."""
         out = self.to_sglang()
-        if self.seed is not None:
-            key = f"{self.seed}/{sample.index}/{turn}".encode()
-            out["sampling_seed"] = int.from_bytes(hashlib.blake2b(key, digest_size=7).digest(), "little")
+        seed = self.sampling_seed(sample, turn)
+        if seed is not None:
+            out["sampling_seed"] = seed
         return out
+
+    def sampling_seed(self, sample: Sample, turn: int = 0) -> int | None:
+        """The ``sampling_seed`` of one sample's ``turn``-th request (None when the run is unseeded)."""
+        if self.seed is None:
+            return None
+        key = f"{self.seed}/{sample.index}/{turn}".encode()
+        return int.from_bytes(hashlib.blake2b(key, digest_size=7).digest(), "little")
 
     def for_group(self, group: list[Sample]) -> dict[str, Any] | None:
         """One ``sampling_params`` for the whole ``group`` sent as one batched request, or None when that

@@ -258,7 +258,8 @@ class ModelRunner:
         mask built once for all layers."""
         if self.decode_attention == "triton":  # no mask: each slot reads its own ``position + 1`` entries
             lengths = positions + 1
-            return lambda q, k, v: self._attend_triton(q, k, v, lengths)
+            attend = self._triton_attention(positions.is_cuda)
+            return lambda q, k, v: attend(q, k, v, lengths, self.scaling)
         past = torch.arange(span, device=self.device)[None, :] > positions[:, None]  # [nb, span]: masked out
         if self.decode_attention == "bmm":
             masked = past[:, None, :]
@@ -277,16 +278,17 @@ class ModelRunner:
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=allowed, scale=self.scaling)
         return o.reshape(nb, heads, 1, d)
 
-    def _attend_triton(self, q, k, v, lengths):
-        """The Triton flash-decoding kernel (``decode_kernel.decode_attention``): ``q`` ``[nb, H, 1, D]``,
-        ``k``/``v`` ``[nb, Hkv, span, D]`` (strided views of the cache), ``lengths`` ``[nb]`` (``position + 1``)
-        -> ``[nb, H, 1, D]``. Each slot reads only its own ``lengths[i]`` cache entries. Without CUDA or
-        triton, the same attention in plain torch (``decode_attention_reference``)."""
+    @staticmethod
+    def _triton_attention(on_cuda: bool):
+        """The Triton flash-decoding kernel (``decode_kernel.decode_attention``), called as
+        ``attend(q [nb, H, 1, D], k/v [nb, Hkv, span, D] (strided cache views), lengths [nb], scale)
+        -> [nb, H, 1, D]``; each slot reads only its own ``lengths[i] = position + 1`` cache entries.
+        Without CUDA or triton, the same attention in plain torch (``decode_attention_reference``).
+        Resolved once per step, not per layer."""
         from posttrain.core.rollout.decode_kernel import (decode_attention, decode_attention_reference,
                                                           triton_available)
 
-        attend = decode_attention if q.is_cuda and triton_available() else decode_attention_reference
-        return attend(q, k, v, lengths, self.scaling)
+        return decode_attention if on_cuda and triton_available() else decode_attention_reference
 
     def _attend_bmm(self, q, k, v, masked):
         """The same attention as two batched matmuls. ``q`` ``[nb, H, 1, D]``, ``k``/``v``

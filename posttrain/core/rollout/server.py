@@ -30,8 +30,8 @@ identical samples). Seeded runs send a group of samples as one request this way.
 from __future__ import annotations
 
 import asyncio
-import gc
 import dataclasses
+import gc
 import json
 import logging
 from pathlib import Path
@@ -174,8 +174,8 @@ class EngineServer:
         if self.released:
             raise BadRequest(f"engine memory is released ({', '.join(sorted(self.memory.released))}): "
                              "POST /resume_memory_occupation first")
-        try:
-            params = [parse_sampling(s) for s in sps]
+        try:  # one shared sampling_params is parsed once
+            params = [parse_sampling(s) for s in sps] if isinstance(sp, list) else [parse_sampling(sp)] * n
         except SamplingError as exc:
             raise BadRequest(str(exc)) from None
         if batched and not isinstance(sp, list) and params[0].sampling_seed is not None:

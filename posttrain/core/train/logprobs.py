@@ -34,34 +34,6 @@ from torch.utils.checkpoint import checkpoint
 _NEG = -1e30  # finite "minus infinity": exp() gives 0 and 0 * _NEG stays 0 in the entropy sum
 
 
-def _chunk(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_start: int, vocab_size: int,
-           with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as tp_sum
-
-    logits = (h @ weight.t()).float()  # [n, Vr]
-    local_vocab = logits.shape[-1]
-    if vocab_start + local_vocab > vocab_size:  # padding rows on this rank
-        valid = torch.arange(vocab_start, vocab_start + local_vocab, device=logits.device) < vocab_size
-        logits = logits.masked_fill(~valid, _NEG)
-    m = logits.detach().max(dim=-1).values
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
-    e = torch.exp(logits - m.unsqueeze(-1))
-    s = tp_sum(e.sum(dim=-1))
-    lse = m + torch.log(s)
-    local = targets - vocab_start
-    inside = (local >= 0) & (local < local_vocab)
-    picked = logits.gather(-1, local.clamp(0, local_vocab - 1).unsqueeze(-1)).squeeze(-1)
-    target_logit = tp_sum(torch.where(inside, picked, torch.zeros_like(picked)))
-    log_probs = target_logit - lse
-    if not with_entropy:
-        return log_probs, torch.zeros_like(log_probs)
-    p = e / s.unsqueeze(-1)
-    entropy = lse - tp_sum((p * logits).sum(dim=-1))
-    return log_probs, entropy
-
-
 def _tp_group():
     from megatron.core import parallel_state
 
@@ -79,6 +51,40 @@ def _masked(logits: torch.Tensor, vocab_start: int, vocab_size: int) -> torch.Te
     return z
 
 
+def _softmax_terms(z: torch.Tensor, targets: torch.Tensor, vocab_start: int, with_entropy: bool):
+    """From this rank's masked fp32 logits ``z [n, Vr]``: ``(log_probs, entropy, lse, pz, local, inside)``.
+
+    ``lse`` and ``pz = sum_v p_v z_v`` are global over ranks; ``local`` is the target's column on this
+    rank (clamped) and ``inside`` whether the target lives here. Sums cross ranks through Megatron's
+    ``reduce_from_tensor_model_parallel_region`` (differentiable when autograd records them).
+    """
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as tp_sum
+
+    group = _tp_group()
+    m = z.detach().max(dim=-1).values
+    if group is not None:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    e = torch.exp(z - m.unsqueeze(-1))
+    s = tp_sum(e.sum(dim=-1))
+    lse = m + torch.log(s)
+    local = targets - vocab_start
+    inside = (local >= 0) & (local < z.shape[-1])
+    local = local.clamp(0, z.shape[-1] - 1)
+    picked = z.gather(-1, local.unsqueeze(-1)).squeeze(-1)
+    log_probs = tp_sum(torch.where(inside, picked, torch.zeros_like(picked))) - lse
+    if not with_entropy:
+        zeros = torch.zeros_like(log_probs)
+        return log_probs, zeros, lse, zeros, local, inside
+    pz = tp_sum(((e / s.unsqueeze(-1)) * z).sum(dim=-1))
+    return log_probs, lse - pz, lse, pz, local, inside
+
+
+def _chunk(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_start: int, vocab_size: int,
+           with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    z = _masked(h @ weight.t(), vocab_start, vocab_size)  # [n, Vr]
+    return _softmax_terms(z, targets, vocab_start, with_entropy)[:2]
+
+
 class _KeptLogitsChunk(torch.autograd.Function):
     """One chunk's log-probs (and entropy) that keeps its logits for backward instead of recomputing.
 
@@ -89,30 +95,12 @@ class _KeptLogitsChunk(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, targets, vocab_start, vocab_size, with_entropy):
-        group = _tp_group()
         logits = h @ weight.t()  # [n, Vr] in h's dtype: kept for backward
-        z = _masked(logits, vocab_start, vocab_size)
-        m = z.max(dim=-1).values
-        if group is not None:
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        e = torch.exp(z - m.unsqueeze(-1))
-        s = e.sum(dim=-1)
-        local = targets - vocab_start
-        inside = (local >= 0) & (local < z.shape[-1])
-        local = local.clamp(0, z.shape[-1] - 1)
-        target_logit = torch.where(inside, z.gather(-1, local.unsqueeze(-1)).squeeze(-1), torch.zeros_like(m))
-        if group is not None:
-            dist.all_reduce(s, group=group)
-            dist.all_reduce(target_logit, group=group)
-        lse = m + torch.log(s)
-        pz = torch.zeros_like(m)
-        if with_entropy:
-            pz = (e * z).sum(dim=-1) / s
-            if group is not None:
-                dist.all_reduce(pz, group=group)
+        lp, ent, lse, pz, local, inside = _softmax_terms(_masked(logits, vocab_start, vocab_size), targets,
+                                                         vocab_start, with_entropy)
         ctx.save_for_backward(h, weight, logits, lse, pz, local, inside)
         ctx.vocab = (vocab_start, vocab_size, with_entropy)
-        return target_logit - lse, (lse - pz) if with_entropy else torch.zeros_like(m)
+        return lp, ent
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):

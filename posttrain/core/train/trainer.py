@@ -534,7 +534,7 @@ class MegatronTrainer:
             return state
         # Every parameter gets a state, also those without gradients so far (the critic never uses the
         # output layer), so saved and loading structures agree.
-        self._init_adam_state()
+        init_adam_state(self.optimizer)
         optim = self.optimizer.state_dict()
         optim["state"] = {pid: dict(s) for pid, s in optim["state"].items()}  # torch shares the live dicts
         gpt_params = [p for p in self.gpt.parameters() if p.requires_grad]
@@ -553,9 +553,6 @@ class MegatronTrainer:
         state["optimizer"] = optim
         state["optimizer_step"] = max((float(v) for v in steps.values()), default=0.0)
         return state
-
-    def _init_adam_state(self, optimizer: Any = None) -> None:
-        init_adam_state(optimizer or self.optimizer)
 
     def _torch_adams(self) -> list[torch.optim.Optimizer]:
         """The torch Adam(W) instances inside Megatron's (chained) optimizer."""

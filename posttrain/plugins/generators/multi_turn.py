@@ -75,7 +75,8 @@ class MultiTurn:
             if budget <= 0:
                 finish = "length"
                 break
-            seeded = {k: v for k, v in sampling.for_sample(sample, turn).items() if k == "sampling_seed"}
+            seed = sampling.sampling_seed(sample, turn)
+            seeded = {} if seed is None else {"sampling_seed": seed}
             out = await engine.generate(input_ids=prompt + ids,
                                         sampling_params={**params, **seeded, "max_new_tokens": budget})
             new_ids, new_lps = tokens_and_logprobs(out)
