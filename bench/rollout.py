@@ -79,7 +79,7 @@ def run_engine(engine, prompts, new_tokens: int) -> float:
     (prefill batches of its token budget): the batch buckets then repeat run to run, and the warm-up
     runs have compiled and captured every shape the timed run meets. Submitting into a running engine
     instead lets it start on the first few prompts, at sizes that vary with thread timing."""
-    from posttrain.core.rollout.sampling import parse_sampling
+    from posttrain.plugins.engines.local.sampling import parse_sampling
 
     params = parse_sampling({"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True})
     done = threading.Semaphore(0)
@@ -151,7 +151,7 @@ def profile_runner(runner, batch: int, position: int, device: str) -> dict:
     (run in the engine thread while the engine is idle: it writes K/V at ``position`` of idle slots)."""
     import torch
 
-    from posttrain.core.rollout.sampling import parse_sampling, sample_tokens, to_host
+    from posttrain.plugins.engines.local.sampling import parse_sampling, sample_tokens, to_host
 
     tokens = torch.randint(1, runner.vocab_size, (batch,), device=device)
     positions = torch.full((batch,), position, device=device)
@@ -170,7 +170,7 @@ def kernel_table(runner, batch: int, position: int, device: str, path: str) -> N
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from posttrain.core.rollout.sampling import parse_sampling, sample_tokens, to_host
+    from posttrain.plugins.engines.local.sampling import parse_sampling, sample_tokens, to_host
 
     tokens = torch.randint(1, runner.vocab_size, (batch,), device=device)
     positions = torch.full((batch,), position, device=device)
@@ -202,8 +202,8 @@ def bench_variant(model, prompts: list[list[int]], args, name: str, opts: dict, 
     The runner is freed afterwards."""
     import torch
 
-    from posttrain.core.rollout.engine import LocalEngine
-    from posttrain.core.rollout.model_runner import ModelRunner
+    from posttrain.plugins.engines.local.engine import LocalEngine
+    from posttrain.plugins.engines.local.model_runner import ModelRunner
 
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     context = args.prompt_len + args.new_tokens + 1

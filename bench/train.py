@@ -83,8 +83,9 @@ def main() -> None:
 
     from posttrain.core.config import TrainerConfig
     from posttrain.core.plugins import load_plugins
-    from posttrain.core.train.batch import TrainBatch
-    from posttrain.core.train.trainer import MegatronTrainer
+    from posttrain.core.train_batch import TrainBatch
+    from posttrain.plugins.trainers.megatron import MegatronBackend
+    from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device")
@@ -95,11 +96,11 @@ def main() -> None:
     if args.device == "cuda":
         megatron.setdefault("bias_activation_fusion", True)  # jit-fused SwiGLU (no TE needed)
     batch_size = args.micro_batch * args.grad_accum
-    config = TrainerConfig(lr=1e-6, micro_batch_size=args.micro_batch, global_batch_size=batch_size, tp=args.tp,
-                           attention=args.attention, log_probs_chunk_size=args.chunk,
-                           sequence_packing=not args.no_packing, megatron=megatron, compile=args.compile,
-                           fused_adam=args.fused_adam, log_probs_recompute=not args.keep_logits)
-    trainer = MegatronTrainer(spec, config)
+    config = TrainerConfig(lr=1e-6, micro_batch_size=args.micro_batch, global_batch_size=batch_size)
+    backend = MegatronBackend.Config(tp=args.tp, attention=args.attention, log_probs_chunk_size=args.chunk,
+                                     sequence_packing=not args.no_packing, megatron=megatron, compile=args.compile,
+                                     fused_adam=args.fused_adam, log_probs_recompute=not args.keep_logits)
+    trainer = MegatronTrainer(spec, config, backend=backend)
     hf = spec.hf_config()
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, hf["vocab_size"], (batch_size, args.seq_len), generator=g)

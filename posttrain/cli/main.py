@@ -11,7 +11,7 @@ import sys
 
 import typer
 
-from posttrain.cli import engine_cmd, models_cmd, new, plot_cmd, plugins_cmd, rewards_cmd, run
+from posttrain.cli import models_cmd, new, plot_cmd, plugins_cmd, rewards_cmd, run
 from posttrain.cli.console import err_console
 
 app = typer.Typer(
@@ -23,7 +23,6 @@ app = typer.Typer(
 )
 app.add_typer(plugins_cmd.app, name="plugins")
 app.add_typer(new.app, name="new")
-app.add_typer(engine_cmd.app, name="engine")
 app.add_typer(rewards_cmd.app, name="rewards")
 app.add_typer(models_cmd.app, name="models")
 app.command("run")(run.run)
@@ -55,9 +54,11 @@ def main() -> None:
     debug = "--debug" in sys.argv or os.environ.get("POSTTRAIN_DEBUG", "") not in ("", "0")
     from posttrain.core.errors import UsageError
 
+    from posttrain.cli.options import _argv_disable_plugin
+
     try:
         _add_plugin_commands()
-        app(prog_name="rl-cli")
+        app(args=_argv_disable_plugin(sys.argv[1:]), prog_name="rl-cli")
     except UsageError as exc:
         if debug:
             raise

@@ -32,7 +32,7 @@ TPOption = typer.Option(1, "--tp", min=1, help="tensor-parallel size (N > 1 runs
 
 
 def _spec(plugins, name: str | None, hf_dir: str | None, dtype: str, path: str | None = None):
-    from posttrain.core.train.spec import read_hf_config, spec_for_model_type
+    from posttrain.core.model_spec import read_hf_config, spec_for_model_type
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise UsageError(unknown("--dtype", dtype, ["float32", "bfloat16", "float16"]))
@@ -79,7 +79,7 @@ def _in_torchrun() -> bool:
 def list_(as_json: bool = typer.Option(False, "--json", help="print JSON rows instead of a table"),
           plugin: list[str] = PluginFiles, disable: list[str] = Disabled) -> None:
     """Model-spec families (with the HF model_type each accepts) and their preset shapes."""
-    from posttrain.core.train.spec import presets_table
+    from posttrain.core.model_spec import presets_table
 
     plugins = load(plugin, disable)
     registry = plugins.registry("model")
@@ -125,8 +125,8 @@ def verify(hf_dir: str = typer.Argument(..., help="HF checkpoint directory"), tp
                                  f"run it with `torchrun --nproc_per_node {tp} -m posttrain.cli.main ...` to see why")
             _report(json.loads(out.read_text()), tp)
         return
-    from posttrain.core.train.convert import verify_checkpoint
-    from posttrain.core.train.model import init_parallel
+    from posttrain.plugins.trainers.megatron.convert import verify_checkpoint
+    from posttrain.plugins.trainers.megatron.model import init_parallel
 
     model_spec = _spec(load(plugin, disable), spec, hf_dir, dtype, path=hf_dir)
     init_parallel(tp, 1)
@@ -171,9 +171,9 @@ def convert(src: str = typer.Argument(..., help="HF directory (--to megatron) or
                 raise UsageError(f"convert under torchrun (tp={tp}) failed with exit code {rc}")
         console.print(f"wrote {out}")
         return
-    from posttrain.core.train import convert as C
-    from posttrain.core.train.model import init_parallel
-    from posttrain.core.train.spec import read_hf_config
+    from posttrain.plugins.trainers.megatron import convert as C
+    from posttrain.plugins.trainers.megatron.model import init_parallel
+    from posttrain.core.model_spec import read_hf_config
 
     plugins = load(plugin, disable)
     if to == "megatron":

@@ -92,7 +92,7 @@ BODIES = {
 
 # kinds whose scaffold builds on a posttrain base class (the class line and its import)
 BASES = {"model": "(DenseGPTSpec)"}
-IMPORTS = {"model": "from posttrain.core.train.spec import DenseGPTSpec\n"}
+IMPORTS = {"model": "from posttrain.plugins.trainers.megatron.spec import DenseGPTSpec\n"}
 
 
 @app.command()

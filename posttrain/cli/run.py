@@ -13,7 +13,7 @@ import typer
 import yaml
 
 from posttrain.cli.console import console
-from posttrain.cli.options import Disabled, PluginFiles, disabled_names, load
+from posttrain.cli.options import Disabled, PluginFiles, load
 from posttrain.core.config import load_config
 
 
@@ -70,8 +70,7 @@ def run(config: Path = typer.Argument(None, help="run config (YAML); optional wi
 
     console.print(f"run directory: {run.path}")
     with LiveDisplay(cfg.rollout.num_rollouts, console) as display:
-        asyncio.run(train(cfg, plugins, run, resume=resume is not None, plugin_files=plugin,
-                          disabled=disabled_names(disable), on_step=display.update))
+        asyncio.run(train(cfg, plugins, run, resume=resume is not None, on_step=display.update))
     from posttrain.cli.plot_cmd import write_curves
     from posttrain.core.metrics import read_metrics
 

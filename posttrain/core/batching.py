@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from posttrain.core.train.batch import TrainBatch
+from posttrain.core.train_batch import TrainBatch
 from posttrain.core.types import Sample, SampleStatus
 
 

@@ -34,10 +34,12 @@ class Component:
     name: str
     config: Any
     weight: float = 1.0
+    cls: Any = field(default=None, repr=False, compare=False)  # the registered class (this process's)
 
-    def create(self, plugins: Any) -> Any:
+    def create(self, plugins: Any = None) -> Any:
         """An instance built the one way every component is built: ``Cls(Cls.Config(...))``."""
-        return plugins.registry(self.kind)[self.name](self.config)
+        cls = plugins.registry(self.kind)[self.name] if plugins is not None else self.cls
+        return cls(self.config)
 
     def to_dict(self) -> dict[str, Any]:
         out = {"name": self.name, **(to_dict(self.config) or {})}
@@ -46,8 +48,11 @@ class Component:
         return out
 
 
-def component(kind: str, *, many: bool = False, optional: bool = False, help: str = "") -> Any:
-    """A run-config field that selects components of ``kind`` from the plugin registries."""
+def component(kind: str, *, many: bool = False, optional: bool = False, default: bool = False,
+              help: str = "") -> Any:
+    """A run-config field that selects components of ``kind`` from the plugin registries. ``default``: a
+    section left out (or given without ``name:``) selects the component registered with
+    ``is_default = True`` (the built-in backends; core names none)."""
 
     def parse(value: Any, path: str, plugins: Any) -> tuple[Any, list[str]]:
         if value is None and (optional or many):
@@ -57,19 +62,27 @@ def component(kind: str, *, many: bool = False, optional: bool = False, help: st
                 return None, [f"{path}: expected a list of {{name: ...}} entries, got {type(value).__name__}"]
             out, errors = [], []
             for i, item in enumerate(value):
-                c, e = _parse_one(kind, item, f"{path}.{i}", plugins, weighted=kind == "rewards")
+                c, e = _parse_one(kind, item, f"{path}.{i}", plugins, weighted=kind == "rewards", default=False)
                 out.append(c)
                 errors += e
             return out, errors
-        return _parse_one(kind, value, path, plugins, weighted=False)
+        return _parse_one(kind, value, path, plugins, weighted=False, default=default)
 
-    meta = {"parse": parse, "help": help, "component": kind, "required": not (optional or many)}
+    meta = {"parse": parse, "help": help, "component": kind, "required": not (optional or many or default)}
+    if default:
+        meta["parse_default"] = {}
     return field(default_factory=list if many else (lambda: None), metadata=meta)
 
 
-def _parse_one(kind: str, value: Any, path: str, plugins: Any, weighted: bool) -> tuple[Any, list[str]]:
+def _parse_one(kind: str, value: Any, path: str, plugins: Any, weighted: bool,
+               default: bool) -> tuple[Any, list[str]]:
     if isinstance(value, str):
         value = {"name": value}
+    if isinstance(value, dict) and "name" not in value and default:
+        name = plugins.registry(kind).default_name()
+        if name is None:
+            return None, [f"{path}.name: required (no {KINDS[kind]} is registered as the default)"]
+        value = {"name": name, **value}
     if not isinstance(value, dict) or "name" not in value:
         return None, [f"{path}: expected a {KINDS[kind]} name or a mapping with `name:`"]
     rest = dict(value)
@@ -83,7 +96,7 @@ def _parse_one(kind: str, value: Any, path: str, plugins: Any, weighted: bool) -
         errors.append(f"{path}.weight: expected a number, got {weight!r}")
     cls = registry[name]
     config, errs = build(getattr(cls, "Config", None) or _Empty, rest, path)
-    return (None if errors + errs else Component(kind, name, config, float(weight))), errors + errs
+    return (None if errors + errs else Component(kind, name, config, float(weight), cls)), errors + errs
 
 
 @dataclass
@@ -131,20 +144,10 @@ class RolloutConfig:
     min_p: float = option(0.0, ge=0.0, le=1.0, help="drop tokens below min_p x the top probability")
     stop: list[str] = option(default_factory=list, help="stop strings")
     stop_token_ids: list[int] = option(default_factory=list, help="stop token ids (EOS always stops)")
-    engine: Literal["local", "sglang", "external"] = option(
-        "local", help="local: posttrain's engine server; sglang: launch SGLang servers; external: engine_urls")
-    engine_urls: list[str] = option(default_factory=list, help="running engines (engine: external)")
+    engine: Any = component("engines", default=True, help="the engine backend and its options: "
+                            "{name: local, device: cuda}; see `rl-cli plugins list --kind engine`")
     use_router: bool = option(True, help="route /generate through sglang-router")
     router_args: list[str] = option(default_factory=list, help="extra sglang_router.launch_router options")
-    engine_device: str = option("cpu", help="local engine device: cpu | cuda[:N]")
-    engine_max_running_requests: int = option(32, ge=1, help="local engine KV-cache slots")
-    engine_decode_attention: Literal["auto", "sdpa", "bmm", "triton"] = option(
-        "auto", help="local engine decode attention: auto = triton on a GPU (a kernel reading each request's "
-                     "own length), sdpa elsewhere")
-    engine_compile: bool = option(False, help="local engine: torch.compile the decode step (GPU; slower start)")
-    engine_context_length: int = option(0, ge=0, help="local engine tokens per request; 0: the model's maximum")
-    mem_fraction_static: float | None = option(None, gt=0.0, lt=1.0, help="SGLang --mem-fraction-static")
-    sglang: dict[str, Any] = option(default_factory=dict, help="extra SGLang server options by name (--sglang-* pass-through)")
     server_concurrency: int = option(512, ge=1, help="requests in flight per engine client")
     weight_sync: Literal["auto", "distributed", "tensor", "disk"] = option(
         "auto", help="how weights reach the engines: distributed (NCCL between GPUs, else Gloo), tensor (CUDA IPC "
@@ -168,12 +171,14 @@ class RolloutConfig:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                               max_new_tokens=self.max_new_tokens, stop=list(self.stop) or None,
                               stop_token_ids=list(self.stop_token_ids) or None,
-                              seed=seed if self.seed_sampling else None, seed_rows=self.engine == "local")
+                              seed=seed if self.seed_sampling else None,
+                              seed_rows=bool(getattr(getattr(self.engine, "cls", None), "seeds_batch_rows", False)))
 
 
 @dataclass
 class TrainerConfig:
-    """Optimization (``posttrain.core.train``)."""
+    """The algorithm's optimization keys (every trainer backend honours them) and ``backend``, the trainer
+    backend with its own keys (``{name: megatron, tp: 2}``)."""
 
     global_batch_size: int = option(64, ge=1, help="samples per optimizer step")
     micro_batch_size: int = option(8, ge=1, help="samples per forward/backward pass")
@@ -188,8 +193,6 @@ class TrainerConfig:
                                      "(one more forward pass per step)")
     entropy_coef: float = option(0.0, help="weight of the entropy bonus")
     grad_clip: float = option(1.0, ge=0.0, help="max global grad norm; 0 disables")
-    tp: int = option(1, ge=1, help="tensor-parallel size")
-    pp: int = option(1, ge=1, help="pipeline-parallel size (needs sequence_packing; actor only)")
     weight_decay: float = option(0.0, ge=0.0)
     adam_beta1: float = option(0.9, ge=0.0, lt=1.0)
     adam_beta2: float = option(0.98, ge=0.0, lt=1.0)
@@ -198,16 +201,9 @@ class TrainerConfig:
     lr_decay_style: Literal["constant", "linear", "cosine"] = option("constant", help="after warm-up")
     lr_decay_steps: int | None = option(None, ge=1, help="steps from start to min_lr (linear/cosine)")
     min_lr: float = option(0.0, ge=0.0)
-    sequence_packing: bool = option(True, help="pack a micro-batch's samples into one row (THD attention)")
-    log_probs_chunk_size: int = option(1024, ge=1, help="tokens per chunk of the vocab-parallel log-softmax")
-    log_probs_recompute: bool = option(True, help="backward recomputes each chunk's logits (least memory); false "
-                                                  "keeps them (tokens x vocab/tp in bf16) and skips that matmul")
-    attention: Literal["auto", "sdpa", "local", "te"] = option("auto", help="core attention: auto = TE if installed on GPU, else SDPA")
-    compile: bool = option(False, help="torch.compile each transformer layer (fuses norms, SwiGLU, rotary)")
-    use_distributed_optimizer: bool = option(True, help="Megatron's distributed optimizer (GPU only; CPU uses torch AdamW)")
-    fused_adam: bool = option(True, help="GPU without TE/Apex: torch's fused AdamW kernel inside Megatron's optimizer")
     value_clip: float = option(0.2, ge=0.0, help="critic value clipping range; 0 disables")
-    megatron: dict[str, Any] = option(default_factory=dict, help="Megatron TransformerConfig/DDP/optimizer fields by name")
+    backend: Any = component("trainers", default=True, help="the trainer backend and its options: "
+                             "{name: megatron, tp: 2}; see `rl-cli plugins list --kind trainer`")
 
     def validate(self) -> list[str]:
         errors = []
@@ -216,14 +212,6 @@ class TrainerConfig:
                           f"{self.global_batch_size}")
         if self.lr_decay_style != "constant" and self.lr_decay_steps is None:
             errors.append(f"lr_decay_steps: required with lr_decay_style {self.lr_decay_style!r}")
-        if self.megatron:  # checked against Megatron's own dataclasses: a misspelled field is an error
-            from posttrain.core.errors import UsageError
-            from posttrain.core.train.model import split_megatron_overrides
-
-            try:
-                split_megatron_overrides(self.megatron)
-            except UsageError as exc:
-                errors.append(str(exc).removeprefix("trainer."))
         return errors
 
 
@@ -245,7 +233,7 @@ class ResourcesConfig:
 
 @dataclass
 class LoggingConfig:
-    interval: int = option(1, ge=1, help="steps between log lines")
+    interval: int = option(1, ge=1, help="steps between progress lines (metrics.jsonl gets every step)")
     tensorboard: bool = True
     wandb: bool = False
     wandb_project: str | None = None
@@ -307,9 +295,24 @@ class RunConfig:
         if colocate and r.mode == "async":
             errors.append("rollout.mode: async overlaps generation with training, which needs their own GPUs "
                           "(resources.colocate: false)")
-        if colocate and r.weight_sync == "distributed" and r.engine_device.startswith("cuda"):
+        engine = r.engine.create() if r.engine is not None else None
+        if colocate and r.weight_sync == "distributed" and engine is not None and engine.on_gpu(self.resources):
             errors.append("rollout.weight_sync: distributed (NCCL) cannot join two processes on one GPU; "
                           "colocated engines take tensor (or disk, or auto)")
+        if engine is not None and r.weight_sync != "auto" and r.weight_sync not in engine.weight_sync_modes:
+            errors.append(f"rollout.weight_sync: engine backend {r.engine.name!r} supports "
+                          f"{', '.join(engine.weight_sync_modes)}, not {r.weight_sync}")
+        if self.resources.trainer_nodes > 1:
+            errors.append("resources.trainer_nodes: a trainer on several nodes needs the trainer group "
+                          "(not in this version); use 1")
+        return errors
+
+    def backend_errors(self, plugins: Any) -> list[str]:
+        """What the selected engine and trainer backends find wrong with this run (``check()``)."""
+        errors = []
+        for section in (self.rollout.engine, self.trainer.backend):
+            if section is not None:
+                errors += section.create(plugins).check(self, plugins)
         return errors
 
     def missing_for_training(self) -> list[str]:
@@ -320,14 +323,7 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (YAML-able), with components flattened back to ``{name, ...config}``."""
-        out = {}
-        for key, value in vars(self).items():
-            if isinstance(value, Component):
-                value = value.to_dict()
-            elif isinstance(value, list) and value and isinstance(value[0], Component):
-                value = [c.to_dict() for c in value]
-            out[key] = to_dict(value)
-        return out
+        return {key: to_dict(value) for key, value in vars(self).items()}
 
 
 def batch_identity(r: RolloutConfig, t: TrainerConfig) -> list[str]:
@@ -356,17 +352,49 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     source = str(path) if path is not None else "config"
     raw = copy.deepcopy(data) if data is not None else read_yaml(path)
     errors = apply_overrides(raw, overrides)
+    errors += moved_keys(raw)
     errors += _resolve_files(raw, Path(path).parent if path else Path("."))
     config, errs = build(RunConfig, raw, "", context=plugins)
     errors += errs
-    if config is None and isinstance(raw, dict):  # still report the batch identity if its sections are valid
-        rollout, e1 = build(RolloutConfig, raw.get("rollout"), "rollout")
-        trainer, e2 = build(TrainerConfig, raw.get("trainer"), "trainer")
+    if config is not None:
+        errors += config.backend_errors(plugins)
+    elif isinstance(raw, dict):  # still report the batch identity if its sections are valid
+        rollout, e1 = build(RolloutConfig, raw.get("rollout"), "rollout", context=plugins)
+        trainer, e2 = build(TrainerConfig, raw.get("trainer"), "trainer", context=plugins)
         if not (e1 or e2):
             errors += batch_identity(rollout, trainer)
     if errors:
         raise ConfigError(errors, source)
     return config
+
+
+# keys that moved into a backend's section: an old config gets the new name, not "unknown key"
+MOVED = {
+    "rollout.engine_urls": "rollout.engine.urls (with the external engine backend)",
+    "rollout.engine_device": "rollout.engine.device", "rollout.engine_compile": "rollout.engine.compile",
+    "rollout.engine_max_running_requests": "rollout.engine.max_running_requests",
+    "rollout.engine_decode_attention": "rollout.engine.decode_attention",
+    "rollout.engine_context_length": "rollout.engine.context_length",
+    "rollout.mem_fraction_static": "rollout.engine.mem_fraction_static (with the SGLang engine backend)",
+    "rollout.sglang": "rollout.engine.args (with the SGLang engine backend)",
+    **{f"trainer.{key}": f"trainer.backend.{key}" for key in (
+        "tp", "pp", "attention", "compile", "sequence_packing", "log_probs_chunk_size", "log_probs_recompute",
+        "use_distributed_optimizer", "fused_adam")},
+    "trainer.megatron": "trainer.backend.megatron",
+}
+
+
+def moved_keys(raw: Any) -> list[str]:
+    """One ``old.key: moved to new.key`` error per moved key in ``raw`` (which loses them, so they are not
+    reported twice as unknown)."""
+    errors = []
+    for old, new in MOVED.items():
+        section, key = old.split(".")
+        node = raw.get(section) if isinstance(raw, dict) else None
+        if isinstance(node, dict) and key in node:
+            del node[key]
+            errors.append(f"{old}: moved to {new}")
+    return errors
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:

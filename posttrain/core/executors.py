@@ -14,14 +14,14 @@ from posttrain.core.actors.trainer import TrainerRole
 class LocalExecutor:
     """Roles as plain objects in this process (the engines' servers are still their own processes)."""
 
-    def __init__(self, cfg: Any, plugin_files: list[str] = (), disabled: list[str] = ()):
-        self.cfg, self.plugin_files, self.disabled = cfg, list(plugin_files), list(disabled)
+    def __init__(self, cfg: Any, **load_args: list[str]):
+        self.cfg, self.load_args = cfg, load_args  # load_plugins() arguments: every role rebuilds the same set
 
     def trainer(self) -> TrainerRole:
-        return TrainerRole(self.cfg.to_dict(), self.plugin_files, self.disabled)
+        return TrainerRole(self.cfg.to_dict(), self.load_args)
 
     def engines(self, model_path: str, log_dir: Path) -> EngineRole:
-        return EngineRole(self.cfg.to_dict(), model_path, str(log_dir))
+        return EngineRole(self.cfg.to_dict(), model_path, str(log_dir), self.load_args)
 
     def close(self) -> None:
         pass
@@ -31,10 +31,10 @@ class RayExecutor:
     """Roles as Ray actors: the trainer gets ``trainer_gpus_per_node`` GPUs (or a CPU), the engine role
     ``rollout_gpus``. Starts a local Ray instance unless ``resources.ray_address`` names a cluster."""
 
-    def __init__(self, cfg: Any, plugin_files: list[str] = (), disabled: list[str] = ()):
+    def __init__(self, cfg: Any, **load_args: list[str]):
         import ray
 
-        self.cfg, self.plugin_files, self.disabled = cfg, list(plugin_files), list(disabled)
+        self.cfg, self.load_args = cfg, load_args
         r = cfg.resources
         if not ray.is_initialized():
             ray.init(address=r.ray_address, include_dashboard=False, log_to_driver=False,
@@ -50,11 +50,10 @@ class RayExecutor:
 
     def trainer(self) -> _RemoteHandle:
         r = self.cfg.resources
-        return self._actor(TrainerRole, self.cfg.to_dict(), self.plugin_files, self.disabled,
-                           num_gpus=r.trainer_gpus_per_node)
+        return self._actor(TrainerRole, self.cfg.to_dict(), self.load_args, num_gpus=r.trainer_gpus_per_node)
 
     def engines(self, model_path: str, log_dir: Path) -> _RemoteHandle:
-        return self._actor(EngineRole, self.cfg.to_dict(), model_path, str(log_dir),
+        return self._actor(EngineRole, self.cfg.to_dict(), model_path, str(log_dir), self.load_args,
                            num_gpus=self.cfg.resources.rollout_gpus)
 
     def close(self) -> None:

@@ -134,7 +134,7 @@ def posttrain_register_models(registry: Registry) -> None:
     :param registry: the model-spec registry; call ``registry.add(ModelSpecClass)``.
 
     A spec maps an HF ``config.json`` to a Megatron ``TransformerConfig`` and layer spec, and HF tensor
-    names and shapes to Megatron's and back. The exact interface is ``posttrain.core.train.spec.ModelSpec``.
+    names and shapes to Megatron's and back. The exact interface is ``posttrain.plugins.trainers.megatron.spec.ModelSpec``.
 
     Fires once per process inside ``load_plugins()``. Use in ``--plugin`` files: yes.
     """
@@ -163,6 +163,45 @@ def posttrain_register_tools(registry: Registry) -> None:
     A tool is a plain (sync or async) callable taking the tool call's JSON arguments as keywords and
     returning a string shown to the model. It runs with the generator's per-tool timeout; an exception
     is returned to the model as error text rather than ending the rollout.
+
+    Fires once per process inside ``load_plugins()``. Use in ``--plugin`` files: yes.
+    """
+
+
+@hookspec
+def posttrain_register_engines(registry: Registry) -> None:
+    """Add rollout engine backends: what runs behind SGLang's HTTP protocol.
+
+    :param registry: the engine registry; call ``registry.add(EngineBackendClass)``.
+
+    A backend subclasses ``posttrain.core.rollout.backend.EngineBackend`` and is constructed as
+    ``Backend(Backend.Config(...))`` from the run config's ``rollout.engine`` section. It owns its config,
+    the launch of each engine server (``launch(slot) -> EngineLaunch``: argv, environment, health path) or
+    the URLs of running ones (``urls()``), the weight-update modes its servers implement
+    (``weight_sync_modes``), memory release/resume for colocation, and ``check(run, plugins)`` for config
+    errors found before start. The fleet (``posttrain.core.rollout.fleet``) starts, watches and restarts
+    the servers and puts sglang-router in front; generators reach them only through ``EngineClient``.
+    Built-ins: ``local`` (posttrain's engine server), ``sglang`` (real SGLang servers), ``external``
+    (running servers by URL). ``posttrain.testing.EngineContract`` checks a live server.
+
+    Fires once per process inside ``load_plugins()``. Use in ``--plugin`` files: yes, but the servers a
+    backend launches are separate processes: they import what their command line names.
+    """
+
+
+@hookspec
+def posttrain_register_trainers(registry: Registry) -> None:
+    """Add trainer backends: the model the loop trains.
+
+    :param registry: the trainer registry; call ``registry.add(TrainerBackendClass)``.
+
+    A backend subclasses ``posttrain.core.trainer_backend.TrainerBackend`` and is constructed as
+    ``Backend(Backend.Config(...))`` from ``trainer.backend``; ``build(spec, run, role, seed)`` returns the
+    model of one role (``actor`` or ``critic``) with ``log_probs``, ``values``, ``train_step``,
+    ``export_hf``, ``save_hf``, ``save`` and ``load`` (the interface is documented in that module). It owns
+    model build, log-probs, the train step (adding KL and entropy through ``core.losses.total_loss``),
+    checkpoints, HF export and the sending side of weight sync (HF-named tensor buckets). Built-in:
+    ``megatron``. ``posttrain.testing.TrainerContract`` checks a backend on the tiny model.
 
     Fires once per process inside ``load_plugins()``. Use in ``--plugin`` files: yes.
     """

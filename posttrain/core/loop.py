@@ -19,24 +19,25 @@ import asyncio
 import gc
 import time
 from contextlib import AsyncExitStack, contextmanager
-from pathlib import Path
 from typing import Any
 
 from posttrain.core import batching
 from posttrain.core.buffer import DataBuffer, collect_groups
 from posttrain.core.data import load_prompts
+from posttrain.core.estimator_inputs import add_baseline, estimator_metadata
 from posttrain.core.evaluation import evaluate
 from posttrain.core.executors import EXECUTORS
 from posttrain.core.losses import kl_penalty_rewards
 from posttrain.core.metrics import MetricsWriter
 from posttrain.core.rewards import RewardRunner, reward_metrics
+from posttrain.core.rollout.client import EngineClient
 from posttrain.core.types import AdvantageBatch
 
 
-async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, plugin_files: list[str] = (),
-                disabled: list[str] = (), on_step: Any = None) -> dict[str, float]:
-    """Run ``cfg`` to ``rollout.num_rollouts`` steps in ``run`` (a RunDirectory); the last metrics."""
-    executor = EXECUTORS[cfg.resources.executor](cfg, plugin_files, disabled)
+async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step: Any = None) -> dict[str, float]:
+    """Run ``cfg`` to ``rollout.num_rollouts`` steps in ``run`` (a RunDirectory); the last metrics. Every
+    role rebuilds the same plugin set (``plugins.load_args``) in its own process."""
+    executor = EXECUTORS[cfg.resources.executor](cfg, **plugins.load_args)
     async with AsyncExitStack() as stack:
         stack.callback(executor.close)
         # -- roles: the trainer builds the model; engines start from its weights as an HF checkpoint
@@ -47,7 +48,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, plugin_f
         stack.callback(trainer.close)  # runs first: leaves the weight-update group while engines still answer
         url, engine_urls = engines.urls()
         trainer.connect_engines(engine_urls)
-        engine = await stack.enter_async_context(_client(url, cfg))
+        engine = await stack.enter_async_context(EngineClient(url, max_concurrency=cfg.rollout.server_concurrency))
 
         # -- data, rewards, algorithm
         from transformers import AutoTokenizer
@@ -83,6 +84,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, plugin_f
         async def rollout_group(group):
             group = await generator(group, engine, sampling)
             await rewards.score_groups([group])
+            await add_baseline(group, estimator, generator, engine, sampling, rewards)  # estimators that ask
             return group
 
         def generate():
@@ -126,7 +128,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, plugin_f
                              if cfg.trainer.kl_in_reward_coef > 0 else None)
             batch.advantages, batch.returns = estimator.advantages(AdvantageBatch(
                 rewards=reward, group_index=group_index, response_mask=batch.response_mask, values=values,
-                token_rewards=token_rewards))
+                token_rewards=token_rewards, metadata=estimator_metadata(samples)))
             batch.old_values = values
             with timer("train"):
                 train_metrics = await asyncio.to_thread(trainer.train, batch)
@@ -159,7 +161,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, plugin_f
             metrics_out.log(step, last)
             run.log_rollouts(step, groups, batching.sample_log(samples))
             plugins.pm.hook.posttrain_on_step_end(step=step, metrics=last)
-            if on_step is not None:
+            if on_step is not None and ((step + 1) % cfg.logging.interval == 0 or step + 1 == cfg.rollout.num_rollouts):
                 on_step(step, last, samples)
             if cfg.checkpoint.interval and ((step + 1) % cfg.checkpoint.interval == 0
                                             or step + 1 == cfg.rollout.num_rollouts):
@@ -214,21 +216,6 @@ def _memory_metrics(trainer: Any, engines: Any) -> dict[str, float]:
     if peaks:
         out["perf/engine_peak_gib"] = max(peaks)
     return out
-
-
-class _client:
-    """``async with _client(url, cfg) as engine``: the engine client for the run."""
-
-    def __init__(self, url: str, cfg: Any):
-        from posttrain.core.rollout.client import EngineClient
-
-        self.client = EngineClient(url, max_concurrency=cfg.rollout.server_concurrency)
-
-    async def __aenter__(self):
-        return await self.client.__aenter__()
-
-    async def __aexit__(self, *exc):
-        await self.client.close()
 
 
 class _Timer:

@@ -53,9 +53,19 @@ class Plugins:
     models: Registry
     filters: Registry
     tools: Registry
+    engines: Registry
+    trainers: Registry
     infos: dict[str, PluginInfo] = field(default_factory=dict)  # plugin name -> provenance
     failures: list[LoadFailure] = field(default_factory=list)
     disabled: list[str] = field(default_factory=list)
+    enabled: list[str] = field(default_factory=list)
+    plugin_files: list[str] = field(default_factory=list)
+
+    @property
+    def load_args(self) -> dict[str, list[str]]:
+        """``load_plugins(**plugins.load_args)`` rebuilds the same plugin set in another process."""
+        return {"plugin_files": list(self.plugin_files), "disabled": list(self.disabled),
+                "enabled": list(self.enabled)}
 
     def registry(self, kind: str) -> Registry:
         """The registry for a plural kind name (``"estimators"``) or singular (``"estimator"``)."""
@@ -75,11 +85,13 @@ class Plugins:
 
 
 def load_plugins(plugin_files: tuple[str | os.PathLike, ...] | list = (), disabled: tuple[str, ...] | list = (),
-                 autoload: bool = True) -> Plugins:
+                 autoload: bool = True, enabled: tuple[str, ...] | list = ()) -> Plugins:
     """Discover plugins and fill the registries.
 
     :param plugin_files: paths of single-file plugins (``--plugin my_reward.py``).
     :param disabled: plugin (entry-point) names not to load (``-p no:NAME``).
+    :param enabled: plugins to load even with autoload off (``-p NAME``, as in pytest): an entry-point
+        name, or else an importable module name registered as a plugin.
     :param autoload: load third-party entry points. ``POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD=1`` turns it off
         too; posttrain's own built-ins always load, plus the names listed in ``POSTTRAIN_PLUGINS``.
     :raises PluginError: duplicate component names, misspelled hooks, a hook that raised, or a
@@ -88,7 +100,7 @@ def load_plugins(plugin_files: tuple[str | os.PathLike, ...] | list = (), disabl
     """
     if os.environ.get(ENV_DISABLE_AUTOLOAD, "").strip() not in ("", "0"):
         autoload = False
-    wanted = {n.strip() for n in os.environ.get(ENV_PLUGINS, "").split(",") if n.strip()}
+    wanted = {n.strip() for n in os.environ.get(ENV_PLUGINS, "").split(",") if n.strip()} | set(enabled)
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
     for name in disabled:
@@ -108,6 +120,15 @@ def load_plugins(plugin_files: tuple[str | os.PathLike, ...] | list = (), disabl
             continue
         pm.register(module, name=ep.name)
         infos[ep.name] = PluginInfo(ep.name, dist, ep.dist.version if ep.dist else "", ep.value)
+
+    for name in enabled:  # -p NAME that is no entry point: a module on sys.path, as pytest's -p takes
+        if pm.get_plugin(name) is None and not pm.is_blocked(name):
+            try:
+                module = importlib.import_module(name)
+            except ImportError as exc:
+                raise PluginError(f"-p {name}: no installed plugin or importable module of that name ({exc})") from None
+            pm.register(module, name=name)
+            infos[name] = PluginInfo(name, "(module)", "", name)
 
     for path in plugin_files:
         module = _import_file(Path(path))
@@ -129,7 +150,8 @@ def load_plugins(plugin_files: tuple[str | os.PathLike, ...] | list = (), disabl
     errors = [e for r in registries.values() for e in r.errors]
     if errors:
         raise PluginError("\n".join(errors))
-    return Plugins(pm=pm, infos=infos, failures=failures, disabled=list(disabled), **registries)
+    return Plugins(pm=pm, infos=infos, failures=failures, disabled=list(disabled), enabled=list(enabled),
+                   plugin_files=[str(f) for f in plugin_files], **registries)
 
 
 def _check_hook_names(pm: pluggy.PluginManager) -> None:

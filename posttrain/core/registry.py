@@ -20,6 +20,8 @@ KINDS: dict[str, str] = {
     "models": "model",
     "filters": "filter",
     "tools": "tool",
+    "engines": "engine",
+    "trainers": "trainer",
 }
 
 
@@ -47,6 +49,12 @@ class Registry(Mapping[str, Any]):
         self._current: PluginInfo | None = None  # set by load_plugins while a plugin's hook runs
         self.errors: list[str] = []
         self.note = ""  # appended to unknown-name messages (e.g. "plugin X failed to import")
+
+    def default_name(self) -> str | None:
+        """The component registered with ``is_default = True`` (a kind's built-in backend): what a run
+        config that leaves the section out selects. None when there is none or several."""
+        marked = [n for n, c in self._items.items() if getattr(c, "is_default", False)]
+        return marked[0] if len(marked) == 1 else None
 
     def add(self, component: Any, name: str | None = None) -> Any:
         """Register ``component`` under ``name`` (default: its ``name`` attribute). Returns it.

@@ -57,12 +57,17 @@ def build(cls: type, data: Any, where: str, context: Any = None) -> tuple[Any, l
     kwargs = {}
     for name, f in fields.items():
         path = _join(where, name)
+        parse = f.metadata.get("parse")
         if name not in data:
-            if f.metadata.get("required") or (f.default is _NO and f.default_factory is _NO):
+            if parse and "parse_default" in f.metadata:  # e.g. a component section with a default name
+                value, errs = parse(f.metadata["parse_default"], path, context)
+                errors += errs
+                if not errs:
+                    kwargs[name] = value
+            elif f.metadata.get("required") or (f.default is _NO and f.default_factory is _NO):
                 errors.append(f"{path}: required key is missing")
             continue
-        parse = f.metadata.get("parse")
-        value, errs = parse(data[name], path, context) if parse else coerce(data[name], hints[name], path)
+        value, errs = parse(data[name], path, context) if parse else coerce(data[name], hints[name], path, context)
         errs = errs or _bounds(value, f.metadata, path)
         errors += errs
         if not errs:
@@ -79,8 +84,9 @@ def build(cls: type, data: Any, where: str, context: Any = None) -> tuple[Any, l
     return (None if errors else obj), errors
 
 
-def coerce(value: Any, tp: Any, path: str) -> tuple[Any, list[str]]:
-    """Check ``value`` against annotation ``tp``; return ``(converted value, errors)``."""
+def coerce(value: Any, tp: Any, path: str, context: Any = None) -> tuple[Any, list[str]]:
+    """Check ``value`` against annotation ``tp``; return ``(converted value, errors)``. ``context`` reaches
+    the ``parse`` functions of nested dataclasses (component sections inside ``rollout``, ``trainer``)."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is Any or tp is object:
         return value, []
@@ -100,7 +106,7 @@ def coerce(value: Any, tp: Any, path: str) -> tuple[Any, list[str]]:
         return None, [f"{path}: {value!r} is not one of {', '.join(repr(a) for a in args)}"
                       f".{did_you_mean(value, [str(a) for a in args])}"]
     if dataclasses.is_dataclass(tp):
-        return build(tp, value, path)
+        return build(tp, value, path, context)
     if origin in (list, tuple) or tp in (list, tuple):
         if not isinstance(value, (list, tuple)):
             return None, [f"{path}: expected a list, got {_kind(value)}"]
@@ -161,7 +167,10 @@ def describe(cls: type) -> list[dict[str, str]]:
 
 
 def to_dict(obj: Any) -> Any:
-    """A dataclass tree as plain YAML-able data (tuples become lists)."""
+    """A dataclass tree as plain YAML-able data (tuples become lists); an object with its own
+    ``to_dict()`` (a selected component) gives that."""
+    if callable(getattr(obj, "to_dict", None)) and not isinstance(obj, type):
+        return obj.to_dict()
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, (list, tuple)):

@@ -12,10 +12,11 @@ ENGINE_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 def start_local_engine(model_dir: str | Path, log_dir: str | Path | None = None, **options):
     """Start ``rl-cli engine serve model_dir`` on a free 127.0.0.1 port and wait for ``/health_generate``.
 
-    Returns a started :class:`~posttrain.core.rollout.launcher.ManagedServer` (``.base_url``; call ``.stop()``).
+    Returns a started :class:`~posttrain.plugins.engines.sglang.launcher.ManagedServer` (``.base_url``; call ``.stop()``).
     Options are ``engine serve`` flags by name (defaults: ``context_length=256, max_running_requests=8``).
     """
-    from posttrain.core.rollout.launcher import ManagedServer, local_engine_command
+    from posttrain.core.rollout.procs import ManagedServer
+    from posttrain.plugins.engines.local import local_engine_command
     from posttrain.core.rollout.procs import free_port
 
     port = free_port()

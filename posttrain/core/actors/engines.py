@@ -1,4 +1,5 @@
-"""The engine role: the rollout engines and the router in front of them (an ``EngineFleet``)."""
+"""The engine role: the rollout engines of the selected engine backend and the router in front of them
+(an ``EngineFleet``)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,16 @@ from typing import Any
 class EngineRole:
     """Starts the fleet from the resolved run config; the loop asks it for URLs and restarts."""
 
-    def __init__(self, config: dict[str, Any], model_path: str, log_dir: str):
-        from posttrain.core.config import RolloutConfig, ResourcesConfig
+    def __init__(self, config: dict[str, Any], model_path: str, log_dir: str,
+                 load_args: dict[str, list[str]] | None = None):
+        from posttrain.core.config import load_config
+        from posttrain.core.plugins import load_plugins
         from posttrain.core.rollout.fleet import EngineFleet
-        from posttrain.core.schema import build
 
-        rollout, _ = build(RolloutConfig, config["rollout"], "rollout")
-        resources, _ = build(ResourcesConfig, config["resources"], "resources")
-        self.fleet = EngineFleet(rollout, resources, model_path, log_dir=log_dir, seed=config.get("seed", 0)).start()
+        plugins = load_plugins(**(load_args or {}))
+        cfg = load_config(None, data=config, plugins=plugins)
+        self.fleet = EngineFleet(cfg.rollout, cfg.resources, cfg.rollout.engine.create(plugins), model_path,
+                                 log_dir=log_dir, seed=cfg.seed).start()
 
     def urls(self) -> tuple[str, list[str]]:
         """``(url generators talk to, every engine's own URL)``."""

@@ -1,5 +1,6 @@
-"""The trainer role: the policy (and critic, for estimators that need one), its loss, and the trainer
-side of weight sync. Lives in the driver (local executor) or in a Ray actor (ray executor)."""
+"""The trainer role: the policy (and critic, for estimators that need one) built by the selected trainer
+backend, its loss, and the trainer side of weight sync. Lives in the driver (local executor) or in a Ray
+actor (ray executor)."""
 
 from __future__ import annotations
 
@@ -10,26 +11,27 @@ from typing import Any
 class TrainerRole:
     """Built from the resolved run config (``RunConfig.to_dict()``); all arguments are plain data.
 
-    Batches are :class:`~posttrain.core.train.batch.TrainBatch` (``[B, T]`` tensors aligned with
+    Batches are :class:`~posttrain.core.train_batch.TrainBatch` (``[B, T]`` tensors aligned with
     ``tokens``); everything returned is CPU tensors or ``dict[str, float]``.
     """
 
-    def __init__(self, config: dict[str, Any], plugin_files: list[str] = (), disabled: list[str] = ()):
+    def __init__(self, config: dict[str, Any], load_args: dict[str, list[str]] | None = None):
         import torch
 
         from posttrain.core.config import load_config
         from posttrain.core.plugins import load_plugins
-        from posttrain.core.train.trainer import MegatronTrainer
 
         torch.set_num_threads(max(1, torch.get_num_threads()))
-        plugins = load_plugins(plugin_files=list(plugin_files), disabled=list(disabled))
+        plugins = load_plugins(**(load_args or {}))
         self.cfg = cfg = load_config(None, data=config, plugins=plugins)
         self.spec = cfg.model.create(plugins)
         self.loss = cfg.loss.create(plugins)
         self.correction = cfg.correction.create(plugins) if cfg.correction else None
         estimator = plugins.estimators[cfg.estimator.name]
-        self.policy = MegatronTrainer(self.spec, cfg.trainer, seed=cfg.seed)
-        self.critic = (MegatronTrainer(self.spec, cfg.trainer, seed=cfg.seed, role="critic")
+        self.backend = cfg.trainer.backend.create(plugins)
+        self.engine_backend = cfg.rollout.engine.create(plugins)
+        self.policy = self.backend.build(self.spec, cfg, role="actor", seed=cfg.seed)
+        self.critic = (self.backend.build(self.spec, cfg, role="critic", seed=cfg.seed)
                        if getattr(estimator, "needs_critic", False) else None)
         self.sender = None
 
@@ -80,17 +82,19 @@ class TrainerRole:
             AutoTokenizer.from_pretrained(tokenizer).save_pretrained(out_dir)
         return str(out_dir)
 
-    def connect_engines(self, engine_urls: list[str], backend: str | None = None, ranks_per_engine: int = 1) -> None:
-        """Open the weight-update group with every engine (the trainer is rank 0). ``backend``: NCCL when
-        the trainer and the engines are on GPUs, else Gloo (only ``weight_sync: distributed`` opens one)."""
+    def connect_engines(self, engine_urls: list[str], backend: str | None = None) -> None:
+        """Open the weight-update group with every engine (the trainer is rank 0; each engine adds its
+        backend's ``ranks_per_engine``). ``backend``: NCCL when the trainer and the engines are on GPUs,
+        else Gloo (only ``weight_sync: distributed`` opens one)."""
         from posttrain.core.rollout.weight_sync import WeightSender
 
         if self.sender is not None:
             self._leave_group()
         if backend is None:
-            on_gpus = self.policy.device.type == "cuda" and self.cfg.rollout.engine_device.startswith("cuda")
+            on_gpus = self.policy.device.type == "cuda" and self.engine_backend.on_gpu(self.cfg.resources)
             backend = "nccl" if on_gpus else "gloo"
-        self.sender = WeightSender(engine_urls, backend=backend, ranks_per_engine=ranks_per_engine)
+        self.sender = WeightSender(engine_urls, backend=backend,
+                                   ranks_per_engine=self.engine_backend.ranks_per_engine(self.cfg.resources))
         if self.weight_sync == "distributed":
             self.sender.init()
 

@@ -1,4 +1,5 @@
-"""Small helpers for the server processes rollout starts: free ports, HTTP readiness, clean stops."""
+"""The server processes rollout starts: free ports, HTTP readiness, clean stops, and ``ManagedServer``
+(readiness, restart of a dead server)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
+from typing import Any
 
 
 def spawn(command: list[str], log_path=None, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -74,3 +77,65 @@ def stop_process(proc: subprocess.Popen | None, grace_s: float = 10.0) -> None:
         except (ProcessLookupError, PermissionError):
             proc.kill()
         proc.wait(grace_s)
+
+
+class ManagedServer:
+    """A server process with readiness (``health_path``, SGLang's ``/health_generate`` by default) and
+    restart-on-failure: what every engine backend that starts servers gets from the fleet."""
+
+    def __init__(self, command: list[str], base_url: str, log_path: str | Path | None = None,
+                 env: dict[str, str] | None = None, ready_timeout_s: float = 600.0, max_failures: int = 3,
+                 health_timeout_s: float = 30.0, health_path: str = "/health_generate"):
+        self.command, self.base_url = list(command), base_url.rstrip("/")
+        self.health_url = self.base_url + health_path
+        self.log_path, self.env = log_path, env
+        self.ready_timeout_s, self.max_failures, self.health_timeout_s = ready_timeout_s, max_failures, health_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.failures = 0
+        self.restarts = 0
+
+    def start(self, wait: bool = True) -> ManagedServer:
+        self.proc = spawn(self.command, self.log_path, self.env)
+        self.failures = 0
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self) -> None:
+        """Block until the health path answers 200; raise if the process exits or time runs out."""
+        try:
+            wait_http_ok(self.health_url, self.ready_timeout_s, self.proc)
+        except Exception:
+            self.stop()
+            raise
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def healthy(self) -> bool:
+        """One health check; counts consecutive failures."""
+        ok = self.alive() and http_ok(self.health_url, timeout=self.health_timeout_s)
+        self.failures = 0 if ok else self.failures + 1
+        return ok
+
+    def ensure_running(self) -> bool:
+        """Restart the server if its process died or it failed ``max_failures`` checks in a row.
+
+        :returns: True when a restart happened (the caller re-syncs weights and re-registers it).
+        """
+        if self.alive() and (self.healthy() or self.failures < self.max_failures):
+            return False
+        self.stop()
+        self.restarts += 1
+        self.start(wait=True)
+        return True
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+        self.proc = None
+
+    def __enter__(self) -> ManagedServer:
+        return self if self.proc is not None else self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

@@ -9,13 +9,11 @@ from posttrain.core.types import AdvantageBatch
 
 
 class ReMax:
-    """ReMax (Li et al., 2023): ``A_i = r_i - r_greedy_i`` (metadata baseline_rewards) on every token.
-
-    ReMax (Li et al., 2023): REINFORCE with the greedy-decoding reward as baseline.
+    """ReMax (Li et al., 2023): ``A_i = r_i - r_greedy_i``, REINFORCE with the greedy-decoding reward as baseline.
 
     ``A_i = r_i - b_i`` on every response token, where ``b_i = batch.metadata["baseline_rewards"][i]``
-    (``[B]``) is the reward of the greedy (temperature 0) response to sample ``i``'s prompt; the
-    generator produces it and the loop puts it in the metadata. ``token_rewards`` are summed per sample
+    (``[B]``) is the reward of the greedy (temperature 0) response to sample ``i``'s prompt: the loop
+    generates and scores it because ``baseline_sampling`` asks for it (``posttrain.core.estimator_inputs``). ``token_rewards`` are summed per sample
     into ``r_i`` first. No whitening (as the paper and verl).
 
     Shapes: ``rewards [B]``, ``metadata["baseline_rewards"] [B]``, ``response_mask [B, T]`` ->
@@ -25,6 +23,7 @@ class ReMax:
     name = "remax"
     needs_critic = False
     group_baseline = False  # the baseline comes from the greedy sample, not from the group's rewards
+    baseline_sampling = {"temperature": 0.0}  # the loop generates and scores one greedy sample per prompt
 
     @dataclass
     class Config:

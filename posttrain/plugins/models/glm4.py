@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from posttrain import hookimpl
-from posttrain.core.train.spec import DenseGPTSpec
+from posttrain.plugins.trainers.megatron.spec import DenseGPTSpec
 
 
 class Glm4Spec(DenseGPTSpec):
@@ -15,7 +15,7 @@ class Glm4Spec(DenseGPTSpec):
       interleaved pairs ``(x0, x1), (x2, x3) ...`` -> ``rotary_interleaved=True``;
     - extra RMSNorms on the attention and MLP outputs (``post_self_attn_layernorm``,
       ``post_mlp_layernorm``) -> ``self_attention.post_norm`` / ``mlp.post_norm`` wrappers
-      (:mod:`posttrain.core.train.layers`);
+      (:mod:`posttrain.plugins.trainers.megatron.layers`);
     - biases on q, k, v -> ``add_qkv_bias``; HF's fused ``mlp.gate_up_proj`` is already ``[gate; up]``.
     """
 

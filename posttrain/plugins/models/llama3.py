@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from posttrain import hookimpl
-from posttrain.core.train.spec import DenseGPTSpec
+from posttrain.plugins.trainers.megatron.spec import DenseGPTSpec
 
 
 class Llama3Spec(DenseGPTSpec):

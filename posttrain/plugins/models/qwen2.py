@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from posttrain import hookimpl
-from posttrain.core.train.spec import DenseGPTSpec
+from posttrain.plugins.trainers.megatron.spec import DenseGPTSpec
 
 _QWEN2 = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=151936, rms_norm_eps=1e-6,
               rope_theta=1000000.0, max_position_embeddings=32768, hidden_act="silu", torch_dtype="bfloat16",

@@ -19,15 +19,60 @@ def test_every_hook_is_documented_like_pytest():
         assert ":param" in doc and "Fires" in doc, f"{hook.__name__} must document its arguments and when it fires"
 
 
+def _plugin_modules():
+    """Every built-in plugin: a module file in a kind's folder, or a package there (a backend), whose
+    ``__init__`` is the entry module and whose other modules are its internals."""
+    out = set()
+    for kind in (ROOT / "posttrain" / "plugins").iterdir():
+        if not kind.is_dir() or kind.name.startswith("_"):
+            continue
+        for entry in kind.iterdir():
+            if entry.is_dir() and (entry / "__init__.py").exists():
+                out.add(".".join(entry.relative_to(ROOT).parts))
+            elif entry.suffix == ".py" and not entry.name.startswith("_"):
+                out.add(".".join(entry.relative_to(ROOT).with_suffix("").parts))
+    return out
+
+
 def test_every_builtin_plugin_module_is_an_entry_point():
     declared = set(PYPROJECT["project"]["entry-points"]["posttrain"].values())
-    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts)
-               for p in (ROOT / "posttrain" / "plugins").rglob("*.py") if not p.name.startswith("_")}
+    modules = _plugin_modules()
     assert modules == declared, f"not registered: {modules - declared}; missing files: {declared - modules}"
 
 
+def test_core_imports_no_plugin():
+    """Backends are plugins: core/ names none and imports none (the loop reaches them through registries)."""
+    offenders = []
+    for path in (ROOT / "posttrain" / "core").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            module = node.module if isinstance(node, ast.ImportFrom) else None
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [module or ""]
+            offenders += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names
+                          if n.startswith("posttrain.plugins")]
+    assert not offenders, "\n".join(offenders)
+
+
+def _lines(paths):
+    return sum(len(p.read_text().splitlines()) for p in paths)
+
+
+def test_core_is_what_every_backend_shares():
+    """The issue that moved the backends out set these bounds: core/ under 40% of the package's lines, no
+    class over 400 lines anywhere."""
+    package = list((ROOT / "posttrain").rglob("*.py"))
+    core = list((ROOT / "posttrain" / "core").rglob("*.py"))
+    assert _lines(core) < 0.4 * _lines(package), f"core/ has {_lines(core)} of {_lines(package)} lines"
+    big = []
+    for path in package:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 400:
+                big.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1})")
+    assert not big, "classes over 400 lines: " + ", ".join(big)
+
+
 # strings that are plugin names but also protocol words the core must use, with why
-PROTOCOL_WORDS = {"length": "SGLang's finish_reason type when max_new_tokens is hit"}
+PROTOCOL_WORDS = {"length": "SGLang's finish_reason type when max_new_tokens is hit",
+                  "local": "resources.executor's in-process executor (core's own, not the engine backend)"}
 
 
 def test_no_plugin_name_appears_in_core():

@@ -104,7 +104,7 @@ def test_missing_config_file(tmp_path, plugins):
 
 def test_colocated_runs_refuse_async_and_nccl_on_one_gpu(write, plugins):
     path = write("c.yaml", GOOD + "resources: {colocate: true}\n")
-    overrides = ["rollout.mode=async", "rollout.weight_sync=distributed", "rollout.engine_device=cuda"]
+    overrides = ["rollout.mode=async", "rollout.weight_sync=distributed", "rollout.engine.device=cuda"]
     with pytest.raises(ConfigError) as info:
         load_config(path, overrides, plugins=plugins)
     assert [e.split(":")[0] for e in info.value.errors] == ["rollout.mode", "rollout.weight_sync"]

@@ -6,7 +6,7 @@ import time
 import psutil
 import pytest
 
-from posttrain.core.sandbox import SandboxLimits, isolation, run_python
+from posttrain.plugins.rewards.code.sandbox import SandboxLimits, isolation, run_python
 
 NAMESPACES = isolation()["namespaces"]
 
@@ -109,7 +109,7 @@ def test_writes_outside_the_directory_are_refused(tmp_path):
 
 @pytest.mark.parametrize("namespaces", [True, False])
 def test_children_die_on_timeout_with_and_without_namespaces(monkeypatch, namespaces):
-    import posttrain.core.sandbox as sandbox
+    import posttrain.plugins.rewards.code.sandbox as sandbox
 
     if not namespaces:
         monkeypatch.setattr(sandbox, "namespace_prefix", lambda: ())
@@ -129,7 +129,7 @@ def test_children_die_on_timeout_with_and_without_namespaces(monkeypatch, namesp
 
 
 def test_the_python_guard_holds_without_namespaces(monkeypatch):
-    import posttrain.core.sandbox as sandbox
+    import posttrain.plugins.rewards.code.sandbox as sandbox
 
     monkeypatch.setattr(sandbox, "namespace_prefix", lambda: ())
     assert sandbox.run_python("print(6 * 7)").stdout == "42\n"

@@ -1,4 +1,4 @@
-"""The flash-decoding attention of ``decode_attention="triton"`` (``posttrain.core.rollout.decode_kernel``).
+"""The flash-decoding attention of ``decode_attention="triton"`` (``posttrain.plugins.engines.local.decode_kernel``).
 
 On CPU: the torch reference against masked SDPA (the ``sdpa`` decode path's grouping), the runner with
 ``decode_attention="triton"`` (which falls back to the reference) against the ``sdpa`` runner and HF
@@ -20,9 +20,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from posttrain.core.rollout import decode_kernel
-from posttrain.core.rollout.decode_kernel import decode_attention_reference, triton_available
-from posttrain.core.rollout.model_runner import ModelRunner
+from posttrain.plugins.engines.local import decode_kernel
+from posttrain.plugins.engines.local.decode_kernel import decode_attention_reference, triton_available
+from posttrain.plugins.engines.local.model_runner import ModelRunner
 
 ROOT = Path(__file__).resolve().parents[3]
 PROMPTS = {0: [5, 6, 7, 8, 9], 2: [10, 11], 3: [12, 13, 14]}  # slot 1 idle: a hole below busy slots
@@ -144,8 +144,8 @@ def test_triton_runner_on_cpu_equals_sdpa(tiny_ckpt):
 
 
 def test_triton_engine_greedy_matches_hf_generate_on_cpu(tiny_ckpt, hf_model):
-    from posttrain.core.rollout.engine import LocalEngine
-    from posttrain.core.rollout.sampling import parse_sampling
+    from posttrain.plugins.engines.local.engine import LocalEngine
+    from posttrain.plugins.engines.local.sampling import parse_sampling
     from posttrain.testing.engine import hf_greedy
 
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], [17]]
@@ -173,7 +173,7 @@ def test_runner_accepts_triton_and_still_rejects_unknown(tiny_ckpt):
 # -- the kernel under the Triton interpreter (CPU, where triton is installed) ------------------------------
 INTERPRETED = textwrap.dedent("""
     import torch
-    from posttrain.core.rollout import decode_kernel as dk
+    from posttrain.plugins.engines.local import decode_kernel as dk
 
     torch.manual_seed(0)
     cases = [  # nb, H, Hkv, D, span, splits, dtype (no bf16: the interpreter's bf16 tl.dot is wrong)

@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from posttrain.core.rollout.engine import LocalEngine
-from posttrain.core.rollout.model_runner import ModelRunner
-from posttrain.core.rollout.sampling import (_sample_mixed, parse_sampling, sample_tokens, to_host,
-                                             uniform_temperature)
+from posttrain.plugins.engines.local.engine import LocalEngine
+from posttrain.plugins.engines.local.model_runner import ModelRunner
+from posttrain.plugins.engines.local.sampling import (_sample_mixed, parse_sampling, sample_tokens, to_host, uniform_temperature)
 
 ROOT = Path(__file__).resolve().parents[3]
 PROMPTS = {0: [5, 6, 7, 8, 9], 2: [10, 11], 3: [12, 13, 14]}  # slot 1 idle: a hole below busy slots

@@ -12,18 +12,20 @@ from posttrain.core.config import load_config
 from posttrain.core.rollout.fleet import EngineFleet
 
 
-def config(**rollout):
+def config(engine=None, **rollout):
+    engine = engine or {"name": "local", "context_length": 128, "max_running_requests": 4}
     return load_config(None, [], data={"estimator": "grpo", "trainer": {"global_batch_size": 64},
-                                       "rollout": {"engine_context_length": 128, "engine_max_running_requests": 4,
-                                                   **rollout},
-                                       "resources": {"num_engines": 2}})
+                                       "rollout": {"engine": engine, **rollout}, "resources": {"num_engines": 2}})
+
+
+def fleet_of(cfg, model_path, **kw):
+    return EngineFleet(cfg.rollout, cfg.resources, cfg.rollout.engine.create(), model_path, **kw)
 
 
 @pytest.mark.slow
 def test_fleet_of_two_local_engines_behind_the_router_restarts_a_dead_one(tiny_ckpt, tmp_path):
     cfg = config()
-    fleet = EngineFleet(cfg.rollout, cfg.resources, str(tiny_ckpt), log_dir=tmp_path,
-                        env={"OMP_NUM_THREADS": "1"})
+    fleet = fleet_of(cfg, str(tiny_ckpt), log_dir=tmp_path, env={"OMP_NUM_THREADS": "1"})
 
     async def generate_all(n):
         async with fleet.client() as engine:
@@ -48,15 +50,16 @@ def test_fleet_of_two_local_engines_behind_the_router_restarts_a_dead_one(tiny_c
 
 
 def test_external_engines_need_urls_and_several_engines_need_the_router():
-    cfg = config(engine="external")
-    with pytest.raises(ValueError, match="engine_urls"):
-        EngineFleet(cfg.rollout, cfg.resources, "/m").start()
-    cfg = config(engine="external", engine_urls=["http://127.0.0.1:1", "http://127.0.0.1:2"], use_router=False)
-    fleet = EngineFleet(cfg.rollout, cfg.resources, "/m").start()
+    from posttrain.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="rollout.engine.urls: the external backend needs at least one URL"):
+        config({"name": "external"})
+    cfg = config({"name": "external", "urls": ["http://127.0.0.1:1", "http://127.0.0.1:2"]}, use_router=False)
+    fleet = fleet_of(cfg, "/m").start()
     with pytest.raises(ValueError, match="use_router"):
         fleet.url
-    cfg = config(engine="external", engine_urls=["http://127.0.0.1:1/"], use_router=False)
-    assert EngineFleet(cfg.rollout, cfg.resources, "/m").start().url == "http://127.0.0.1:1"
+    cfg = config({"name": "external", "urls": ["http://127.0.0.1:1/"]}, use_router=False)
+    assert fleet_of(cfg, "/m").start().url == "http://127.0.0.1:1"
 
 
 @pytest.mark.parametrize("colocate, device, expect", [(False, "cuda", ["1", "2"]), (True, "cuda", ["0", "1"]),
@@ -64,10 +67,11 @@ def test_external_engines_need_urls_and_several_engines_need_the_router():
 def test_engines_get_their_gpu_after_the_trainers(colocate, device, expect, monkeypatch):
     """Disaggregated engines start after the trainer's GPUs; each sees its GPU alone (as cuda:0)."""
     from posttrain.core.config import ResourcesConfig, RolloutConfig
+    from posttrain.plugins.engines.local import LocalEngine
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    fleet = EngineFleet(RolloutConfig(engine_device=device), ResourcesConfig(
-        trainer_gpus_per_node=1, num_engines=2, colocate=colocate), model_path="/m")
+    fleet = EngineFleet(RolloutConfig(), ResourcesConfig(trainer_gpus_per_node=1, num_engines=2, colocate=colocate),
+                        LocalEngine(LocalEngine.Config(device=device)), model_path="/m")
     servers = [fleet._server(i) for i in range(2)]
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in servers] == expect
     assert all(s.command[s.command.index("--device") + 1] == "cuda" for s in servers)

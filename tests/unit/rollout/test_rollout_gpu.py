@@ -13,9 +13,9 @@ def test_bf16_engine_logprobs_match_a_bf16_forward(tiny_ckpt):
 
     from transformers import AutoModelForCausalLM
 
-    from posttrain.core.rollout.engine import LocalEngine
-    from posttrain.core.rollout.model_runner import ModelRunner
-    from posttrain.core.rollout.sampling import parse_sampling
+    from posttrain.plugins.engines.local.engine import LocalEngine
+    from posttrain.plugins.engines.local.model_runner import ModelRunner
+    from posttrain.plugins.engines.local.sampling import parse_sampling
 
     runner = ModelRunner(tiny_ckpt, device="cuda", dtype="bfloat16", max_slots=4, context_length=256, cuda_graphs=True)
     engine = LocalEngine(runner, None, [0])

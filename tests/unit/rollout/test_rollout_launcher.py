@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from posttrain.core.rollout.launcher import (ManagedServer, SGLangSpec, local_engine_command, sglang_command,
-                                             sglang_options_from_argv)
+from posttrain.core.rollout.procs import ManagedServer
+from posttrain.plugins.engines.sglang.launcher import SGLangSpec, sglang_command, sglang_options_from_argv
+from posttrain.plugins.engines.local import local_engine_command
 from posttrain.core.rollout.procs import free_port, http_ok
 
 
@@ -75,14 +76,16 @@ def test_engine_serve_rejects_a_directory_without_a_checkpoint(tmp_path):
 
 def test_sglang_spec_from_the_run_config():
     from posttrain.core.config import load_config
-    from posttrain.core.rollout.launcher import sglang_spec_from_config
+    from posttrain.plugins.engines.sglang.launcher import sglang_spec_from_config
 
-    cfg = load_config(None, ["rollout.sglang.attention_backend=fa3", "rollout.mem_fraction_static=0.6"],
+    cfg = load_config(None, ["rollout.engine.name=sglang", "rollout.engine.args.attention_backend=fa3",
+                             "rollout.engine.mem_fraction_static=0.6"],
                       data={"estimator": "grpo", "trainer": {"global_batch_size": 64},
                             "resources": {"gpus_per_engine": 2, "colocate": True}})
-    spec = sglang_spec_from_config(cfg.rollout, cfg.resources, "/m", 30002, engine_index=3, seed=10,
+    spec = sglang_spec_from_config(cfg.rollout.engine.config, cfg.resources, "/m", 30002, engine_index=3, seed=10,
                                    cli_options={"enable_metrics": True})
     cmd = sglang_command(spec)
+    assert cmd[cmd.index("--base-gpu-id") + 1] == "6"  # colocated: engine 3 of 2 GPUs each starts at GPU 6
     assert cmd[cmd.index("--tp-size") + 1] == "2" and cmd[cmd.index("--mem-fraction-static") + 1] == "0.6"
     assert cmd[cmd.index("--random-seed") + 1] == "16" and "--enable-memory-saver" in cmd
     assert cmd[cmd.index("--attention-backend") + 1] == "fa3" and "--enable-metrics" in cmd

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.core.rollout.model_runner import ModelRunner
+from posttrain.plugins.engines.local.model_runner import ModelRunner
 
 
 @pytest.fixture(scope="module")

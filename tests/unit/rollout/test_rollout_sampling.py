@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from posttrain.core.rollout.sampling import SamplingError, parse_sampling, sample_tokens
+from posttrain.plugins.engines.local.sampling import SamplingError, parse_sampling, sample_tokens
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
 LOGITS = PROBS.log()
@@ -66,7 +66,7 @@ def test_seeded_draws_follow_the_distribution_and_the_truncation():
 
 
 def test_seeded_uniform_is_well_spread_and_separates_seeds_and_steps():
-    from posttrain.core.rollout.sampling import seeded_uniform
+    from posttrain.plugins.engines.local.sampling import seeded_uniform
 
     u = seeded_uniform(torch.tensor([0, 1, 2**40 + 1, -3]), torch.tensor([0, 0, 0, 5]), 10_000)
     assert u.shape == (4, 10_000) and bool(((u > 0) & (u < 1)).all())

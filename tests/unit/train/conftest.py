@@ -46,7 +46,7 @@ def megatron_tp1():
     import torch
 
     torch.set_num_threads(1)
-    from posttrain.core.train.model import init_parallel
+    from posttrain.plugins.trainers.megatron.model import init_parallel
 
     init_parallel(1, 1, seed=0)
     yield

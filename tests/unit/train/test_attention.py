@@ -13,7 +13,7 @@ def _modules():
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from posttrain.core.train.attention import SDPAttention
+    from posttrain.plugins.trainers.megatron.attention import SDPAttention
 
     config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                                kv_channels=8, hidden_dropout=0.0, attention_dropout=0.0,

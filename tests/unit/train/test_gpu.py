@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 def test_trainer_uses_megatron_distributed_optimizer_and_learns_in_bf16(tiny_ckpts, megatron_tp1):
     from posttrain.core.config import TrainerConfig
-    from posttrain.core.train.trainer import MegatronTrainer
+    from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
     from train_helpers import local_loss, spec_for, tp_batch
 
     trainer = MegatronTrainer(spec_for("qwen3", tiny_ckpts("qwen3"), dtype="bfloat16"),
@@ -36,13 +36,13 @@ def test_fused_adam_and_kept_logits_step_like_the_defaults(tiny_ckpts, megatron_
     """The two training levers change speed, not the update: three bf16 steps land on the same
     parameters (within bf16 rounding), and a fused-Adam checkpoint loads and steps on."""
     from posttrain.core.config import TrainerConfig
-    from posttrain.core.train.trainer import MegatronTrainer
-    from train_helpers import local_loss, spec_for, tp_batch
+    from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
+    from train_helpers import local_loss, spec_for, tp_batch, trainer_configs
 
     results = []
     for levers in ({}, {"fused_adam": True, "log_probs_recompute": False}):
         trainer = MegatronTrainer(spec_for("qwen3", tiny_ckpts("qwen3"), dtype="bfloat16"),
-                                  TrainerConfig(lr=1e-3, micro_batch_size=2, global_batch_size=4, **levers))
+                                  **trainer_configs(lr=1e-3, micro_batch_size=2, global_batch_size=4, **levers))
         batch = tp_batch()
         batch.advantages = batch.response_mask.clone()
         batch.old_log_probs = trainer.log_probs(batch)[0]
@@ -85,7 +85,7 @@ def test_packed_attention_on_cuda_uses_varlen_and_equals_the_per_sample_loop(meg
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnMaskType
 
-    from posttrain.core.train import attention
+    from posttrain.plugins.trainers.megatron import attention
 
     if attention.varlen_attn is None:
         pytest.skip("this torch has no torch.nn.attention.varlen")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.core.train.logprobs import vocab_parallel_log_probs
+from posttrain.plugins.trainers.megatron.logprobs import vocab_parallel_log_probs
 from train_helpers import PeakMemory
 
 pytestmark = pytest.mark.usefixtures("megatron_tp1")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from posttrain.core.errors import UsageError
-from posttrain.core.train import model as M
+from posttrain.plugins.trainers.megatron import model as M
 
 from train_helpers import spec_for
 
@@ -98,9 +98,9 @@ def test_tied_embeddings_and_padded_vocab(tmp_path, tp_vocab):
     from safetensors.torch import load_file
 
     from posttrain.core.config import TrainerConfig
-    from posttrain.core.train.batch import TrainBatch
-    from posttrain.core.train.convert import verify_checkpoint
-    from posttrain.core.train.trainer import MegatronTrainer
+    from posttrain.core.train_batch import TrainBatch
+    from posttrain.plugins.trainers.megatron.convert import verify_checkpoint
+    from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
     from posttrain.testing.tiny import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(tmp_path / "tied", "qwen2", vocab_size=tp_vocab, tie_word_embeddings=True)

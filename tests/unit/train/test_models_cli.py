@@ -89,7 +89,7 @@ def test_convert_to_megatron_and_back_is_bit_exact(tiny_ckpts, tmp_path):
 
 def test_convert_refuses_a_non_empty_output_directory(tiny_ckpts, tmp_path, megatron_tp1):
     from posttrain.core.errors import UsageError
-    from posttrain.core.train.convert import hf_to_megatron_dir
+    from posttrain.plugins.trainers.megatron.convert import hf_to_megatron_dir
     from train_helpers import spec_for
 
     (tmp_path / "m").mkdir()
@@ -117,7 +117,7 @@ def test_convert_with_tp2_reshards_to_tp1_exactly(tiny_ckpts, tmp_path, megatron
     """`--tp 2` runs under torchrun; the TP=2 dist-checkpoint converts back with TP=1 bit-exactly."""
     from safetensors.torch import load_file
 
-    from posttrain.core.train.convert import megatron_dir_to_hf, read_meta
+    from posttrain.plugins.trainers.megatron.convert import megatron_dir_to_hf, read_meta
     from train_helpers import spec_for
 
     path = tiny_ckpts("qwen3")

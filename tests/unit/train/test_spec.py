@@ -6,7 +6,7 @@ import pytest
 
 from posttrain.core.errors import UsageError
 from posttrain.core.plugins import load_plugins
-from posttrain.core.train.spec import count_params, spec_for_model_type
+from posttrain.core.model_spec import count_params, spec_for_model_type
 
 SPECS = ["qwen3", "qwen2", "llama3", "glm4"]
 
@@ -59,13 +59,14 @@ def test_run_config_selects_a_spec_with_its_keys(tmp_path):
 
 
 def test_megatron_passthrough_is_validated_against_megatron_dataclasses():
-    from posttrain.core.config import TrainerConfig
     from posttrain.core.schema import build
+    from posttrain.plugins.trainers.megatron import MegatronBackend
 
-    ok, errors = build(TrainerConfig, {"megatron": {"recompute_granularity": "full", "overlap_grad_reduce": True,
-                                                    "adam_beta2": 0.95}}, "trainer")
+    ok, errors = build(MegatronBackend.Config, {"megatron": {"recompute_granularity": "full",
+                                                             "overlap_grad_reduce": True, "adam_beta2": 0.95}},
+                       "trainer.backend")
     assert errors == [] and ok.megatron["recompute_granularity"] == "full"
-    _, errors = build(TrainerConfig, {"megatron": {"recompute_granularty": "full"}}, "trainer")
+    _, errors = build(MegatronBackend.Config, {"megatron": {"recompute_granularty": "full"}}, "trainer.backend")
     assert len(errors) == 1 and "recompute_granularty" in errors[0] and "recompute_granularity" in errors[0]
 
 

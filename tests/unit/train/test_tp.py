@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from posttrain.core.config import TrainerConfig
-from posttrain.core.train.trainer import MegatronTrainer
+from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
 from train_helpers import local_loss, spec_for, tp_batch
 
 HERE = Path(__file__).parent

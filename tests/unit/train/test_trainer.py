@@ -7,9 +7,9 @@ import torch
 
 from posttrain.core.config import TrainerConfig
 from posttrain.core.errors import UsageError
-from posttrain.core.train.batch import TrainBatch
-from posttrain.core.train.trainer import MegatronTrainer, lr_at
-from train_helpers import local_loss, spec_for
+from posttrain.core.train_batch import TrainBatch
+from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer, lr_at
+from train_helpers import local_loss, spec_for, trainer_configs
 
 pytestmark = pytest.mark.usefixtures("megatron_tp1")
 
@@ -23,8 +23,8 @@ def _batch(seed=0, lengths=(9, 12, 7, 10), prompts=(3, 4, 2, 5)):
 
 
 def _trainer(tiny_ckpts, **overrides):
-    config = TrainerConfig(**{"lr": 1e-3, "micro_batch_size": 2, "global_batch_size": 4, **overrides})
-    return MegatronTrainer(spec_for("qwen3", tiny_ckpts("qwen3")), config)
+    configs = trainer_configs(**{"lr": 1e-3, "micro_batch_size": 2, "global_batch_size": 4, **overrides})
+    return MegatronTrainer(spec_for("qwen3", tiny_ckpts("qwen3")), **configs)
 
 
 def _params(trainer):
@@ -225,7 +225,7 @@ def test_use_fused_adam_switches_torch_adamw_inside_an_optimizer_wrapper():
     reaches it, and the fused kernel (CPU has one too) takes the same step as the default."""
     from types import SimpleNamespace
 
-    from posttrain.core.train.optim import use_fused_adam
+    from posttrain.plugins.trainers.megatron.optim import use_fused_adam
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(2)]

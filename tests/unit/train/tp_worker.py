@@ -14,9 +14,8 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from posttrain.core.config import TrainerConfig
-    from posttrain.core.train.trainer import MegatronTrainer
-    from train_helpers import local_loss, spec_for, tp_batch
+    from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
+    from train_helpers import local_loss, spec_for, tp_batch, trainer_configs
 
     hf_dir, out_file, ckpt = sys.argv[1:4]
     torch.set_num_threads(1)
@@ -25,8 +24,8 @@ def main() -> None:
     parallel = {"tp": 1, "pp": 2} if sys.argv[4:] == ["pp"] else {"tp": 2}
     if sys.argv[4:] == ["kept"]:
         parallel["log_probs_recompute"] = False
-    config = TrainerConfig(lr=1e-3, micro_batch_size=2, global_batch_size=4, **parallel)
-    trainer = MegatronTrainer(spec_for("qwen3", hf_dir), config)
+    trainer = MegatronTrainer(spec_for("qwen3", hf_dir),
+                              **trainer_configs(lr=1e-3, micro_batch_size=2, global_batch_size=4, **parallel))
     batch = tp_batch()
     lp, ent = trainer.log_probs(batch, with_entropy=True)
     batch.old_log_probs = lp
@@ -50,9 +49,8 @@ def data_parallel(hf_dir: str, out_file: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from posttrain.core.config import TrainerConfig
-    from posttrain.core.train.trainer import MegatronTrainer
-    from train_helpers import local_loss, spec_for, tp_batch
+    from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
+    from train_helpers import local_loss, spec_for, tp_batch, trainer_configs
 
     trainer = MegatronTrainer(spec_for("qwen3", hf_dir), TrainerConfig(lr=1e-3, micro_batch_size=1,
                                                                        global_batch_size=2))

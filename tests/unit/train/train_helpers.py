@@ -80,10 +80,23 @@ def tp_batch():
     """The fixed batch the TP=2 worker and the TP=1 test both use (with advantages)."""
     import torch
 
-    from posttrain.core.train.batch import TrainBatch
+    from posttrain.core.train_batch import TrainBatch
 
     g = torch.Generator().manual_seed(11)
     lists = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (9, 12, 7, 10)]
     batch = TrainBatch.from_lists(lists, [3, 4, 2, 5])
     batch.advantages = torch.randn(4, 1, generator=g) * batch.response_mask
     return batch
+
+
+def trainer_configs(**kw):
+    """``MegatronTrainer(spec, **trainer_configs(lr=..., tp=2))``: one flat keyword set split into the run's
+    ``trainer`` section (``config``) and the Megatron backend's own (``backend``)."""
+    from dataclasses import fields
+
+    from posttrain.core.config import TrainerConfig
+    from posttrain.plugins.trainers.megatron import MegatronBackend
+
+    own = {f.name for f in fields(MegatronBackend.Config)}
+    return {"config": TrainerConfig(**{k: v for k, v in kw.items() if k not in own}),
+            "backend": MegatronBackend.Config(**{k: v for k, v in kw.items() if k in own})}

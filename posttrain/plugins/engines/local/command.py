@@ -1,4 +1,5 @@
-"""``rl-cli engine``: the embedded local engine (SGLang's HTTP API over a HF checkpoint)."""
+"""``rl-cli engine serve``: the local engine's server (SGLang's HTTP API over a HF checkpoint), a command
+this plugin adds through ``posttrain_register_commands`` like any third-party plugin would."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
         raise UsageError(f"--decode-attention: expected {', '.join(DECODE_ATTENTION)}, got {decode_attention!r}")
     if device != "cpu" and not device.startswith("cuda"):
         raise UsageError(f"--device: expected cpu or cuda[:N], got {device!r}")
-    from posttrain.core.rollout.server import serve as run
+    from posttrain.plugins.engines.local.server import serve as run
 
     run(str(model_dir), host=host, port=port, device=device, dtype=dtype,
         max_running_requests=max_running_requests, context_length=context_length or None, cuda_graphs=cuda_graphs,

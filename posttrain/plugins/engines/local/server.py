@@ -39,8 +39,8 @@ from typing import Any
 
 from aiohttp import web
 
-from posttrain.core.rollout.memory import MEMORY_TAGS, EngineMemory
-from posttrain.core.rollout.sampling import SamplingError, parse_sampling
+from posttrain.plugins.engines.local.memory import MEMORY_TAGS, EngineMemory
+from posttrain.plugins.engines.local.sampling import SamplingError, parse_sampling
 
 log = logging.getLogger("posttrain.engine")
 
@@ -72,8 +72,8 @@ class EngineServer:
                  cuda_graphs: bool = False, decode_attention: str = "auto", compile: bool = False):
         from transformers import AutoTokenizer
 
-        from posttrain.core.rollout.engine import LocalEngine
-        from posttrain.core.rollout.model_runner import ModelRunner
+        from posttrain.plugins.engines.local.engine import LocalEngine
+        from posttrain.plugins.engines.local.model_runner import ModelRunner
 
         self.model_dir = str(Path(model_dir).resolve())
         self.host, self.port, self.device = host, port, device

@@ -117,7 +117,7 @@ class ModelRunner:
         from transformers import AutoModelForCausalLM
 
         if decode_attention == "auto":  # the measured fastest on an H200 (bench/RESULTS.md)
-            from posttrain.core.rollout.decode_kernel import triton_available
+            from posttrain.plugins.engines.local.decode_kernel import triton_available
 
             decode_attention = "triton" if str(device).startswith("cuda") and triton_available() else "sdpa"
         if decode_attention not in DECODE_ATTENTION:
@@ -285,8 +285,7 @@ class ModelRunner:
         -> [nb, H, 1, D]``; each slot reads only its own ``lengths[i] = position + 1`` cache entries.
         Without CUDA or triton, the same attention in plain torch (``decode_attention_reference``).
         Resolved once per step, not per layer."""
-        from posttrain.core.rollout.decode_kernel import (decode_attention, decode_attention_reference,
-                                                          triton_available)
+        from posttrain.plugins.engines.local.decode_kernel import (decode_attention, decode_attention_reference, triton_available)
 
         return decode_attention if on_cuda and triton_available() else decode_attention_reference
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from posttrain.core.errors import UsageError
-from posttrain.core.train import cpu_shims
+from posttrain.plugins.trainers.megatron import cpu_shims
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -96,7 +96,7 @@ def split_megatron_overrides(overrides: dict[str, Any]) -> dict[str, dict[str, A
         owners = [k for k, names in fields.items() if key in names]
         if not owners:
             every = set().union(*fields.values())
-            raise UsageError(f"trainer.megatron.{key}: not a field of TransformerConfig, "
+            raise UsageError(f"trainer.backend.megatron.{key}: not a field of TransformerConfig, "
                              f"DistributedDataParallelConfig or OptimizerConfig.{did_you_mean(key, every)}")
         for k in owners:
             out[k][key] = value
@@ -113,7 +113,7 @@ def core_attention_for(kind: str) -> Any:
         except ImportError:
             kind = "sdpa"
     if kind == "sdpa":
-        from posttrain.core.train.attention import SDPAttention
+        from posttrain.plugins.trainers.megatron.attention import SDPAttention
 
         return SDPAttention
     if kind == "te":
@@ -322,6 +322,21 @@ def iter_hf(model: Any, spec: Any, hf: dict[str, Any]) -> Iterator[tuple[str, to
         box = [mine if parallel_state.get_pipeline_model_parallel_rank() == stage else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, stage), group=group)
         yield from box[0]
+
+
+def buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``named`` tensors grouped into lists of at most ``bucket_bytes`` (a larger tensor gets its own)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
 
 
 def hf_config_to_write(spec: Any, hf: dict[str, Any], dtype: str) -> dict[str, Any]:

@@ -53,12 +53,12 @@ class MathReward:
 
     def warm_up(self) -> None:
         """Import math-verify and sympy now (about a second) rather than on the first sample."""
-        from posttrain.core.answers import math_equal
+        from posttrain.plugins.rewards.math.answers import math_equal
 
         math_equal(r"\frac{1}{2}", r"\{0.5\}")
 
     def __call__(self, sample: Sample) -> dict[str, float]:
-        from posttrain.core.answers import after_marker, extract_answer, math_equal
+        from posttrain.plugins.rewards.math.answers import after_marker, extract_answer, math_equal
 
         if sample.label is None:
             raise ValueError("math needs a label (the reference answer)")

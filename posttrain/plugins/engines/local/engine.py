@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from posttrain.core.rollout.sampling import RequestSampling
+from posttrain.plugins.engines.local.sampling import RequestSampling
 
 
 @dataclass
@@ -279,7 +279,7 @@ class LocalEngine:
     def _sample(self, reqs: list[Request], logits) -> tuple[list[int], list[float]]:
         """Sample a token per request from ``logits`` ``[len(reqs), V]``; return tokens and log-probs as
         Python lists (one device-to-host copy: the step's only sync on the fast path)."""
-        from posttrain.core.rollout.sampling import sample_tokens, to_host
+        from posttrain.plugins.engines.local.sampling import sample_tokens, to_host
 
         return to_host(*sample_tokens(logits, [r.sampling for r in reqs], [len(r.output_ids) for r in reqs]))
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from posttrain.core.errors import UsageError
-from posttrain.core.train import model as M
+from posttrain.plugins.trainers.megatron import model as M
 
 META_FILE = "posttrain_model.json"
 

@@ -129,7 +129,7 @@ def parse_tests(label: Any) -> tuple[str, list]:
 
 
 class CodeReward:
-    """Fraction of test cases the response's Python passes, run in :mod:`posttrain.core.sandbox`.
+    """Fraction of test cases the response's Python passes, run in :mod:`posttrain.plugins.rewards.code.sandbox`.
 
     The program is the last fenced code block of the response (else the whole response, unless
     ``require_fence``). Tests come from the label (see :func:`parse_tests`): stdin/stdout pairs (the
@@ -170,7 +170,7 @@ class CodeReward:
 
     def check(self, sample: Sample) -> dict[str, float]:
         """Synchronous scoring (one sandbox run)."""
-        from posttrain.core.sandbox import SandboxLimits, run_python
+        from posttrain.plugins.rewards.code.sandbox import SandboxLimits, run_python
 
         c = self.config
         kind, tests = parse_tests(sample.label)

@@ -1,0 +1,48 @@
+"""What an estimator may ask the loop for beyond rewards, declared on the estimator class.
+
+- ``needs_critic = True``: critic values ``[B, T]`` (the trainer backend builds a critic role).
+- ``baseline_sampling = {...}``: sampling overrides for one extra sample per prompt (ReMax:
+  ``{"temperature": 0.0}``, the greedy response). The loop generates it with the run's generator, scores
+  it with the run's rewards, and hands its reward to the estimator as ``metadata["baseline_rewards"]``
+  (``[B]``, the baseline of each sample's prompt). Baseline samples are never trained on.
+
+The loop calls :func:`add_baseline` per group and :func:`estimator_metadata` per batch, so a new
+estimator that declares these gets them without a loop change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from posttrain.core.types import Sample
+
+BASELINE_KEY = "baseline_reward"  # per-sample metadata key; the batch key is "baseline_rewards"
+
+
+async def add_baseline(group: list[Sample], estimator: Any, generator: Any, engine: Any, sampling: Any,
+                       rewards: Any) -> None:
+    """For an estimator with ``baseline_sampling``: generate and score one sample of ``group``'s prompt
+    with those overrides, and write its reward into every sample's ``metadata["baseline_reward"]``. A
+    baseline whose reward failed counts as 0 (its error is kept in ``metadata["baseline_error"]``)."""
+    overrides = getattr(estimator, "baseline_sampling", None)
+    if not overrides or not group:
+        return
+    first = group[0]
+    probe = Sample(prompt=first.prompt, label=first.label, metadata=dict(first.metadata),
+                   tokens=list(first.tokens[:first.prompt_length]), group_index=first.group_index, index=first.index)
+    [probe] = (await generator([probe], engine, dataclasses.replace(sampling, **overrides)))[:1]
+    await rewards.score_groups([[probe]])
+    for s in group:
+        s.metadata[BASELINE_KEY] = float(probe.reward) if probe.reward is not None else 0.0
+        if probe.error:
+            s.metadata["baseline_error"] = probe.error
+
+
+def estimator_metadata(samples: list[Sample]) -> dict[str, Any]:
+    """``AdvantageBatch.metadata`` for ``samples``: ``baseline_rewards`` ``[B]`` when every sample has one."""
+    import torch
+
+    if samples and all(BASELINE_KEY in s.metadata for s in samples):
+        return {"baseline_rewards": torch.tensor([s.metadata[BASELINE_KEY] for s in samples])}
+    return {}

@@ -1,0 +1,149 @@
+"""``ModelSpec``: one HF model family, as every trainer and engine backend sees it.
+
+A model-spec plugin (``posttrain/plugins/models/<family>.py``) registers a subclass with
+``posttrain_register_models``. The backend-independent part lives here: the HF ``model_type`` values a
+spec accepts, ``presets`` (real ``config.json`` shapes by name, and a ``tiny`` one for CPU tests),
+``hf_config()`` and the checkpoint lookup. A trainer backend adds its own mapping on top: Megatron's is
+:class:`posttrain.plugins.trainers.megatron.spec.DenseGPTSpec` (TransformerConfig, layer spec, weight
+mapping per Megatron parameter), which the built-in dense families subclass. An engine backend serves
+the HF checkpoint a spec describes (``hf_architecture``).
+
+This module is import-light (no torch).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from posttrain.core.errors import ConfigError, UsageError, unknown
+from posttrain.core.schema import option
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ModelSpec:
+    """Base of every model spec; see the module docstring for the interface."""
+
+    name = ""
+    model_types: tuple[str, ...] = ()
+    presets: dict[str, dict[str, Any]] = {}
+    hf_architecture = ""  # e.g. "Qwen3ForCausalLM": written to config.json by save_hf
+
+    @dataclass
+    class Config:
+        preset: str = option("tiny", help="a preset shape (see `rl-cli models list`); ignored when `path` is set")
+        path: str | None = option(None, help="an HF checkpoint directory (config.json + *.safetensors)")
+        dtype: Literal["float32", "bfloat16", "float16"] = option("bfloat16", help="parameter dtype")
+        make_vocab_size_divisible_by: int = option(128, ge=1, help="vocab padding multiple (times TP)")
+        tokenizer: str | None = option(None, help="tokenizer directory (default: `path`); 'char' builds posttrain's "
+                                                  "character-level tokenizer (for the tiny presets)")
+
+    def __init__(self, config: Any = None):
+        self.config = config or self.Config()
+
+    # ---------------------------------------------------------------- HF config
+    def hf_config(self) -> dict[str, Any]:
+        """The HF ``config.json`` mapping: read from ``config.path`` or the named preset."""
+        if self.config.path:
+            return read_hf_config(self.config.path)
+        if self.config.preset not in self.presets:
+            raise ConfigError([f"model.preset: {unknown('preset', self.config.preset, self.presets)}"])
+        return dict(self.presets[self.config.preset])
+
+    def padded_vocab_size(self, hf: dict[str, Any], tp: int = 1) -> int:
+        multiple = self.config.make_vocab_size_divisible_by * tp
+        return -(-int(hf["vocab_size"]) // multiple) * multiple
+
+    def tied(self, hf: dict[str, Any]) -> bool:
+        return bool(hf.get("tie_word_embeddings", False))
+
+    # ---------------------------------------------------------------- Megatron side
+    def transformer_config(self, hf: dict[str, Any]) -> dict[str, Any]:
+        """``TransformerConfig`` keyword arguments (architecture only; the trainer adds parallelism/dtype)."""
+        raise NotImplementedError
+
+    def layer_spec(self, hf: dict[str, Any], core_attention: Any = None) -> Any:
+        raise NotImplementedError
+
+    def gpt_model_kwargs(self, hf: dict[str, Any]) -> dict[str, Any]:
+        """Keyword arguments of ``GPTModel`` besides config, spec and vocab size."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- weight mapping (unsharded)
+    def megatron_names(self, hf: dict[str, Any]) -> list[str]:
+        raise NotImplementedError
+
+    def hf_sources(self, hf: dict[str, Any], mname: str) -> list[str]:
+        raise NotImplementedError
+
+    def to_megatron(self, hf: dict[str, Any], mname: str, tensors: list[Any]) -> Any:
+        raise NotImplementedError
+
+    def to_hf(self, hf: dict[str, Any], mname: str, tensor: Any) -> list[tuple[str, Any]]:
+        raise NotImplementedError
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """``config.json`` of an HF checkpoint directory, with a one-line error when it is missing or broken."""
+    p = Path(path) / "config.json"
+    if not p.is_file():
+        raise UsageError(f"{path}: not an HF checkpoint directory (no config.json)")
+    try:
+        hf = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{p}:{exc.lineno}: invalid JSON: {exc.msg}") from None
+    # transformers 5 nests rope parameters; flatten the one field every dense family needs.
+    rope = hf.get("rope_parameters") or {}
+    if "rope_theta" not in hf and isinstance(rope, dict) and "rope_theta" in rope:
+        hf["rope_theta"] = rope["rope_theta"]
+    if "partial_rotary_factor" not in hf and isinstance(rope, dict) and "partial_rotary_factor" in rope:
+        hf["partial_rotary_factor"] = rope["partial_rotary_factor"]
+    return hf
+
+
+def spec_for_model_type(registry: Any, model_type: str) -> type:
+    """The registered spec class that accepts HF ``model_type`` (``config.json``), or a UsageError."""
+    for name in sorted(registry):
+        if model_type in getattr(registry[name], "model_types", ()):
+            return registry[name]
+    every = sorted({t for n in registry for t in getattr(registry[n], "model_types", ())})
+    raise UsageError(unknown("HF model_type", model_type, every, " (no model spec accepts it)"))
+
+
+def spec_for_checkpoint(registry: Any, path: str | Path, **config: Any) -> ModelSpec:
+    """A spec instance for the HF checkpoint at ``path``, chosen by its ``config.json`` ``model_type``."""
+    hf = read_hf_config(path)
+    if "model_type" not in hf:
+        raise UsageError(f"{path}/config.json: no `model_type`; choose the model spec by name")
+    cls = spec_for_model_type(registry, hf["model_type"])
+    return cls(cls.Config(path=str(path), **config))
+
+
+
+def presets_table(specs: Iterable[type]) -> list[dict[str, Any]]:
+    """Rows ``{family, preset, layers, hidden, heads, kv_heads, ffn, vocab, params}`` for `rl-cli models list`."""
+    rows = []
+    for cls in specs:
+        for preset, hf in cls.presets.items():
+            rows.append({"family": cls.name, "preset": preset, "layers": hf["num_hidden_layers"],
+                         "hidden": hf["hidden_size"], "heads": hf["num_attention_heads"],
+                         "kv_heads": hf.get("num_key_value_heads", hf["num_attention_heads"]),
+                         "ffn": hf["intermediate_size"], "vocab": hf["vocab_size"],
+                         "params": count_params(hf, cls)})
+    return rows
+
+
+def count_params(hf: dict[str, Any], cls: type | None = None) -> int:
+    """Parameter count of a dense decoder from its HF config (embeddings counted once when tied)."""
+    h, layers, ffn, vocab = hf["hidden_size"], hf["num_hidden_layers"], hf["intermediate_size"], hf["vocab_size"]
+    heads = hf["num_attention_heads"]
+    groups = hf.get("num_key_value_heads", heads)
+    hd = hf.get("head_dim") or h // heads
+    attn = h * hd * (heads + 2 * groups) + heads * hd * h
+    per_layer = attn + 3 * h * ffn + 2 * h
+    embed = vocab * h * (1 if hf.get("tie_word_embeddings") else 2)
+    return layers * per_layer + embed + h

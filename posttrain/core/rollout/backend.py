@@ -1,0 +1,138 @@
+"""Rollout engine backends: the interface a ``posttrain_register_engines`` plugin implements.
+
+An engine backend decides *what runs* behind SGLang's HTTP protocol: posttrain's own engine server
+(``local``), real SGLang servers (``sglang``), servers someone else started (``external``), or a
+third-party engine (vLLM, an HF ``generate`` server, ...). Everything else about engines is shared and
+lives in :mod:`posttrain.core.rollout`: the client generators use, the router in front, the weight-sync
+protocol, and :class:`~posttrain.core.rollout.fleet.EngineFleet`, which starts, watches and restarts
+the servers a backend describes.
+
+The run config selects a backend by name and passes the rest of the section to its ``Config``::
+
+    rollout:
+      engine: {name: local, device: cuda, compile: true}
+
+A backend class::
+
+    class MyEngine(EngineBackend):
+        name = "my_engine"
+
+        @dataclass
+        class Config:
+            device: str = "cuda"
+
+        def launch(self, slot):              # one server per engine: its command line and environment
+            return EngineLaunch([sys.executable, "-m", "my_engine.serve", slot.model_path,
+                                 "--port", str(slot.port)])
+
+The server a backend starts must answer SGLang's ``/health_generate`` and ``/generate`` (``input_ids``,
+``sampling_params``, ``return_logprob``; ``meta_info.output_token_logprobs``, ``finish_reason``,
+``weight_version``) and the weight-update endpoints of the modes in ``weight_sync_modes``
+(``/update_weights_from_disk`` for ``disk``; ``/init_weights_update_group`` and
+``/update_weights_from_distributed`` for ``distributed``; ``/update_weights_from_tensor`` for
+``tensor``). ``posttrain.testing.EngineContract`` checks all of it against a live server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+WEIGHT_SYNC_MODES = ("distributed", "tensor", "disk")
+
+
+@dataclass
+class EngineSlot:
+    """What a backend needs to start engine ``index`` of a run.
+
+    ``gpus``: the GPU indices of this process (before ``CUDA_VISIBLE_DEVICES`` mapping) that the
+    engine may use, ``resources.gpus_per_engine`` of them, placed after the trainer's GPUs unless the
+    run is colocated; empty on CPU-only placements.
+    """
+
+    index: int
+    port: int
+    host: str
+    model_path: str
+    seed: int
+    resources: Any  # the run's ResourcesConfig (num_engines, gpus_per_engine, colocate, ...)
+    gpus: list[int] = field(default_factory=list)
+
+
+@dataclass
+class EngineLaunch:
+    """One engine server to start: its argv, extra environment, and the path probed for readiness."""
+
+    command: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    health_path: str = "/health_generate"
+
+
+class EngineBackend:
+    """Base of every engine backend; every method has a working default except :meth:`launch`.
+
+    Class attributes:
+
+    - ``name``: the name the run config selects (``rollout.engine.name``).
+    - ``weight_sync_modes``: the ``rollout.weight_sync`` modes its servers implement.
+    - ``seeds_batch_rows``: a batched request with one ``sampling_params.sampling_seed`` seeds row ``j``
+      with ``seed + j`` (posttrain's local engine does; SGLang does not, so seeded groups are sent one
+      request per sample there).
+    """
+
+    name = ""
+    weight_sync_modes: tuple[str, ...] = WEIGHT_SYNC_MODES
+    seeds_batch_rows = False
+
+    @dataclass
+    class Config:
+        pass
+
+    def __init__(self, config: Any = None):
+        self.config = config if config is not None else self.Config()
+
+    # ---------------------------------------------------------------- before start
+    def check(self, run: Any, plugins: Any) -> list[str]:
+        """Problems with this backend for ``run`` (a validated RunConfig), as ``key: reason`` lines
+        reported with every other config error before anything starts. Default: none."""
+        return []
+
+    def on_gpu(self, resources: Any) -> bool:
+        """Whether the engines hold their weights on GPUs (weight sync then uses NCCL or CUDA IPC, and
+        the fleet asks the servers for memory figures). Default: ``resources.rollout_gpus > 0``."""
+        return resources.rollout_gpus > 0
+
+    def ranks_per_engine(self, resources: Any) -> int:
+        """Ranks one engine contributes to a distributed weight-update group (its TP size)."""
+        return 1
+
+    # ---------------------------------------------------------------- start
+    def urls(self) -> list[str] | None:
+        """URLs of engines that are already running (the fleet then starts nothing), or None."""
+        return None
+
+    def launch(self, slot: EngineSlot) -> EngineLaunch:
+        """The server for engine ``slot.index``: argv and environment. The fleet starts it in its own
+        session (dying with the driver), waits for ``health_path``, and restarts it when it dies."""
+        raise NotImplementedError(f"engine backend {self.name!r} starts no servers; give urls() instead")
+
+    # ---------------------------------------------------------------- colocated memory
+    def release_memory(self, url: str, tags: list[str] | None) -> None:
+        """Free the engine's GPU memory (``tags``: ``weights``, ``kv_cache``; None: both) while a
+        colocated trainer runs: SGLang's ``/release_memory_occupation``."""
+        from posttrain.core.rollout.weight_sync import post_json
+
+        post_json(url + "/release_memory_occupation", {"tags": tags} if tags else {})
+
+    def resume_memory(self, url: str, tags: list[str] | None) -> None:
+        """Take the memory back (``/resume_memory_occupation``)."""
+        from posttrain.core.rollout.weight_sync import post_json
+
+        post_json(url + "/resume_memory_occupation", {"tags": tags} if tags else {})
+
+
+def gpu_ids(resources: Any, index: int) -> list[int]:
+    """The GPUs of engine ``index``: ``gpus_per_engine`` of them, after the trainer's unless colocated."""
+    first = 0 if resources.colocate else resources.trainer_gpus_per_node
+    per = resources.gpus_per_engine
+    return list(range(first + index * per, first + (index + 1) * per))

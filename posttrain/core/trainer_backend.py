@@ -1,0 +1,94 @@
+"""Trainer backends: the interface a ``posttrain_register_trainers`` plugin implements.
+
+A trainer backend owns the model the loop trains: building it from a model spec, log-probs, the train
+step, checkpoints, HF export, and the sending side of weight sync (it yields HF-named tensors; the
+weight-sync protocol in :mod:`posttrain.core.rollout.weight_sync` delivers them). The built-in is
+``megatron`` (:mod:`posttrain.plugins.trainers.megatron`); a plain-PyTorch or FSDP2 backend plugs in the
+same way. The run config selects it and passes its own keys to its ``Config``, while the algorithm's
+keys (batch sizes, lr, KL, entropy, clipping, Adam) stay in ``trainer`` for every backend::
+
+    trainer:
+      lr: 1.0e-6
+      global_batch_size: 512
+      backend: {name: megatron, tp: 2, compile: true}
+
+A backend class is built like every component, ``Backend(Backend.Config(...))``; ``build`` then makes a
+model of one role::
+
+    class MyTrainer(TrainerBackend):
+        name = "my_trainer"
+
+        def build(self, spec, run, role="actor", seed=0):
+            return MyModel(spec, run.trainer, self.config, seed=seed, role=role)
+
+The model ``build`` returns implements (shapes: ``[B, T]`` tensors aligned with ``batch.tokens``, see
+:class:`~posttrain.core.train_batch.TrainBatch`; results are CPU tensors or ``dict[str, float]``):
+
+- ``device``: a ``torch.device``;
+- ``log_probs(batch, *, with_entropy=False, weights=None) -> (log_probs, entropy or None)``:
+  float32 ``[B, T]``, 0 outside ``batch.response_mask``; ``weights="ref"`` uses the reference
+  policy (the initial weights, kept by the model);
+- ``values(batch) -> [B, T]`` (critic role only);
+- ``train_step(batch, loss_fn) -> metrics``: one optimizer step over ``batch``, micro-batched as the
+  backend likes. ``loss_fn`` is the run's policy loss (``posttrain.core.losses.PolicyLoss``); the
+  backend adds the KL and entropy terms with ``posttrain.core.losses.total_loss`` (one implementation,
+  the loss's aggregation mode) from ``run.trainer`` (``kl_loss_coef``, ``kl_kind``, ``entropy_coef``),
+  clips gradients to ``grad_clip`` and follows the lr schedule (``lr_at``). Metrics include ``loss``,
+  ``grad_norm``, ``lr`` and the loss's own (prefixed ``pg/``);
+- ``export_hf(bucket_bytes) -> iterator of [(hf_name, tensor)]`` buckets of the current weights under
+  HF names, and ``save_hf(out_dir)``: an HF checkpoint (``config.json`` + safetensors);
+- ``save(dir)`` / ``load(dir)``: the whole training state (weights, optimizer, step), for resume.
+
+``posttrain.testing.TrainerContract`` checks all of it on the tiny model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+class TrainerBackend:
+    """Base of every trainer backend. Subclasses set ``name`` and ``Config`` and implement ``build``."""
+
+    name = ""
+
+    @dataclass
+    class Config:
+        pass
+
+    def __init__(self, config: Any = None):
+        self.config = config if config is not None else self.Config()
+
+    def check(self, run: Any, plugins: Any) -> list[str]:
+        """Problems with this backend for ``run`` (a validated RunConfig), as ``key: reason`` lines
+        reported with every other config error before anything starts. Default: none."""
+        return []
+
+    def on_gpu(self) -> bool:
+        """Whether the model trains on CUDA (weight sync then uses NCCL or CUDA IPC)."""
+        import torch
+
+        return torch.cuda.is_available()
+
+    def build(self, spec: Any, run: Any, role: str = "actor", seed: int = 0) -> Any:
+        """The model of ``role`` (``actor``, or ``critic`` for estimators with ``needs_critic``) from the
+        model spec instance ``spec`` and the whole run config ``run``."""
+        raise NotImplementedError
+
+
+def lr_at(step: int, config: Any) -> float:
+    """Learning rate for optimizer step ``step`` (0-based) under ``trainer`` config ``config``: linear
+    warm-up over ``lr_warmup_steps``, then constant, linear or cosine decay to ``min_lr`` at
+    ``lr_decay_steps``. Every backend follows it, so a run's lr curve does not depend on the backend."""
+    lr = config.lr
+    if config.lr_warmup_steps and step < config.lr_warmup_steps:
+        return lr * (step + 1) / config.lr_warmup_steps
+    if config.lr_decay_style == "constant":
+        return lr
+    span = max(1, config.lr_decay_steps - config.lr_warmup_steps)
+    frac = min(1.0, max(0.0, (step - config.lr_warmup_steps) / span))
+    if config.lr_decay_style == "linear":
+        return config.min_lr + (lr - config.min_lr) * (1 - frac)
+    return config.min_lr + (lr - config.min_lr) * 0.5 * (1 + math.cos(math.pi * frac))

@@ -1,0 +1,104 @@
+"""The ``local`` engine backend: posttrain's own engine server (``rl-cli engine serve``) over an HF
+checkpoint, one process per engine, on the CPU or one GPU each.
+
+Modules (none imported here: this entry module stays light):
+
+- ``server``: the HTTP server speaking SGLang's native API (generate, abort, pause, weight updates by
+  disk, Gloo/NCCL group or CUDA IPC, memory release for colocation);
+- ``engine``: continuous batching in one thread; ``model_runner``: the forward passes over a static
+  slot KV cache (CUDA graphs on GPU); ``decode_kernel``: the Triton flash-decoding kernel;
+  ``sampling``: per-row sampling (temperature, top-p/k, min-p, seeds); ``memory``: release/resume;
+- ``command``: the ``rl-cli engine serve`` command, added through ``posttrain_register_commands``.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from posttrain import hookimpl
+from posttrain.core.rollout.backend import EngineBackend, EngineLaunch, EngineSlot
+from posttrain.core.schema import option
+
+# HF architectures whose decoder layer the model runner knows (model_runner._project_qkv/_finish_layer)
+SERVED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Glm4ForCausalLM")
+
+
+class LocalEngine(EngineBackend):
+    """posttrain's engine server: continuous batching over a static KV cache, SGLang's HTTP API.
+
+    For CPU machines, tests and single-GPU runs (Triton flash-decoding and CUDA graphs on GPU). Serves
+    the architectures in ``SERVED_ARCHITECTURES``; a model spec of another architecture is refused
+    before start. On ``device: cuda`` engine ``i`` takes GPU ``first + i x gpus_per_engine`` (``first``:
+    0 when colocated, else ``resources.trainer_gpus_per_node``); ``cuda:N`` puts every engine on GPU N.
+    Each engine sees its GPU alone (``CUDA_VISIBLE_DEVICES``).
+    """
+
+    name = "local"
+    is_default = True  # a run config without rollout.engine runs this
+    seeds_batch_rows = True
+
+    @dataclass
+    class Config:
+        device: str = option("cpu", help="cpu | cuda (placed after the trainer's GPUs) | cuda:N")
+        max_running_requests: int = option(32, ge=1, help="KV-cache slots (requests decoded together)")
+        decode_attention: Literal["auto", "sdpa", "bmm", "triton"] = option(
+            "auto", help="decode attention: auto = triton on a GPU (reads each request's own length), sdpa elsewhere")
+        compile: bool = option(False, help="torch.compile the decode step (GPU; slower start)")
+        context_length: int = option(0, ge=0, help="tokens per request; 0: the model's maximum (at most 4096)")
+
+    def check(self, run: Any, plugins: Any) -> list[str]:
+        errors = []
+        device = self.config.device
+        if device != "cpu" and not (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
+            errors.append(f"rollout.engine.device: expected cpu, cuda or cuda:N, got {device!r}")
+        arch = getattr(plugins.models.get(run.model.name), "hf_architecture", "") if run.model else ""
+        if arch and arch not in SERVED_ARCHITECTURES:
+            errors.append(f"rollout.engine: the local engine cannot serve {arch} (model {run.model.name!r}); it "
+                          f"serves {', '.join(SERVED_ARCHITECTURES)}. Use rollout.engine.name: sglang")
+        return errors
+
+    def on_gpu(self, resources: Any) -> bool:
+        return self.config.device.startswith("cuda")
+
+    def launch(self, slot: EngineSlot) -> EngineLaunch:
+        from posttrain.core.rollout.backend import gpu_ids
+        from posttrain.core.rollout.fleet import visible_device
+
+        device, env = self.config.device, {}
+        if device == "cuda":
+            device = f"cuda:{gpu_ids(slot.resources, slot.index)[0]}"
+        if device.startswith("cuda:"):  # the engine sees its GPU alone, as cuda:0, in every thread
+            env["CUDA_VISIBLE_DEVICES"] = visible_device(int(device.split(":")[1]))
+            device = "cuda"
+        cfg = self.config
+        return EngineLaunch(local_engine_command(
+            slot.model_path, slot.port, host=slot.host, device=device, max_running_requests=cfg.max_running_requests,
+            context_length=cfg.context_length or None, cuda_graphs=device == "cuda",
+            decode_attention=cfg.decode_attention, compile=cfg.compile), env)
+
+
+def local_engine_command(model_dir: str, port: int, host: str = "127.0.0.1", **options: Any) -> list[str]:
+    """The ``rl-cli engine serve`` argv (run through this interpreter) for the local engine."""
+    cmd = [sys.executable, "-m", "posttrain.cli.main", "engine", "serve", str(model_dir), "--host", host,
+           "--port", str(port)]
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            cmd.append(flag)
+        elif value not in (None, False):
+            cmd += [flag, str(value)]
+    return cmd
+
+
+@hookimpl
+def posttrain_register_engines(registry):
+    registry.add(LocalEngine)
+
+
+@hookimpl
+def posttrain_register_commands(app):
+    from posttrain.plugins.engines.local.command import app as engine_app
+
+    app.add_typer(engine_app, name="engine")

@@ -1,0 +1,57 @@
+"""The ``sglang`` engine backend: real SGLang servers (``python -m sglang.launch_server``), one per engine,
+``resources.gpus_per_engine`` GPUs each (its TP size), after the trainer's GPUs unless colocated.
+
+SGLang is not a dependency (``pip install posttrain[sglang]`` on GPU machines); the launcher only builds
+command lines, so this module imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from posttrain import hookimpl
+from posttrain.core.rollout.backend import EngineBackend, EngineLaunch, EngineSlot
+from posttrain.core.schema import option
+
+
+class SGLangEngine(EngineBackend):
+    """Real SGLang servers: the production path on GPUs. Every SGLang server option passes through ``args``
+    (``{attention_backend: fa3}`` becomes ``--attention-backend fa3``); posttrain sets the model path,
+    host, port, TP size, seed, base GPU and (colocated) ``--enable-memory-saver`` itself.
+
+    Seeded sampling needs ``args: {enable_deterministic_inference: true}``; seeded groups are then sent one
+    request per sample (SGLang seeds a whole batched request alike).
+    """
+
+    name = "sglang"
+
+    @dataclass
+    class Config:
+        mem_fraction_static: float | None = option(None, gt=0.0, lt=1.0, help="SGLang --mem-fraction-static")
+        args: dict[str, Any] = option(default_factory=dict, help="extra SGLang server options by name")
+
+    def check(self, run: Any, plugins: Any) -> list[str]:
+        from posttrain.plugins.engines.sglang.launcher import RESERVED
+
+        return [f"rollout.engine.args.{key}: set from the run config; remove it here" for key in self.config.args
+                if key.replace("-", "_") in RESERVED]
+
+    def on_gpu(self, resources: Any) -> bool:
+        return True
+
+    def ranks_per_engine(self, resources: Any) -> int:
+        return resources.gpus_per_engine
+
+    def launch(self, slot: EngineSlot) -> EngineLaunch:
+        from posttrain.plugins.engines.sglang.launcher import sglang_command, sglang_spec_from_config
+
+        spec = sglang_spec_from_config(self.config, slot.resources, slot.model_path, slot.port,
+                                       engine_index=slot.index, seed=slot.seed)
+        spec.host = slot.host
+        return EngineLaunch(sglang_command(spec))
+
+
+@hookimpl
+def posttrain_register_engines(registry):
+    registry.add(SGLangEngine)

@@ -1,0 +1,79 @@
+"""The ``megatron`` trainer backend: Megatron-core GPTModel with TP/PP, chunked vocab-parallel log-probs,
+Megatron's DDP and (distributed) optimizer on GPUs, dist-checkpointing, bit-exact HF conversion.
+
+Modules (none is imported here, so this entry module stays light):
+
+- ``spec``: ``DenseGPTSpec``, the Megatron mapping the built-in dense model specs implement;
+- ``cpu_shims``: the CPU stand-ins Megatron needs (inactive with CUDA);
+- ``model``: parallel init, ``build_gpt``, ``load_hf``, ``iter_hf``, ``save_hf``;
+- ``attention``: SDPA / flash-varlen core attention (GPU without TE, CPU, packed sequences);
+- ``layers``: GLM-4's post-norm wrappers; ``logprobs``: chunked vocab-parallel log-probs and entropy;
+- ``optim``: fused AdamW inside Megatron's optimizer; ``trainer``: ``MegatronTrainer`` (actor or critic);
+- ``convert``: ``verify_checkpoint`` and HF <-> Megatron directory conversion (``rl-cli models``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from posttrain import hookimpl
+from posttrain.core.schema import option
+from posttrain.core.trainer_backend import TrainerBackend
+
+
+class MegatronBackend(TrainerBackend):
+    """Megatron-core: TP and PP inside the trainer, Megatron's DDP + (distributed) optimizer on GPUs, a torch
+    AdamW with fp32 master weights and our own clipping on CPU. The reference policy is a host copy of the
+    initial weights. Without Transformer Engine, core attention is SDPA (flash ``varlen_attn`` for packed
+    samples on GPU)."""
+
+    name = "megatron"
+    is_default = True  # a run config without trainer.backend runs this
+
+    @dataclass
+    class Config:
+        tp: int = option(1, ge=1, help="tensor-parallel size")
+        pp: int = option(1, ge=1, help="pipeline-parallel size (needs sequence_packing; actor only)")
+        attention: Literal["auto", "sdpa", "local", "te"] = option(
+            "auto", help="core attention: auto = TE if installed on GPU, else SDPA")
+        compile: bool = option(False, help="torch.compile each transformer layer (fuses norms, SwiGLU, rotary)")
+        sequence_packing: bool = option(True, help="pack a micro-batch's samples into one row (THD attention)")
+        log_probs_chunk_size: int = option(1024, ge=1, help="tokens per chunk of the vocab-parallel log-softmax")
+        log_probs_recompute: bool = option(True, help="backward recomputes each chunk's logits (least memory); "
+                                                      "false keeps them (tokens x vocab/tp in bf16) and skips that matmul")
+        use_distributed_optimizer: bool = option(True, help="Megatron's distributed optimizer (GPU only; CPU uses "
+                                                            "torch AdamW)")
+        fused_adam: bool = option(True, help="GPU without TE/Apex: torch's fused AdamW inside Megatron's optimizer")
+        megatron: dict[str, Any] = option(default_factory=dict,
+                                          help="Megatron TransformerConfig/DDP/optimizer fields by name")
+
+        def validate(self) -> list[str]:
+            if not self.megatron:
+                return []
+            from posttrain.core.errors import UsageError
+            from posttrain.plugins.trainers.megatron.model import split_megatron_overrides
+
+            try:  # checked against Megatron's own dataclasses: a misspelled field is an error
+                split_megatron_overrides(self.megatron)
+            except UsageError as exc:
+                return [str(exc).removeprefix("trainer.backend.")]
+            return []
+
+    def check(self, run: Any, plugins: Any) -> list[str]:
+        spec = plugins.models.get(run.model.name) if run.model else None
+        if spec is not None and not hasattr(spec, "transformer_config"):
+            return [f"trainer.backend: model {run.model.name!r} has no Megatron mapping (a DenseGPTSpec or "
+                    f"a spec with transformer_config/layer_spec)"]
+        return []
+
+    def build(self, spec: Any, run: Any, role: str = "actor", seed: int = 0) -> Any:
+        from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
+
+        return MegatronTrainer(spec, run.trainer, backend=self.config, seed=seed, role=role,
+                               max_response_len=run.rollout.max_new_tokens)
+
+
+@hookimpl
+def posttrain_register_trainers(registry):
+    registry.add(MegatronBackend)
