@@ -37,9 +37,13 @@ class Component:
     cls: Any = field(default=None, repr=False, compare=False)  # the registered class (this process's)
 
     def create(self, plugins: Any = None) -> Any:
-        """An instance built the one way every component is built: ``Cls(Cls.Config(...))``."""
+        """An instance built the one way every component is built: ``Cls(Cls.Config(...))``; a component
+        that needs other registries (a generator's tools) gets the run's plugin set by ``bind(plugins)``."""
         cls = plugins.registry(self.kind)[self.name] if plugins is not None else self.cls
-        return cls(self.config)
+        obj = cls(self.config)
+        if plugins is not None and callable(getattr(obj, "bind", None)):
+            obj.bind(plugins)
+        return obj
 
     def to_dict(self) -> dict[str, Any]:
         out = {"name": self.name, **(to_dict(self.config) or {})}
@@ -307,13 +311,18 @@ class RunConfig:
                           "(not in this version); use 1")
         return errors
 
-    def backend_errors(self, plugins: Any) -> list[str]:
-        """What the selected engine and trainer backends find wrong with this run (``check()``)."""
-        errors = []
-        for section in (self.rollout.engine, self.trainer.backend):
-            if section is not None:
-                errors += section.create(plugins).check(self, plugins)
-        return errors
+    def components(self) -> list[Component]:
+        """Every selected component, the backends inside ``rollout`` and ``trainer`` included."""
+        out = [self.rollout.engine, self.trainer.backend]
+        for value in vars(self).values():
+            out += value if isinstance(value, list) else [value]
+        return [c for c in out if isinstance(c, Component)]
+
+    def component_errors(self, plugins: Any) -> list[str]:
+        """What selected components find wrong with this run: those whose class defines
+        ``check_config(run, plugins) -> ["key: reason", ...]`` (backends, generators with tools) are asked."""
+        return [e for c in self.components() if callable(getattr(c.cls, "check_config", None))
+                for e in c.cls(c.config).check_config(self, plugins)]
 
     def missing_for_training(self) -> list[str]:
         """Sections a config may leave out while it is validated piecemeal, but a run needs."""
@@ -357,7 +366,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     config, errs = build(RunConfig, raw, "", context=plugins)
     errors += errs
     if config is not None:
-        errors += config.backend_errors(plugins)
+        errors += config.component_errors(plugins)
     elif isinstance(raw, dict):  # still report the batch identity if its sections are valid
         rollout, e1 = build(RolloutConfig, raw.get("rollout"), "rollout", context=plugins)
         trainer, e2 = build(TrainerConfig, raw.get("trainer"), "trainer", context=plugins)

@@ -178,7 +178,7 @@ def posttrain_register_engines(registry: Registry) -> None:
     ``Backend(Backend.Config(...))`` from the run config's ``rollout.engine`` section. It owns its config,
     the launch of each engine server (``launch(slot) -> EngineLaunch``: argv, environment, health path) or
     the URLs of running ones (``urls()``), the weight-update modes its servers implement
-    (``weight_sync_modes``), memory release/resume for colocation, and ``check(run, plugins)`` for config
+    (``weight_sync_modes``), memory release/resume for colocation, and ``check_config(run, plugins)`` for config
     errors found before start. The fleet (``posttrain.core.rollout.fleet``) starts, watches and restarts
     the servers and puts sglang-router in front; generators reach them only through ``EngineClient``.
     Built-ins: ``local`` (posttrain's engine server), ``sglang`` (real SGLang servers), ``external``

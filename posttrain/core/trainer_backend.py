@@ -61,7 +61,7 @@ class TrainerBackend:
     def __init__(self, config: Any = None):
         self.config = config if config is not None else self.Config()
 
-    def check(self, run: Any, plugins: Any) -> list[str]:
+    def check_config(self, run: Any, plugins: Any) -> list[str]:
         """Problems with this backend for ``run`` (a validated RunConfig), as ``key: reason`` lines
         reported with every other config error before anything starts. Default: none."""
         return []

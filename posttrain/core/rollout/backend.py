@@ -92,7 +92,7 @@ class EngineBackend:
         self.config = config if config is not None else self.Config()
 
     # ---------------------------------------------------------------- before start
-    def check(self, run: Any, plugins: Any) -> list[str]:
+    def check_config(self, run: Any, plugins: Any) -> list[str]:
         """Problems with this backend for ``run`` (a validated RunConfig), as ``key: reason`` lines
         reported with every other config error before anything starts. Default: none."""
         return []

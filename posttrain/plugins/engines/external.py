@@ -25,7 +25,7 @@ class ExternalEngines(EngineBackend):
                          "weight_sync: distributed")
         tp: int = option(1, ge=1, help="ranks each engine adds to a distributed weight-update group (its TP size)")
 
-    def check(self, run: Any, plugins: Any) -> list[str]:
+    def check_config(self, run: Any, plugins: Any) -> list[str]:
         bad = [u for u in self.config.urls if not u.startswith(("http://", "https://"))]
         errors = [f"rollout.engine.urls: {u!r} is not an http(s) URL" for u in bad]
         if not self.config.urls:

@@ -17,8 +17,10 @@ class MultiTurn:
     each tool runs with ``tool_timeout_s`` and a failure becomes error text for the model; the results,
     wrapped by ``tool_response_template``, are tokenized and appended with ``loss_mask`` 0 and log-prob 0.
     So ``loss_mask`` is 1 exactly on tokens the model generated. The total response is bounded by
-    ``max_new_tokens``; hitting it marks the sample ``truncated``. Tools come from the ``tools`` registry
-    (``posttrain_register_tools``); ``tools: []`` offers every registered tool.
+    ``max_new_tokens``; hitting it marks the sample ``truncated``. Tools come from the run's ``tools``
+    registry (``posttrain_register_tools``, handed over by :meth:`bind`, so ``--plugin`` files and ``-p``
+    apply); ``tools: []`` offers every registered tool. Unknown tool or parser names are config errors
+    (:meth:`check`), reported before anything starts.
     """
 
     name = "multi_turn"
@@ -36,15 +38,28 @@ class MultiTurn:
 
     def __init__(self, config=None, tools=None):
         self.config = config or self.Config()
-        self._tools = tools  # name -> callable; None: from the plugin registry on first use
+        self._tools = tools  # name -> callable; None until bind() gives the run's registry
+
+    def check_config(self, run, plugins) -> list[str]:
+        """Config errors: tool names the run's registry lacks, an unknown parser."""
+        from posttrain.core.rollout.tools import PARSERS
+
+        errors = [f"generator.tools: {plugins.tools.unknown_message(n)}" for n in self.config.tools
+                  if n not in plugins.tools]
+        if self.config.parser not in PARSERS:
+            errors.append(f"generator.parser: unknown parser {self.config.parser!r}. Valid: {', '.join(PARSERS)}")
+        return errors
+
+    def bind(self, plugins) -> None:
+        """Take the tools from the run's plugin set (called by ``Component.create``)."""
+        if self._tools is None:
+            names = self.config.tools or list(plugins.tools)
+            self._tools = {n: _tool_callable(plugins.tools.get_or_raise(n)) for n in names}
 
     def tools(self) -> dict:
         if self._tools is None:
-            from posttrain.core.plugins import load_plugins
-
-            registry = load_plugins().tools
-            names = self.config.tools or list(registry)
-            self._tools = {n: _tool_callable(registry.get_or_raise(n)) for n in names}
+            raise RuntimeError("multi_turn: no tools bound; build it with Component.create(plugins) or "
+                               "MultiTurn(config, tools={...})")
         return self._tools
 
     async def __call__(self, group, engine, sampling):

@@ -109,7 +109,10 @@ def test_tools_registered_and_calculator_is_safe(plugins):
 
 async def test_multi_turn_takes_its_tools_from_the_plugin_registry(scripted):
     eng, client, tok = await scripted([call("calculator", expression="2**10"), "ok"])
+    from posttrain.core.plugins import load_plugins
+
     gen = MultiTurn(MultiTurn.Config(tools=["calculator"]))
+    gen.bind(load_plugins())
     [s] = await gen([Sample(prompt="q")], client, SamplingParams(max_new_tokens=500))
     await client.close()
     assert "<tool_response>\n1024\n</tool_response>" in s.response

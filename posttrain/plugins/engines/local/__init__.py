@@ -48,7 +48,7 @@ class LocalEngine(EngineBackend):
         compile: bool = option(False, help="torch.compile the decode step (GPU; slower start)")
         context_length: int = option(0, ge=0, help="tokens per request; 0: the model's maximum (at most 4096)")
 
-    def check(self, run: Any, plugins: Any) -> list[str]:
+    def check_config(self, run: Any, plugins: Any) -> list[str]:
         errors = []
         device = self.config.device
         if device != "cpu" and not (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):

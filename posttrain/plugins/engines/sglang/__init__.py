@@ -31,7 +31,7 @@ class SGLangEngine(EngineBackend):
         mem_fraction_static: float | None = option(None, gt=0.0, lt=1.0, help="SGLang --mem-fraction-static")
         args: dict[str, Any] = option(default_factory=dict, help="extra SGLang server options by name")
 
-    def check(self, run: Any, plugins: Any) -> list[str]:
+    def check_config(self, run: Any, plugins: Any) -> list[str]:
         from posttrain.plugins.engines.sglang.launcher import RESERVED
 
         return [f"rollout.engine.args.{key}: set from the run config; remove it here" for key in self.config.args

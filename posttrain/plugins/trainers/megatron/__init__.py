@@ -60,7 +60,7 @@ class MegatronBackend(TrainerBackend):
                 return [str(exc).removeprefix("trainer.backend.")]
             return []
 
-    def check(self, run: Any, plugins: Any) -> list[str]:
+    def check_config(self, run: Any, plugins: Any) -> list[str]:
         spec = plugins.models.get(run.model.name) if run.model else None
         if spec is not None and not hasattr(spec, "transformer_config"):
             return [f"trainer.backend: model {run.model.name!r} has no Megatron mapping (a DenseGPTSpec or "
