@@ -99,3 +99,31 @@ def test_the_insecure_mode_keeps_rlimits_and_the_python_guard(tmp_path):
     assert "sandbox: writing" in r.stderr and not (tmp_path / "x").exists()
     r = run_python("x = bytearray(10 * 2**30)", limits=SandboxLimits(os_sandbox=False, memory_mb=256))
     assert "MemoryError" in r.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/python3") or os.geteuid() != 0,
+                    reason="needs root (to drop to uid 65534) and a system /usr/bin/python3")
+def test_an_unprivileged_caller_and_a_usr_interpreter_get_the_same_sandbox():
+    # the two other start paths: bwrap started by an unprivileged user (no root stage), and root with an
+    # interpreter under /usr (setpriv only); sandbox.py needs only the standard library, so the system
+    # Python loads it from a copy readable by uid 65534
+    import shutil
+    import subprocess
+
+    copy = tempfile.mkdtemp(prefix="posttrain-sandbox-copy-")
+    try:
+        os.chmod(copy, 0o755)
+        shutil.copy(sandbox.__file__, os.path.join(copy, "sb.py"))
+        script = ("import importlib.util, sys\n"
+                  f"spec = importlib.util.spec_from_file_location('sb', {os.path.join(copy, 'sb.py')!r})\n"
+                  "sb = importlib.util.module_from_spec(spec)\nsys.modules['sb'] = sb\nspec.loader.exec_module(sb)\n"
+                  "r = sb.run_python(\"import os\\nprint(os.getuid(), sorted(os.listdir('/')))\\nos.fork()\")\n"
+                  "print(r.stdout.strip(), 'fork refused' if 'not allowed' in r.stderr else r.stderr)")
+        for prefix in ([], ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]):
+            out = subprocess.run([*prefix, "/usr/bin/python3", "-I", "-c", script], capture_output=True, text=True,
+                                 cwd="/", timeout=60)
+            uid, rest = out.stdout.split(" ", 1)
+            assert uid == "65534" and rest.strip().endswith("fork refused"), (prefix, out.stdout, out.stderr)
+            assert "'work'" in rest and "'usr'" in rest and not any(f"'{d}'" in rest for d in ("etc", "root", "home", "tmp"))
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
