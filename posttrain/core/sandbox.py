@@ -442,7 +442,10 @@ def _run(source: str, stdin: str, limits: SandboxLimits, files: dict[str, str]) 
                              timed_out, time.perf_counter() - start, limited)
     finally:
         if proc is not None:
-            _kill(proc, not limits.os_sandbox)  # what a normal exit left behind dies too
+            # bwrap: whatever the program left behind died with its PID namespace, and a reaped pid must
+            # not be signalled (it may be reused). Insecure mode: the group's leftovers keep its id taken.
+            if proc.poll() is None or not limits.os_sandbox:
+                _kill(proc, not limits.os_sandbox)
             if proc.poll() is None:
                 proc.wait()
             for pipe in (proc.stdout, proc.stderr):
