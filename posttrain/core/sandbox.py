@@ -216,7 +216,7 @@ def _tools() -> dict[str, str]:
         raise SandboxUnavailable(INSTALL_HINT)
     missing = [n for n, p in found.items() if not p]
     if missing:
-        raise SandboxUnavailable(f"code sandbox: {', '.join(missing)} not found (Debian package util-linux)")
+        raise SandboxUnavailable(f"code sandbox: {', '.join(missing)} not found (Debian packages util-linux, mount)")
     return found
 
 
