@@ -4,7 +4,8 @@ The default format is Qwen's / Hermes': ``<tool_call>{"name": "my_tool", "argume
 A parser is a function ``text -> list[ToolCall]``; :data:`PARSERS` maps names to parsers (plugins may add
 their own). Tools are plain callables (sync or async) taking the call's arguments as keywords and
 returning a string; :func:`run_tool` applies a timeout and turns every failure into error text for the
-model instead of an exception.
+model instead of an exception. Sync tools run in worker processes (:mod:`.tool_workers`), killed at the
+timeout, so one stuck in C code never blocks the event loop; async tools run on the loop and must await.
 """
 
 from __future__ import annotations
@@ -57,13 +58,17 @@ async def run_tool(call: ToolCall, tools: dict[str, Callable[..., Any]], timeout
     fn = tools.get(call.name)
     if fn is None:
         return f"error: unknown tool {call.name!r}; available: {', '.join(sorted(tools)) or '(none)'}"
+    from posttrain.core.rollout.tool_workers import ToolFailed, ToolTimeout, default_workers
+
     try:
         if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
             result = await asyncio.wait_for(fn(**call.arguments), timeout_s)
         else:
-            result = await asyncio.wait_for(asyncio.to_thread(fn, **call.arguments), timeout_s)
-    except asyncio.TimeoutError:
+            result = await default_workers().call(fn, call.arguments, timeout_s)
+    except (asyncio.TimeoutError, ToolTimeout):
         return f"error: tool {call.name!r} timed out after {timeout_s:g} s"
+    except ToolFailed as exc:  # raised in the worker: its type name and message
+        return f"error: {exc.kind}: {exc}"
     except Exception as exc:  # the model sees the failure and may try again
         return f"error: {type(exc).__name__}: {exc}"
     return result if isinstance(result, str) else json.dumps(result)

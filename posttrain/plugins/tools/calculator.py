@@ -11,6 +11,8 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, as
         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
         ast.USub: operator.neg, ast.UAdd: operator.pos}
 
+_MAX_BITS = 10_000  # about 3,000 digits: past Python's int-to-text limit (4,300 digits) anyway
+
 
 def _eval(node):
     if isinstance(node, ast.Expression):
@@ -21,6 +23,12 @@ def _eval(node):
         left, right = _eval(node.left), _eval(node.right)
         if isinstance(node.op, ast.Pow) and abs(right) > 64:
             raise ValueError("exponent too large")
+        if isinstance(node.op, ast.Pow) and isinstance(left, int) and isinstance(right, int) and right > 0 and (
+                left.bit_length() * right > _MAX_BITS):  # (((9**64)**64)**64)**64 would take a minute
+            raise ValueError("result too large")
+        if isinstance(node.op, ast.Mult) and isinstance(left, int) and isinstance(right, int) and (
+                left.bit_length() + right.bit_length() > _MAX_BITS):
+            raise ValueError("result too large")
         return _OPS[type(node.op)](left, right)
     if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
         return _OPS[type(node.op)](_eval(node.operand))

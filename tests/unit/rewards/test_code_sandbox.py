@@ -1,137 +1,129 @@
-"""The sandbox contains infinite loops, huge allocations, forks, sockets and writes outside its directory."""
+"""The sandbox runs ordinary programs and enforces its limits; the insecure mode is explicit; a machine
+without bubblewrap gets a one-line install hint. Escapes are in test_sandbox_escapes.py."""
 
-import socket
+import glob
+import os
+import tempfile
 import time
 
-import psutil
 import pytest
 
-from posttrain.plugins.rewards.code.sandbox import SandboxLimits, isolation, run_python
+import posttrain.plugins.rewards.code.sandbox as sandbox
+from posttrain.core.plugins import load_plugins
+from posttrain.plugins.rewards.code.sandbox import SandboxLimits, SandboxUnavailable, isolation, run_python
+from posttrain.core.types import Sample
 
-NAMESPACES = isolation()["namespaces"]
+
+def test_this_machine_has_the_os_sandbox():
+    # CI installs bubblewrap (README's test command): a machine without it must fail here, not skip
+    info = isolation()
+    assert info["os_sandbox"], info["reason"]
+    assert info["host_uid"] == 65534 or os.geteuid() != 0
+    assert {"user", "pid", "mount", "network"} <= set(info["namespaces"])
 
 
-def test_a_normal_program_runs_with_stdin_and_its_directory_is_removed():
-    r = run_python("import os\nprint(input()[::-1])\nprint(os.getcwd())\nopen('x.txt', 'w').write('ok')",
-                   stdin="abc\n")
-    assert r.ok and r.stdout.splitlines()[0] == "cba"
-    workdir = r.stdout.splitlines()[1]
-    assert "posttrain-sandbox-" in workdir
-    import os
-    assert not os.path.exists(workdir)
+def test_a_normal_program_runs_with_stdin_files_and_a_private_workdir():
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "posttrain-sandbox-*")))
+    r = run_python("import os\nprint(input()[::-1])\nprint(os.getcwd())\nopen('x.txt', 'w').write('ok')\n"
+                   "print(open('data.txt').read())\nprint(os.getuid())", stdin="abc\n", files={"data.txt": "given"})
+    assert r.ok, r.stderr
+    assert r.stdout.splitlines() == ["cba", "/work", "given", "65534"]
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "posttrain-sandbox-*"))) == before  # removed
+
+
+def test_threads_and_exit_work():
+    r = run_python("import threading\nt = threading.Thread(target=print, args=('thread',))\nt.start()\nt.join()\n"
+                   "exit(3)")
+    assert r.returncode == 3 and r.stdout == "thread\n"
 
 
 def test_infinite_loop_is_killed_at_the_timeout():
     start = time.perf_counter()
     r = run_python("while True:\n    pass", limits=SandboxLimits(timeout=1.0))
-    assert r.timed_out and not r.ok and time.perf_counter() - start < 5
+    assert r.timed_out and not r.ok and time.perf_counter() - start < 4
 
 
 def test_cpu_limit_kills_a_busy_program_that_ignores_signals():
     r = run_python("import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass",
                    limits=SandboxLimits(timeout=10.0, cpu_seconds=1))
-    assert not r.ok and r.seconds < 8  # the hard CPU limit sends SIGKILL
+    assert not r.ok and not r.timed_out and r.seconds < 6  # the hard CPU limit sends SIGKILL
 
 
-def test_ten_gigabytes_cannot_be_allocated():
-    r = run_python("x = bytearray(10 * 2**30)\nprint('allocated')", limits=SandboxLimits(memory_mb=256))
-    assert not r.ok and "MemoryError" in r.stderr and "allocated" not in r.stdout
+def test_output_flood_is_cut_and_killed():
+    start = time.perf_counter()
+    r = run_python("while True:\n    print('x' * 100000)", limits=SandboxLimits(timeout=20.0, output_mb=1))
+    assert r.output_limited and not r.ok and len(r.stdout) <= 2**20 and time.perf_counter() - start < 5
 
 
-def test_fork_and_subprocess_are_refused():
-    for program in ("import os\nos.fork()", "import subprocess\nsubprocess.run(['true'])",
-                    "import os\nos.system('true')", "import multiprocessing",
-                    "import ctypes\nctypes.CDLL(None).fork()"):
-        r = run_python(program)
-        assert not r.ok and ("sandbox:" in r.stderr), (program, r.stderr)
+def test_work_dir_is_bounded_and_the_rest_is_read_only():
+    r = run_python("import os\nfor i in range(100):\n    open(f'f{i}', 'wb').write(b'x' * (2 << 20))",
+                   limits=SandboxLimits(work_mb=8))
+    assert not r.ok and "No space left on device" in r.stderr
+    for path in ("/x", "/usr/x", "/dev/x"):
+        r = run_python(f"open({path!r}, 'w')", limits=SandboxLimits(python_guard=False))
+        assert "Read-only file system" in r.stderr, (path, r.stderr)
 
 
-@pytest.mark.skipif(not NAMESPACES, reason="no PID namespaces on this machine")
-def test_processes_that_escape_the_group_die_with_the_sandbox():
-    token = f"posttrain-escapee-{time.time_ns()}"
-    program = ("import subprocess, sys\n"
-               f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', '{token}'],"
-               " start_new_session=True)\nprint('spawned')")
-    r = run_python(program, limits=SandboxLimits(allow_subprocess=True))
-    assert r.ok and "spawned" in r.stdout
-
-    def alive():
-        return [p for p in psutil.process_iter(["cmdline"]) if token in (p.info["cmdline"] or [])]
-    deadline = time.time() + 3
-    while alive() and time.time() < deadline:
-        time.sleep(0.05)
-    assert not alive()
+def test_bad_limits_name_the_key():
+    with pytest.raises(ValueError, match="SandboxLimits.memory_mb"):
+        SandboxLimits(memory_mb=0)
+    with pytest.raises(ValueError, match="SandboxLimits.python_guard"):
+        SandboxLimits(python_guard="yes")
+    with pytest.raises(ValueError, match="run_python files"):
+        run_python("pass", files={"../x": ""})
 
 
-@pytest.fixture
-def listener():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    s.listen()
-    s.setblocking(False)
-    yield s
-    s.close()
+def test_without_bwrap_the_error_is_one_line_with_the_install_command(monkeypatch):
+    monkeypatch.setattr(sandbox.shutil, "which", lambda *a, **k: None)
+    sandbox._probe.cache_clear()
+    try:
+        with pytest.raises(SandboxUnavailable, match="apt-get install -y bubblewrap") as err:
+            run_python("print(1)")
+        assert "\n" not in str(err.value)
+        code = load_plugins().rewards["code"]
+        with pytest.raises(SandboxUnavailable, match="bubblewrap"):
+            code()
+        sample = Sample(prompt="", response="print(1)", label=[{"input": "", "output": "1"}])
+        assert code(code.Config(insecure_no_os_sandbox=True)).check(sample)["score"] == 1.0  # explicit opt-out
+    finally:
+        monkeypatch.undo()
+        sandbox._probe.cache_clear()
 
 
-def test_sockets_are_refused(listener):
-    port = listener.getsockname()[1]
-    r = run_python(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')")
+def test_the_insecure_mode_keeps_rlimits_and_the_python_guard(tmp_path):
+    insecure = SandboxLimits(os_sandbox=False, timeout=3.0)
+    assert run_python("print(6 * 7)", limits=insecure).stdout == "42\n"
+    r = run_python("import socket\nsocket.socket().connect(('127.0.0.1', 9))", limits=insecure)
     assert not r.ok and "sandbox: socket" in r.stderr
-    with pytest.raises(BlockingIOError):
-        listener.accept()
+    r = run_python(f"open({str(tmp_path / 'x')!r}, 'w')", limits=insecure)
+    assert "sandbox: writing" in r.stderr and not (tmp_path / "x").exists()
+    r = run_python("x = bytearray(10 * 2**30)", limits=SandboxLimits(os_sandbox=False, memory_mb=256))
+    assert "MemoryError" in r.stderr
 
 
-@pytest.mark.skipif(not NAMESPACES, reason="no network namespaces on this machine")
-def test_network_namespace_alone_blocks_connections(listener):
-    port = listener.getsockname()[1]
-    r = run_python(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')",
-                   limits=SandboxLimits(python_guard=False))
-    assert not r.ok and "connected" not in r.stdout and "unreachable" in r.stderr.lower()
-    with pytest.raises(BlockingIOError):
-        listener.accept()
+@pytest.mark.skipif(not os.path.exists("/usr/bin/python3") or os.geteuid() != 0,
+                    reason="needs root (to drop to uid 65534) and a system /usr/bin/python3")
+def test_an_unprivileged_caller_and_a_usr_interpreter_get_the_same_sandbox():
+    # the two other start paths: bwrap started by an unprivileged user (no root stage), and root with an
+    # interpreter under /usr (setpriv only); sandbox.py needs only the standard library, so the system
+    # Python loads it from a copy readable by uid 65534
+    import shutil
+    import subprocess
 
-
-def test_writes_outside_the_directory_are_refused(tmp_path):
-    victim = tmp_path / "keep.txt"
-    victim.write_text("precious")
-    target = tmp_path / "escape.txt"
-    for program in (f"open({str(target)!r}, 'w').write('x')",
-                    f"import os\nos.remove({str(victim)!r})",
-                    f"import os\nos.rename({str(victim)!r}, 'stolen.txt')",
-                    f"import shutil\nshutil.rmtree({str(tmp_path)!r})",
-                    f"import os\nos.open({str(target)!r}, os.O_WRONLY | os.O_CREAT)",
-                    f"import pathlib\npathlib.Path({str(target)!r}).write_text('x')",
-                    "import os\nos.symlink('/etc/passwd', 'p')\nopen('p', 'a').write('x')"):
-        r = run_python(program)
-        assert not r.ok and "sandbox:" in r.stderr, (program, r.stderr)
-    assert not target.exists() and victim.read_text() == "precious"
-
-
-@pytest.mark.parametrize("namespaces", [True, False])
-def test_children_die_on_timeout_with_and_without_namespaces(monkeypatch, namespaces):
-    import posttrain.plugins.rewards.code.sandbox as sandbox
-
-    if not namespaces:
-        monkeypatch.setattr(sandbox, "namespace_prefix", lambda: ())
-    elif not NAMESPACES:
-        pytest.skip("no namespaces on this machine")
-    token = f"posttrain-child-{time.time_ns()}"
-    program = ("import subprocess, sys\n"
-               f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', '{token}'])\n"
-               "print('spawned', flush=True)\nwhile True:\n    pass")
-    r = sandbox.run_python(program, limits=SandboxLimits(timeout=1.0, allow_subprocess=True))
-    assert r.timed_out and "spawned" in r.stdout
-    deadline = time.time() + 3
-    while time.time() < deadline and any(token in (p.info["cmdline"] or [])
-                                         for p in psutil.process_iter(["cmdline"])):
-        time.sleep(0.05)
-    assert not any(token in (p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"]))
-
-
-def test_the_python_guard_holds_without_namespaces(monkeypatch):
-    import posttrain.plugins.rewards.code.sandbox as sandbox
-
-    monkeypatch.setattr(sandbox, "namespace_prefix", lambda: ())
-    assert sandbox.run_python("print(6 * 7)").stdout == "42\n"
-    r = sandbox.run_python("import socket\nsocket.socket().connect(('127.0.0.1', 9))")
-    assert not r.ok and "sandbox: socket" in r.stderr
+    copy = tempfile.mkdtemp(prefix="posttrain-sandbox-copy-")
+    try:
+        os.chmod(copy, 0o755)
+        shutil.copy(sandbox.__file__, os.path.join(copy, "sb.py"))
+        script = ("import importlib.util, sys\n"
+                  f"spec = importlib.util.spec_from_file_location('sb', {os.path.join(copy, 'sb.py')!r})\n"
+                  "sb = importlib.util.module_from_spec(spec)\nsys.modules['sb'] = sb\nspec.loader.exec_module(sb)\n"
+                  "r = sb.run_python(\"import os\\nprint(os.getuid(), sorted(os.listdir('/')))\\nos.fork()\")\n"
+                  "print(r.stdout.strip(), 'fork refused' if 'not allowed' in r.stderr else r.stderr)")
+        for prefix in ([], ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]):
+            out = subprocess.run([*prefix, "/usr/bin/python3", "-I", "-c", script], capture_output=True, text=True,
+                                 cwd="/", timeout=60)
+            uid, rest = out.stdout.split(" ", 1)
+            assert uid == "65534" and rest.strip().endswith("fork refused"), (prefix, out.stdout, out.stderr)
+            assert "'work'" in rest and "'usr'" in rest and not any(f"'{d}'" in rest for d in ("etc", "root", "home", "tmp"))
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)

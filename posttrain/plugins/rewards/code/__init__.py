@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import secrets
 from dataclasses import dataclass
@@ -11,15 +12,18 @@ from typing import Any
 
 from posttrain import hookimpl, option
 from posttrain.core.types import Sample
+from posttrain.plugins.rewards.code.checks import ENCODER, decode, split_assert
+
+log = logging.getLogger("posttrain.rewards.code")
 
 _FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
 
-# Runs inside the sandbox: executes the solution once per stdin/stdout test (fresh globals each time),
-# or once followed by each assert statement. For stdin/stdout tests only the inputs enter the sandbox:
-# the harness reports each captured output and the parent compares it with the expected one, so a
-# program cannot pass by forging verdicts. Reports go to the real stdout prefixed with a per-run nonce
-# (the solution's own prints are captured); tests.json is deleted before the solution runs.
-HARNESS = r'''
+# Runs inside the sandbox, after the solution is written there: runs the solution once per stdin/stdout
+# test (fresh globals each time), or once followed by each assert test's *leaves* (code_checks). It only
+# reports what the solution produced (captured output, or leaf values in a strict plain-data encoding),
+# one JSON line per test after a per-run nonce; expected outputs and the comparisons never enter the
+# sandbox, so a solution that takes this harness over can report values, never verdicts.
+HARNESS = ENCODER + r"""
 import contextlib, io, json, os, signal, sys
 with open("solution.py") as f:
     _src = f.read()
@@ -40,52 +44,50 @@ signal.signal(signal.SIGALRM, _alarm)
 def _norm(text):
     return "\n".join(line.rstrip() for line in str(text).strip().splitlines())
 
-def _run(code, stdin_text, ns):
+def _timed(fn, stdin_text):
     out = io.StringIO()
     sys.stdin = io.StringIO(stdin_text)
     with contextlib.redirect_stdout(out):
         signal.setitimer(signal.ITIMER_REAL, _spec["per_test_timeout"])
         try:
-            exec(code, ns)
+            value = fn()
         except SystemExit:
-            pass
+            value = None
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
-    return out.getvalue()
+    return out.getvalue(), value
 
-def _send(i, ok, why="", out=None):
-    line = json.dumps({"i": i, "ok": bool(ok), "why": why[:200], "out": out})
-    os.write(_out_fd, (_spec["nonce"] + line + "\n").encode())
+def _send(report):
+    os.write(_out_fd, (_spec["nonce"] + json.dumps(report) + "\n").encode())
+
+def _why(exc):
+    return "timeout" if isinstance(exc, _Timeout) else f"{type(exc).__name__}: {exc}"[:200]
 
 _code = compile(_src, "solution.py", "exec")
 if _spec["kind"] == "io":
     for _i, _stdin in enumerate(_spec["tests"]):
         try:
-            _send(_i, True, out=_norm(_run(_code, _stdin, {"__name__": "__main__"}))[:1_000_000])
-        except _Timeout:
-            _send(_i, False, "timeout")
+            _out = _timed(lambda: exec(_code, {"__name__": "__main__"}), _stdin)[0]
+            _send({"i": _i, "out": _norm(_out)[:1_000_000]})
         except BaseException as _exc:
-            _send(_i, False, type(_exc).__name__)
+            _send({"i": _i, "error": _why(_exc)})
 else:
     _ns = {"__name__": "__main__"}
     try:
-        _run(_code, "", _ns)
-        _loaded = True
+        _timed(lambda: exec(_code, _ns), "")
+        _loaded = None
     except BaseException as _exc:
-        _loaded = False
-        _why = type(_exc).__name__
-    for _i, _case in enumerate(_spec["tests"]):
-        if not _loaded:
-            _send(_i, False, _why)
+        _loaded = _why(_exc)
+    for _i, _leaves in enumerate(_spec["tests"]):
+        if _loaded:
+            _send({"i": _i, "error": _loaded})
             continue
         try:
-            _run(compile(_case, "test", "exec"), "", _ns)
-            _send(_i, True)
-        except _Timeout:
-            _send(_i, False, "timeout")
+            _vals = _timed(lambda: [eval(compile(s, "test", "eval"), _ns) for s in _leaves], "")[1]
+            _send({"i": _i, "values": [_enc(v) for v in _vals]})
         except BaseException as _exc:
-            _send(_i, False, type(_exc).__name__)
-'''
+            _send({"i": _i, "error": _why(_exc)})
+"""
 
 
 def _normalize_output(text: str) -> str:
@@ -128,19 +130,35 @@ def parse_tests(label: Any) -> tuple[str, list]:
     raise ValueError("code label: expected [{input, output}], {inputs, outputs}, {asserts} or assert lines")
 
 
+@dataclass
+class CodeVerdict:
+    """The outcome of one sample: ``reason`` says why it is not 1.0 (empty when every test passed)."""
+
+    score: float
+    passed: int
+    total: int
+    compiled: bool
+    timed_out: bool
+    reason: str
+
+
 class CodeReward:
     """Fraction of test cases the response's Python passes, run in :mod:`posttrain.plugins.rewards.code.sandbox`.
 
     The program is the last fenced code block of the response (else the whole response, unless
     ``require_fence``). Tests come from the label (see :func:`parse_tests`): stdin/stdout pairs (the
     program runs once per test with fresh globals; outputs compared line by line, trailing spaces
-    ignored) or assert statements (run after the program, in its namespace). Each test has
+    ignored) or single ``assert`` statements (run after the program, in its namespace). Either way the
+    verdict is made here, outside the sandbox, on serialized outputs: expected outputs and assert
+    comparisons never enter it (:mod:`posttrain.plugins.rewards.code.checks`). Each test has
     ``per_test_timeout``; the whole run ``timeout`` wall-clock seconds and ``cpu_seconds`` of CPU, in
-    ``memory_mb`` of address space, without network, subprocesses or writes outside its temporary
-    directory. Tests not reached before the timeout count as failed.
+    ``memory_mb`` of address space, as an unprivileged uid in bubblewrap namespaces: no network, no new
+    processes, nothing of the host but a read-only interpreter. Tests not reached count as failed.
 
-    Returns ``{"score": passed / total, "compiled": 0|1, "timed_out": 0|1}``. The sandbox runs in a
-    thread, so many samples are checked at once (``async``; the runner's ``concurrency`` bounds it).
+    Returns ``{"score": passed / total, "compiled": 0|1, "timed_out": 0|1}``; why a sample scored below
+    1 is in ``sample.metadata["code_reason"]`` (and :meth:`verdict`). The sandbox runs in a thread, so
+    many samples are checked at once (``async``; ``max_parallel`` bounds it). Without bubblewrap the
+    reward refuses to start, unless ``insecure_no_os_sandbox`` is set.
     """
 
     name = "code"
@@ -154,11 +172,21 @@ class CodeReward:
         memory_mb: int = option(1024, ge=64, help="address-space limit of the program")
         require_fence: bool = option(False, help="score 0 unless the response has a ```python block")
         max_parallel: int = option(2, ge=1, help="sandboxes running at once (each uses a CPU core)")
+        insecure_no_os_sandbox: bool = option(
+            False, help="INSECURE: run programs without bubblewrap (host filesystem, this uid, network); "
+                        "only for machines where bwrap cannot be installed")
 
     def __init__(self, config: Config | None = None):
+        from posttrain.plugins.rewards.code.sandbox import check_os_sandbox
+
         self.config = config or self.Config()
         self._slots: asyncio.Semaphore | None = None
         self._loop = None
+        if self.config.insecure_no_os_sandbox:
+            log.warning("code reward: insecure_no_os_sandbox is set: model-written programs run WITHOUT the OS "
+                        "sandbox (only rlimits and a Python guard stand between them and this machine)")
+        else:
+            check_os_sandbox()  # fail at start, in one line, rather than score every sample 0
 
     @staticmethod
     def contract_cases() -> list[tuple[Sample, float]]:
@@ -168,39 +196,74 @@ class CodeReward:
                 (Sample(prompt="add one", response="print(2)", label=tests), 0.5),
                 (Sample(prompt="add one", response="import os\nos.fork()", label=tests[:1]), 0.0)]
 
-    def check(self, sample: Sample) -> dict[str, float]:
-        """Synchronous scoring (one sandbox run)."""
+    def verdict(self, sample: Sample) -> CodeVerdict:
+        """Run the sample's program against its tests; the score and the reason for any failure."""
         from posttrain.plugins.rewards.code.sandbox import SandboxLimits, run_python
 
         c = self.config
         kind, tests = parse_tests(sample.label)
+        checks = [split_assert(t) for t in tests] if kind == "assert" else []
         code = extract_code(sample.response, c.require_fence)
         if code is None or not code.strip():
-            return {"score": 0.0, "compiled": 0.0, "timed_out": 0.0}
+            return CodeVerdict(0.0, 0, len(tests), False, False, "no code in the response")
         try:
             compile(code, "solution.py", "exec")
-        except (SyntaxError, ValueError):
-            return {"score": 0.0, "compiled": 0.0, "timed_out": 0.0}
+        except (SyntaxError, ValueError) as exc:
+            return CodeVerdict(0.0, 0, len(tests), False, False, f"does not compile: {exc}")
         nonce = secrets.token_hex(8)
-        sent = [t["input"] for t in tests] if kind == "io" else tests
+        sent = [t["input"] for t in tests] if kind == "io" else [ch.leaves for ch in checks]
         spec = {"kind": kind, "tests": sent, "per_test_timeout": c.per_test_timeout, "nonce": nonce}
-        limits = SandboxLimits(timeout=c.timeout, cpu_seconds=c.cpu_seconds, memory_mb=c.memory_mb)
+        limits = SandboxLimits(timeout=c.timeout, cpu_seconds=c.cpu_seconds, memory_mb=c.memory_mb,
+                               os_sandbox=not c.insecure_no_os_sandbox)
         result = run_python(HARNESS, limits=limits, files={"solution.py": code, "tests.json": json.dumps(spec)})
-        passed: set[int] = set()
+        reports: dict[int, list[dict]] = {}
         for line in result.stdout.splitlines():
             if not line.startswith(nonce):
                 continue
             try:
                 report = json.loads(line[len(nonce):])
-                i = int(report["i"])
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                reports.setdefault(int(report["i"]), []).append(report)
+            except Exception:  # malformed, a huge int, nested too deep: not a report
                 continue
-            if not (0 <= i < len(tests)) or report.get("ok") is not True:
-                continue
-            if kind == "io" and report.get("out") != _normalize_output(tests[i]["output"]):
-                continue
-            passed.add(i)
-        return {"score": len(passed) / len(tests), "compiled": 1.0, "timed_out": float(result.timed_out)}
+        failures = []
+        for i in range(len(tests)):
+            why = self._judge(kind, tests[i], checks[i] if checks else None, reports.get(i, []))
+            if why:
+                failures.append(f"test {i}: {why}")
+        passed = len(tests) - len(failures)
+        reason = ""
+        if failures:
+            run = ("timed out after %gs; " % c.timeout if result.timed_out else
+                   "output limit; " if result.output_limited else "")
+            reason = f"{passed}/{len(tests)} passed; {run}{failures[0]}"
+        return CodeVerdict(passed / len(tests), passed, len(tests), True, result.timed_out, reason)
+
+    @staticmethod
+    def _judge(kind: str, test, check, reports: list[dict]) -> str:
+        """Empty when the test passed, else why not. Exactly one report per test counts: a program that
+        writes its own reports beside the harness's gets several, and fails."""
+        if not reports:
+            return "no result (the program was killed or exited first)"
+        if len(reports) > 1:
+            return "several results for one test (forged reports?)"
+        report = reports[0]
+        if "error" in report:
+            return str(report["error"])[:200]
+        if kind == "io":
+            return "" if report.get("out") == _normalize_output(test["output"]) else "wrong output"
+        try:
+            raw = report["values"]
+            values = [decode(v) for v in raw] if isinstance(raw, list) else None
+        except (KeyError, ValueError, TypeError):
+            return "a value that is not plain data"
+        return "" if values is not None and check.passes(values) else "assertion failed"
+
+    def check(self, sample: Sample) -> dict[str, float]:
+        """Synchronous scoring (one sandbox run)."""
+        v = self.verdict(sample)
+        if v.reason:
+            sample.metadata["code_reason"] = v.reason
+        return {"score": v.score, "compiled": float(v.compiled), "timed_out": float(v.timed_out)}
 
     async def __call__(self, sample: Sample) -> dict[str, float]:
         loop = asyncio.get_running_loop()

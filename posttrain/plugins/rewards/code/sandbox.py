@@ -1,101 +1,153 @@
-"""Running untrusted, model-written Python with limits (the ``code`` reward's executor).
+"""Running untrusted, model-written Python (the ``code`` reward's executor) in an OS-level sandbox.
 
-Layers, each independent of the others:
+The boundary is **bubblewrap** (``bwrap``), not Python: nothing here relies on the program cooperating.
+Each run gets, from the kernel:
 
-1. **OS limits** (``setrlimit`` in the child before ``exec``): address space (``memory_mb``), CPU seconds,
-   file size, open files, no core dumps; its own session and process group.
-2. **Namespaces** when the ``unshare`` tool may create them (root, or unprivileged user namespaces):
-   a private network namespace (no interface but a down loopback: nothing is reachable) and a private
-   PID namespace whose init is killed with the sandbox, so every process it started dies with it,
-   including ones that ``setsid()`` or double-fork away from the process group.
-3. **A Python guard** (an audit hook installed before the program runs; audit hooks cannot be removed
-   from Python): no sockets, no ``fork``/``exec``/``subprocess``/``os.system`` (unless
-   ``allow_subprocess``), no ``ctypes`` (which could call libc around the guard), and no file writes,
-   deletes, renames or directory changes outside the working directory.
-4. **Cleanup**: a wall-clock ``timeout``; on timeout or exit the whole process group and every
-   descendant still alive is killed; the temporary working directory is removed.
+- **namespaces**: new user, PID, mount, network, IPC, UTS (and cgroup where the kernel has it). The
+  network namespace has only its own loopback, so nothing on the host (its 127.0.0.1 included) or
+  beyond is reachable; the PID namespace shows only the sandbox's own processes (a fresh ``/proc``), and
+  when its first process exits or is killed the kernel kills every process in it, detached ones too;
+  ``--disable-userns`` forbids creating nested user namespaces.
+- **an unprivileged host uid**: the program runs as uid/gid 65534 (``nobody``) *on the host*, with no
+  capabilities, not as a root mapped into a namespace. When the caller is root, a short root stage
+  (``unshare --mount`` + ``mount --bind`` + ``setpriv``) first makes the interpreter reachable for that
+  uid (it may live under a 0700 ``/root``), then drops to 65534 and starts ``bwrap``; otherwise ``bwrap``
+  runs as the caller, who is unprivileged already.
+- **a minimal read-only filesystem**: ``/usr`` (with the ``/bin``, ``/lib`` links) and the interpreter's
+  prefix, read-only; a fresh ``/proc`` and a minimal ``/dev``; no ``/etc``, ``/home``, ``/root``,
+  ``/sys`` or host ``/tmp``; the root and ``/dev`` are remounted read-only. The only writable place is
+  ``/work`` (the working directory): a private tmpfs of ``work_mb``.
+- **rlimits** (``prlimit`` before the interpreter starts): address space, CPU seconds, processes,
+  file size, open files, no core dumps.
+- **seccomp** (x86-64): unless ``allow_subprocess``, creating processes (``fork``, ``vfork``, ``clone``
+  without ``CLONE_THREAD``) fails with EPERM, so memory cannot be multiplied by forking; always denied:
+  ``ptrace``, ``bpf``, ``perf_event_open``, ``userfaultfd``, ``io_uring``, key management, module and
+  kexec loading, ``mount``, ``unshare``, ``setns``, the x32 ABI. Other architectures run without it
+  (``isolation()["seccomp"]`` is False) and rely on the process rlimit.
+- **a scrubbed environment**: the whole chain (not only the program) starts from a fixed handful of
+  variables, so no secret of the caller appears in any ``/proc/<pid>/environ`` inside.
+- **a wall clock**: on ``timeout`` (or when stdout + stderr pass ``output_mb``) the process group is
+  SIGKILLed; its PID namespace dies with it.
 
-Without namespaces (``isolation()["namespaces"] is False``) layer 2 is missing: network access and
-escaped processes are then stopped only by the Python guard and by the kill of descendants.
+The program sees the standard library only (``python -I -S``: no site-packages, no user site).
+
+A Python audit-hook guard (no sockets, subprocesses, ``ctypes``, ``gc`` object walks, writes outside the
+working directory) still runs first, as defence in depth only: its state lives in a closure, not in
+module globals the program could rebind.
+
+Without ``bwrap`` a run raises :class:`SandboxUnavailable` with a one-line install hint. The only weaker
+mode is explicit: ``SandboxLimits(os_sandbox=False)`` (rlimits, process-group kill and the Python guard,
+on the host filesystem as the caller's uid); callers must name it loudly.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import platform
 import resource
+import selectors
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from pathlib import Path
 
+SANDBOX_UID = 65534  # nobody / nogroup
+WORK = "/work"
+INSTALL_HINT = ("the code sandbox needs bubblewrap (`bwrap`), which is not installed: "
+                "`apt-get install -y bubblewrap` (Debian/Ubuntu) or `dnf install -y bubblewrap` (Fedora/RHEL)")
+
+
+class SandboxUnavailable(RuntimeError):
+    """The OS sandbox cannot run on this machine (bwrap missing, or namespaces refused); one line."""
+
+
+# Runs first inside the sandbox (trusted code): the guard, then the program as ``__main__``.
 GUARD = r'''
-import os, sys
-_ROOT = os.path.realpath(os.getcwd())
-_ALLOW_SUB = {allow_subprocess}
-_BLOCK_ALWAYS = {{"socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo", "socket.sendto",
-                 "ctypes.dlopen", "ctypes.dlsym", "ctypes.call_function", "ctypes.cdata", "mmap.__new__",
-                 "sys.remote_exec", "os.setuid", "sys.setrecursionlimit.disabled"}}
-_BLOCK_SUB = {{"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
-              "subprocess.Popen", "os.kill", "os.killpg", "pty.spawn"}}
-_BLOCK_IMPORTS = {{"ctypes", "_ctypes", "cffi"}} | (set() if _ALLOW_SUB else {{"multiprocessing", "_posixsubprocess"}})
-_PATH_EVENTS = {{"os.remove", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.truncate", "os.utime",
-                "os.symlink", "os.link", "shutil.rmtree", "shutil.move", "os.chdir", "os.chroot"}}
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+def _install(allow_sub, root):
+    import builtins, os, sys
+    builtins.exit = builtins.quit = sys.exit  # -S skips site, which defines them
+    block = {"socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo", "socket.sendto",
+             "ctypes.dlopen", "ctypes.dlsym", "ctypes.call_function", "ctypes.cdata", "sys.remote_exec",
+             "os.setuid", "gc.get_objects", "gc.get_referrers", "gc.get_referents"}
+    if not allow_sub:
+        block |= {"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
+                  "subprocess.Popen", "os.kill", "os.killpg", "pty.spawn"}
+    block = frozenset(block)
+    imports = frozenset({"ctypes", "_ctypes", "cffi"} | (set() if allow_sub else {"multiprocessing", "_posixsubprocess"}))
+    paths = frozenset({"os.remove", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.truncate", "os.utime",
+                       "os.symlink", "os.link", "shutil.rmtree", "shutil.move", "os.chdir", "os.chroot",
+                       "os.rename", "os.replace"})
+    wflags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+    realpath, fsdecode, devnull, sep = os.path.realpath, os.fsdecode, os.devnull, os.sep
 
-def _inside(path):
-    try:
-        p = os.fsdecode(path) if not isinstance(path, int) else None
-    except Exception:
-        return False
-    if p is None:
-        return True
-    real = os.path.realpath(p)
-    return real == _ROOT or real.startswith(_ROOT + os.sep) or real == os.devnull
+    def inside(path):
+        if isinstance(path, int):
+            return True
+        try:
+            real = realpath(fsdecode(path))
+        except Exception:
+            return False
+        return real == root or real.startswith(root + sep) or real == devnull
 
-def _guard(event, args):
-    if event in _BLOCK_ALWAYS or (not _ALLOW_SUB and event in _BLOCK_SUB):
-        raise PermissionError(f"sandbox: {{event}} is not allowed")
-    if event == "import" and args and str(args[0]).split(".")[0] in _BLOCK_IMPORTS:
-        raise ImportError(f"sandbox: import of {{args[0]}} is not allowed")
-    if event == "open" and len(args) >= 3:
-        path, mode, flags = args[0], args[1], args[2]
-        writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
-            isinstance(flags, int) and flags & _WRITE_FLAGS)
-        if writing and not _inside(path):
-            raise PermissionError(f"sandbox: writing {{path!r}} outside the working directory is not allowed")
-    elif event in _PATH_EVENTS:
-        for a in args[:2]:
-            if isinstance(a, (str, bytes, os.PathLike)) and not _inside(a):
-                raise PermissionError(f"sandbox: {{event}} on {{a!r}} outside the working directory is not allowed")
-    elif event == "os.rename" or event == "os.replace":
-        if not all(_inside(a) for a in args[:2]):
-            raise PermissionError(f"sandbox: {{event}} outside the working directory is not allowed")
+    def guard(event, args):
+        if event in block:
+            raise PermissionError(f"sandbox: {event} is not allowed")
+        if event == "import" and args and str(args[0]).split(".")[0] in imports:
+            raise ImportError(f"sandbox: import of {args[0]} is not allowed")
+        if event == "open" and len(args) >= 3:
+            mode, flags = args[1], args[2]
+            writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+                isinstance(flags, int) and flags & wflags)
+            if writing and not inside(args[0]):
+                raise PermissionError(f"sandbox: writing {args[0]!r} outside the working directory is not allowed")
+        elif event in paths:
+            for a in args[:2]:
+                if isinstance(a, (str, bytes, os.PathLike)) and not inside(a):
+                    raise PermissionError(f"sandbox: {event} on {a!r} outside the working directory is not allowed")
+    sys.addaudithook(guard)
 
-sys.addaudithook(_guard)
-del _guard
-__file__ = {main!r}
-sys.argv = [__file__]
+_install(ALLOW_SUB, ROOT)
+del _install
+__file__ = MAIN
 _code = compile(open(__file__).read(), __file__, "exec")
-exec(_code, {{"__name__": "__main__", "__file__": __file__, "__builtins__": __builtins__}})
+exec(_code, {"__name__": "__main__", "__file__": __file__, "__builtins__": __builtins__})
 '''
+
+# The root stage: a private mount namespace in which the interpreter prefix is bound onto a directory
+# uid 65534 can reach; then drop to that uid and exec the rest of the command line (bwrap).
+_ROOT_STAGE = 'mount --bind "$1" "$2" || exit 125; shift 2; exec "$@"'
 
 
 @dataclass
 class SandboxLimits:
-    """Limits of one sandboxed run."""
+    """Limits of one sandboxed run (each checked > 0: a bad value names its key)."""
 
     timeout: float = 10.0  # wall clock, seconds
     cpu_seconds: int = 10
-    memory_mb: int = 1024  # address space; Python itself needs ~50 MB
+    memory_mb: int = 1024  # address space per process; Python itself needs ~30 MB
     file_size_mb: int = 16
     open_files: int = 64
-    allow_subprocess: bool = False
+    processes: int = 32  # RLIMIT_NPROC (threads count too), per sandbox: its user namespace counts its own
+    work_mb: int = 64  # the tmpfs /work
+    output_mb: int = 16  # stdout + stderr kept; more kills the run
+    allow_subprocess: bool = False  # lifts the seccomp fork rule and the guard's process rules
     python_guard: bool = True  # tests turn it off to check the OS layers alone
+    os_sandbox: bool = True  # False: INSECURE (no namespaces, host filesystem, caller's uid)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("bool", bool):
+                if not isinstance(value, bool):
+                    raise ValueError(f"SandboxLimits.{f.name}: expected true or false, got {value!r}")
+            elif isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"SandboxLimits.{f.name}: expected a number > 0, got {value!r}")
 
 
 @dataclass
@@ -105,57 +157,182 @@ class SandboxResult:
     stderr: str
     timed_out: bool
     seconds: float
-    extra: dict[str, str] = field(default_factory=dict)  # files the program left, read back on request
+    output_limited: bool = False  # killed for writing more than ``output_mb``
 
     @property
     def ok(self) -> bool:
-        return self.returncode == 0 and not self.timed_out
+        return self.returncode == 0 and not self.timed_out and not self.output_limited
+
+
+# ---- seccomp: a classic-BPF filter written here (x86-64 numbers), handed to bwrap --seccomp ----------
+
+_AUDIT_ARCH_X86_64 = 0xC000003E
+_RET_ALLOW, _RET_KILL = 0x7FFF0000, 0x80000000
+_EPERM, _ENOSYS = 0x00050000 | 1, 0x00050000 | 38
+_CLONE_THREAD = 0x00010000
+_X86_64 = {"fork": 57, "vfork": 58, "clone": 56, "clone3": 435}
+_X86_64_DENIED = (101, 321, 298, 323, 425, 426, 427, 248, 249, 250, 246, 320, 175, 313, 176, 165, 166, 155,
+                  272, 308, 135, 163, 167, 168, 169, 304)  # ptrace bpf perf_event_open userfaultfd io_uring*3
+# add_key request_key keyctl kexec_load kexec_file_load (f)init/delete_module mount umount2 pivot_root
+# unshare setns personality acct swapon swapoff reboot open_by_handle_at
+
+
+def seccomp_filter(allow_subprocess: bool) -> bytes | None:
+    """The BPF program (``struct sock_filter[]``), or None on machines other than x86-64."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    LD, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, JMP|JEQ|K, JMP|JGE|K, JMP|JSET|K, RET|K
+    prog: list[tuple] = [(LD, 4), (JEQ, _AUDIT_ARCH_X86_64, 0, "kill"), (LD, 0), (JGE, 0x40000000, "eperm", 0)]
+    prog += [(JEQ, nr, "eperm", 0) for nr in _X86_64_DENIED]
+    if not allow_subprocess:
+        prog += [(JEQ, _X86_64["fork"], "eperm", 0), (JEQ, _X86_64["vfork"], "eperm", 0),
+                 (JEQ, _X86_64["clone3"], "enosys", 0),  # its flags are in memory; glibc falls back to clone
+                 (JEQ, _X86_64["clone"], 0, "allow"), (LD, 16), (JSET, _CLONE_THREAD, "allow", "eperm")]
+    prog += [("allow", RET, _RET_ALLOW), ("eperm", RET, _EPERM), ("enosys", RET, _ENOSYS), ("kill", RET, _RET_KILL)]
+    labels = {ins[0]: i for i, ins in enumerate(prog) if isinstance(ins[0], str)}
+    out = b""
+    for i, ins in enumerate(prog):
+        code, k, *jumps = ins[1:] if isinstance(ins[0], str) else ins
+        jt, jf = ((labels[j] - i - 1 if isinstance(j, str) else j) for j in (jumps or [0, 0]))
+        out += struct.pack("=HBBI", code, jt, jf, k)
+    return out
+
+
+# ---- what this machine offers -------------------------------------------------------------------------
+
+def _interpreter() -> tuple[str, str]:
+    """(prefix, executable) of the base interpreter (a venv's base: the sandbox needs the stdlib only)."""
+    prefix = os.path.realpath(sys.base_prefix)
+    exe = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+    if not (exe.startswith(prefix + os.sep) or exe.startswith("/usr/")):
+        raise SandboxUnavailable(f"code sandbox: the interpreter {exe} is neither under {prefix} nor /usr")
+    return prefix, exe
+
+
+def _tools() -> dict[str, str]:
+    names = ["bwrap", "prlimit"] + (["unshare", "setpriv", "mount"] if os.geteuid() == 0 else [])
+    found = {n: shutil.which(n, path="/usr/bin:/bin:/usr/sbin:/sbin") or shutil.which(n) for n in names}
+    if not found["bwrap"]:
+        raise SandboxUnavailable(INSTALL_HINT)
+    missing = [n for n, p in found.items() if not p]
+    if missing:
+        raise SandboxUnavailable(f"code sandbox: {', '.join(missing)} not found (Debian packages util-linux, mount)")
+    return found
 
 
 @functools.lru_cache(maxsize=1)
-def namespace_prefix() -> tuple[str, ...]:
-    """The ``unshare`` command line that gives a private network and PID namespace here, or ``()``."""
-    tool = shutil.which("unshare")
-    if tool is None:
-        return ()
-    for extra in ((), ("--map-root-user",)):
-        cmd = (tool, *extra, "--net", "--pid", "--fork", "--kill-child")
-        try:
-            if subprocess.run([*cmd, "true"], capture_output=True, timeout=10).returncode == 0:
-                return cmd
-        except (OSError, subprocess.SubprocessError):
-            continue
-    return ()
+def _probe() -> str | None:
+    """None when a trivial program runs in the full sandbox here, else the one-line reason."""
+    try:
+        r = _run("print('ok')", "", SandboxLimits(timeout=30, python_guard=False), {})
+    except SandboxUnavailable as exc:
+        return str(exc)
+    if r.stdout == "ok\n":
+        return None
+    last = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1]
+    return (f"code sandbox: bwrap cannot start here ({last}); it needs user namespaces "
+            "(sysctl kernel.unprivileged_userns_clone=1 / user.max_user_namespaces > 0)")
 
 
-def isolation() -> dict[str, bool]:
-    """Which layers are available on this machine."""
-    return {"namespaces": bool(namespace_prefix()), "rlimits": True, "python_guard": True}
+def check_os_sandbox() -> None:
+    """Raise :class:`SandboxUnavailable` (one line) unless the OS sandbox works on this machine."""
+    reason = _probe()
+    if reason:
+        raise SandboxUnavailable(reason)
 
 
-def _limit_child(limits: SandboxLimits):
-    """The ``preexec_fn`` setting the rlimits. Everything is computed here, in the parent: the child
-    between fork and exec may not import or allocate safely when the parent has threads."""
-    mem = limits.memory_mb * 2**20
-    pairs = [(resource.RLIMIT_AS, mem), (resource.RLIMIT_CPU, limits.cpu_seconds),
-             (resource.RLIMIT_FSIZE, limits.file_size_mb * 2**20),
-             (resource.RLIMIT_NOFILE, limits.open_files), (resource.RLIMIT_CORE, 0)]
+def isolation() -> dict:
+    """What a run gets on this machine (for logs, ``rl-cli`` diagnostics and tests)."""
+    reason = _probe()
+    return {"os_sandbox": reason is None, "reason": reason,
+            "namespaces": ["user", "pid", "mount", "network", "ipc", "uts"] if reason is None else [],
+            "host_uid": (SANDBOX_UID if os.geteuid() == 0 else os.geteuid()) if reason is None else None,
+            "seccomp": reason is None and seccomp_filter(False) is not None,
+            "rlimits": ["as", "cpu", "nproc", "fsize", "nofile", "core"], "python_guard": True}
+
+
+# ---- one run ------------------------------------------------------------------------------------------
+
+def _sandbox_argv(limits: SandboxLimits, host: str, fds: dict[str, int], seccomp_fd: int | None) -> list[str]:
+    tools = _tools()
+    prefix, exe = _interpreter()
+    root = os.geteuid() == 0
+    argv = [tools["bwrap"], "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+            "--unshare-cgroup-try", "--disable-userns", "--die-with-parent", "--new-session",
+            "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
+            "--ro-bind", "/usr", "/usr"]
+    for d in ("bin", "sbin", "lib", "lib32", "lib64"):  # merged-/usr links, or the directories themselves
+        if os.path.islink("/" + d):
+            argv += ["--symlink", os.readlink("/" + d), "/" + d]
+        elif os.path.isdir("/" + d):
+            argv += ["--ro-bind", "/" + d, "/" + d]
+    if not prefix.startswith("/usr/"):
+        argv += ["--ro-bind", os.path.join(host, "python") if root else prefix, prefix]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(limits.work_mb * 2**20), "--tmpfs", WORK]
+    for name, fd in fds.items():
+        argv += ["--perms", "0644", "--file", str(fd), f"{WORK}/{name}"]
+    if seccomp_fd is not None:
+        argv += ["--seccomp", str(seccomp_fd)]
+    argv += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", WORK, "--clearenv"]
+    for key, value in _child_env(WORK).items():
+        argv += ["--setenv", key, value]
+    argv += ["--", tools["prlimit"], *_prlimit_args(limits), "--", exe, *_python_args(limits, WORK)]
+    if root:  # drop to the sandbox uid on the host, after making the prefix reachable for it
+        stage = [tools["setpriv"], f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups", "--"]
+        if not prefix.startswith("/usr/"):
+            stage = [tools["unshare"], "--mount", "--propagation", "private", "--", "/bin/sh", "-c", _ROOT_STAGE,
+                     "sh", prefix, os.path.join(host, "python"), *stage]
+        argv = stage + argv
+    return argv
+
+
+def _child_env(work: str) -> dict[str, str]:
+    return {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
+
+
+def _rlimit_pairs(limits: SandboxLimits) -> list[tuple[str, int, int]]:
+    return [("as", resource.RLIMIT_AS, limits.memory_mb * 2**20), ("cpu", resource.RLIMIT_CPU, int(limits.cpu_seconds)),
+            ("nproc", resource.RLIMIT_NPROC, int(limits.processes)),
+            ("fsize", resource.RLIMIT_FSIZE, limits.file_size_mb * 2**20),
+            ("nofile", resource.RLIMIT_NOFILE, int(limits.open_files)), ("core", resource.RLIMIT_CORE, 0)]
+
+
+def _prlimit_args(limits: SandboxLimits) -> list[str]:
+    return [f"--{name}={value}" for name, _, value in _rlimit_pairs(limits)]
+
+
+def _python_args(limits: SandboxLimits, work: str) -> list[str]:
+    main = f"{work}/main.py"
+    if not limits.python_guard:
+        return ["-I", "-S", "-c", f"import builtins, sys; builtins.exit = builtins.quit = sys.exit; "
+                f"__file__ = {main!r}; exec(compile(open(__file__).read(), __file__, 'exec'))"]
+    boot = GUARD.replace("ALLOW_SUB, ROOT", f"{limits.allow_subprocess!r}, {work!r}").replace("= MAIN", f"= {main!r}")
+    return ["-I", "-S", "-c", boot]
+
+
+def _insecure_popen_kwargs(limits: SandboxLimits, work: str) -> dict:
+    """The ``os_sandbox=False`` mode: rlimits in ``preexec_fn`` (computed here: the child between fork and
+    exec must not allocate when the parent has threads), the host's filesystem, the caller's uid."""
+    pairs = [(what, value) for _, what, value in _rlimit_pairs(limits) if what != resource.RLIMIT_NPROC]
     setrlimit = resource.setrlimit
 
     def apply() -> None:
         for what, value in pairs:
             setrlimit(what, (value, value))
-    return apply
+    return {"preexec_fn": apply, "cwd": work, "env": _child_env(work)}
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL the process group and every descendant still alive (escapees from the group too)."""
-    import psutil
-
-    try:
-        descendants = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.Error:
-        descendants = []
+def _kill(proc: subprocess.Popen, escapees: bool) -> None:
+    """SIGKILL the process group (bwrap: its PID namespace dies with it); in the insecure mode also every
+    descendant that left the group."""
+    descendants = []
+    if escapees:
+        import psutil
+        try:
+            descendants = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.Error:
+            pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -163,54 +340,119 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     for p in descendants:
         try:
             p.kill()
-        except psutil.Error:
+        except Exception:  # psutil.Error: already gone
             pass
 
 
-def run_python(source: str, stdin: str = "", limits: SandboxLimits | None = None,
-               files: dict[str, str] | None = None, read_back: tuple[str, ...] = ()) -> SandboxResult:
-    """Run ``source`` as ``__main__`` in a fresh temporary directory under the sandbox's limits.
+def _collect(proc: subprocess.Popen, deadline: float, cap: int, escapees: bool) -> tuple[bytes, bytes, bool, bool]:
+    """Read stdout and stderr until both close, killing the run at ``deadline`` or past ``cap`` bytes."""
+    bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+    sel = selectors.DefaultSelector()
+    for fd in bufs:
+        sel.register(fd, selectors.EVENT_READ)
+    timed_out = limited = killed = False
+    total = 0
+    while sel.get_map():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 and not killed:
+            timed_out = killed = True
+            _kill(proc, escapees)
+            deadline = time.monotonic() + 5.0  # the pipes close once the namespace is gone
+            continue
+        if remaining <= 0:
+            break  # something outlived the kill and holds a pipe open: stop reading
+        for key, _ in sel.select(remaining):
+            data = os.read(key.fd, 65536)
+            if not data:
+                sel.unregister(key.fd)
+                continue
+            keep = data[: max(0, cap - total)]
+            bufs[key.fd] += keep
+            total += len(data)
+            if total > cap and not killed:
+                limited = killed = True
+                _kill(proc, escapees)
+                deadline = time.monotonic() + 5.0
+    sel.close()
+    return bytes(bufs[proc.stdout.fileno()]), bytes(bufs[proc.stderr.fileno()]), timed_out, limited
 
-    :param files: extra files written into the working directory first (``name -> text``).
-    :param read_back: names of files to read from the working directory after the run (``extra``).
+
+def run_python(source: str, stdin: str = "", limits: SandboxLimits | None = None,
+               files: dict[str, str] | None = None) -> SandboxResult:
+    """Run ``source`` as ``__main__`` (``/work/main.py``) in the sandbox described in the module docstring.
+
+    :param stdin: the program's standard input.
+    :param files: extra files copied into ``/work`` first (``name -> text``; plain names only).
+    Raises :class:`SandboxUnavailable` (one line) when the OS sandbox cannot run here.
     """
     limits = limits or SandboxLimits()
-    workdir = tempfile.mkdtemp(prefix="posttrain-sandbox-")
+    for name in files or {}:
+        if not isinstance(name, str) or not name or "/" in name or name in (".", "..", "main.py"):
+            raise ValueError(f"run_python files: {name!r} is not a plain file name")
+    if limits.os_sandbox:
+        check_os_sandbox()
+    return _run(source, stdin, limits, files or {})
+
+
+def _run(source: str, stdin: str, limits: SandboxLimits, files: dict[str, str]) -> SandboxResult:
+    host = tempfile.mkdtemp(prefix="posttrain-sandbox-")
     start = time.perf_counter()
-    proc = None
+    opened: list[int] = []  # passed to the child, closed here afterwards
+    stdin_f = proc = None
     try:
-        main = os.path.join(workdir, "main.py")
-        Path(main).write_text(source, encoding="utf-8")
-        for name, text in (files or {}).items():
-            Path(workdir, name).write_text(text, encoding="utf-8")
-        if limits.python_guard:
-            boot = GUARD.format(allow_subprocess=limits.allow_subprocess, main=main)
-            argv = [sys.executable, "-I", "-c", boot]
+        inputs = {"main.py": source, **files}
+        for name, text in inputs.items():
+            Path(host, "in-" + name).write_text(text, encoding="utf-8")
+        Path(host, "stdin").write_text(stdin, encoding="utf-8")
+        stdin_f = open(Path(host, "stdin"), "rb")  # a file, not a pipe: nothing to feed while reading
+        if limits.os_sandbox:
+            os.chmod(host, 0o711)  # uid 65534 passes through to the mount point, and reads nothing here
+            os.mkdir(Path(host, "python"))
+            fds = {}
+            for name in inputs:
+                fds[name] = os.open(Path(host, "in-" + name), os.O_RDONLY)
+                opened.append(fds[name])
+            bpf = seccomp_filter(limits.allow_subprocess)
+            seccomp_fd = None
+            if bpf is not None:
+                Path(host, "seccomp.bpf").write_bytes(bpf)
+                seccomp_fd = os.open(Path(host, "seccomp.bpf"), os.O_RDONLY)
+                opened.append(seccomp_fd)
+            argv = _sandbox_argv(limits, host, fds, seccomp_fd)
+            # the whole chain starts clean: bwrap's own environ is readable as /proc/1/environ inside
+            kwargs = {"env": {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "LANG": "C.UTF-8"}, "cwd": "/",
+                      "pass_fds": tuple(opened)}
         else:
-            argv = [sys.executable, "-I", main]
-        env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
-               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
-        proc = subprocess.Popen([*namespace_prefix(), *argv], cwd=workdir, env=env, stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                preexec_fn=_limit_child(limits))
-        timed_out = False
+            work = Path(host, "work")
+            work.mkdir()
+            for name, text in inputs.items():
+                Path(work, name).write_text(text, encoding="utf-8")
+            argv = [sys.executable, *_python_args(limits, str(work))]
+            kwargs = _insecure_popen_kwargs(limits, str(work))
+        proc = subprocess.Popen(argv, stdin=stdin_f, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True, **kwargs)
+        out, err, timed_out, limited = _collect(proc, time.monotonic() + limits.timeout,
+                                                limits.output_mb * 2**20, not limits.os_sandbox)
         try:
-            out, err = proc.communicate(stdin.encode("utf-8"), timeout=limits.timeout)
+            proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_tree(proc)
-            out, err = proc.communicate()
-        extra = {}
-        for name in read_back:
-            p = Path(workdir, name)
-            if p.is_file():
-                extra[name] = p.read_text(encoding="utf-8", errors="replace")
+            _kill(proc, True)
+            proc.wait()
         return SandboxResult(proc.returncode, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"),
-                             timed_out, time.perf_counter() - start, extra)
+                             timed_out, time.perf_counter() - start, limited)
     finally:
         if proc is not None:
-            _kill_tree(proc)  # children left running after a normal exit die too
+            # bwrap: whatever the program left behind died with its PID namespace, and a reaped pid must
+            # not be signalled (it may be reused). Insecure mode: the group's leftovers keep its id taken.
+            if proc.poll() is None or not limits.os_sandbox:
+                _kill(proc, not limits.os_sandbox)
             if proc.poll() is None:
                 proc.wait()
-        shutil.rmtree(workdir, ignore_errors=True)
-
+            for pipe in (proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
+        if stdin_f is not None:
+            stdin_f.close()
+        for fd in opened:
+            os.close(fd)
+        shutil.rmtree(host, ignore_errors=True)
