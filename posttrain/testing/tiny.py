@@ -21,7 +21,7 @@ CHAT_TEMPLATE = (
 )
 
 # family -> transformers config class name
-FAMILIES = {"qwen3": "Qwen3Config", "qwen2": "Qwen2Config", "llama": "LlamaConfig"}
+FAMILIES = {"qwen3": "Qwen3Config", "qwen2": "Qwen2Config", "llama": "LlamaConfig", "glm4": "Glm4Config"}
 
 
 def make_tokenizer(out_dir: str | Path | None = None):
@@ -55,8 +55,10 @@ def tiny_config(family: str = "qwen3", **overrides: Any):
         num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
         tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
     )
-    if family == "qwen3":
+    if family in ("qwen3", "glm4"):
         kwargs["head_dim"] = 16
+    if family == "glm4":  # half-dim interleaved rotary, q/k/v bias, sandwich norms (the glm4 spec's tiny preset)
+        kwargs.update(partial_rotary_factor=0.5, attention_bias=True, rms_norm_eps=1e-5)
     kwargs.update(overrides)
     return getattr(transformers, FAMILIES[family])(**kwargs)
 

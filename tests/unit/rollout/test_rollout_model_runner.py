@@ -20,7 +20,7 @@ def hf_next_logits(model, ids):
         return model(torch.tensor([ids])).logits[0, -1]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2", "glm4"])
 def test_prefill_and_decode_match_hf_for_each_family(family, tmp_path):
     from transformers import AutoModelForCausalLM
 

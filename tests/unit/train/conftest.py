@@ -9,21 +9,6 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def make_glm4_checkpoint(out_dir, seed: int = 0):
-    import torch
-    import transformers
-
-    from posttrain.plugins.models.glm4 import Glm4Spec
-    from posttrain.testing.tiny import make_tokenizer
-
-    hf = {k: v for k, v in Glm4Spec.presets["tiny"].items() if k not in ("model_type", "architectures", "torch_dtype")}
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.Glm4Config(**hf), dtype=torch.float32)
-    model.save_pretrained(str(out_dir), safe_serialization=True)
-    make_tokenizer(out_dir)
-    return out_dir
-
-
 @pytest.fixture(scope="session")
 def tiny_ckpts(tmp_path_factory):
     """``family -> HF checkpoint dir`` (qwen3, qwen2, llama, glm4), made once per session on demand."""
@@ -34,7 +19,7 @@ def tiny_ckpts(tmp_path_factory):
     def get(family: str):
         if family not in made:
             out = tmp_path_factory.mktemp(f"tiny-{family}")
-            made[family] = make_glm4_checkpoint(out) if family == "glm4" else make_tiny_checkpoint(out, family)
+            made[family] = make_tiny_checkpoint(out, family)
         return made[family]
 
     return get

@@ -26,7 +26,7 @@ SERVED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalL
 
 
 class LocalEngine(EngineBackend):
-    """posttrain's engine server: continuous batching over a static KV cache, SGLang's HTTP API.
+    """posttrain's own engine server: SGLang's HTTP API, continuous batching over a static KV cache.
 
     For CPU machines, tests and single-GPU runs (Triton flash-decoding and CUDA graphs on GPU). Serves
     the architectures in ``SERVED_ARCHITECTURES``; a model spec of another architecture is refused

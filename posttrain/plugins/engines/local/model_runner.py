@@ -14,7 +14,7 @@ owns one slot from prefill until it finishes; slot ``i`` holds its keys and valu
   value are written at ``pos_i`` and the query attends to cache positions ``<= pos_i``.
 
 The weights, projections, norms, rotary embedding and MLP are the ``transformers`` modules of the
-checkpoint's own class (Llama, Qwen2, Qwen3 and other models with the same decoder layout); only the
+checkpoint's own class (Llama, Qwen2, Qwen3, GLM-4 with its sandwich norms and half-dim rotary); only the
 attention over the slot cache is ours. On CUDA the decode step over a fixed ``(nb, S_max)`` can be
 captured in a CUDA graph per (batch bucket, span bucket) (``cuda_graphs=True``).
 
@@ -72,7 +72,11 @@ def _finish_layer(layer, h, o):
     ``h`` ``[n, q, hidden]`` (the layer's input), ``o`` ``[n, H, q, D]`` (attention output) -> ``[n, q, hidden]``.
     """
     n, q_len, _ = h.shape
-    h = h + layer.self_attn.o_proj(o.transpose(1, 2).reshape(n, q_len, -1))
+    attn = layer.self_attn.o_proj(o.transpose(1, 2).reshape(n, q_len, -1))
+    if hasattr(layer, "post_self_attn_layernorm"):  # GLM-4's sandwich norms after attention and the MLP
+        h = h + layer.post_self_attn_layernorm(attn)
+        return h + layer.post_mlp_layernorm(layer.mlp(layer.post_attention_layernorm(h)))
+    h = h + attn
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
@@ -146,9 +150,13 @@ class ModelRunner:
         # default: the model's maximum, capped so a long-context model does not allocate a huge cache
         self.context_length = int(context_length or min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT))
         self.max_slots = int(max_slots)
+        # the family's own rotary (GLM-4: half-dim, interleaved pairs); Llama's where a module has none
+        import importlib
+
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-        self._rope = apply_rotary_pos_emb
+        family = importlib.import_module(type(self.model).__module__)
+        self._rope = getattr(family, "apply_rotary_pos_emb", apply_rotary_pos_emb)
         shape = (self.num_layers, self.max_slots, self.num_kv_heads, self.context_length, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)

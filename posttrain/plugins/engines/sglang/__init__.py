@@ -16,9 +16,11 @@ from posttrain.core.schema import option
 
 
 class SGLangEngine(EngineBackend):
-    """Real SGLang servers: the production path on GPUs. Every SGLang server option passes through ``args``
-    (``{attention_backend: fa3}`` becomes ``--attention-backend fa3``); posttrain sets the model path,
-    host, port, TP size, seed, base GPU and (colocated) ``--enable-memory-saver`` itself.
+    """Real SGLang servers (``sglang.launch_server``), the production path on GPUs.
+
+    Every SGLang server option passes through ``args`` (``{attention_backend: fa3}`` becomes
+    ``--attention-backend fa3``); posttrain sets the model path, host, port, TP size, seed, base GPU and
+    (colocated) ``--enable-memory-saver`` itself.
 
     Seeded sampling needs ``args: {enable_deterministic_inference: true}``; seeded groups are then sent one
     request per sample (SGLang seeds a whole batched request alike).

@@ -19,7 +19,7 @@ log = logging.getLogger("posttrain.rewards.code")
 _FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
 
 # Runs inside the sandbox, after the solution is written there: runs the solution once per stdin/stdout
-# test (fresh globals each time), or once followed by each assert test's *leaves* (code_checks). It only
+# test (fresh globals each time), or once followed by each assert test's *leaves* (checks.py). It only
 # reports what the solution produced (captured output, or leaf values in a strict plain-data encoding),
 # one JSON line per test after a per-run nonce; expected outputs and the comparisons never enter the
 # sandbox, so a solution that takes this harness over can report values, never verdicts.

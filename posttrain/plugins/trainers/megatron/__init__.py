@@ -23,10 +23,11 @@ from posttrain.core.trainer_backend import TrainerBackend
 
 
 class MegatronBackend(TrainerBackend):
-    """Megatron-core: TP and PP inside the trainer, Megatron's DDP + (distributed) optimizer on GPUs, a torch
-    AdamW with fp32 master weights and our own clipping on CPU. The reference policy is a host copy of the
-    initial weights. Without Transformer Engine, core attention is SDPA (flash ``varlen_attn`` for packed
-    samples on GPU)."""
+    """Megatron-core GPTModel with TP and PP, Megatron's DDP and (distributed) optimizer on GPUs.
+
+    On CPU: a torch AdamW with fp32 master weights and our own clipping. The reference policy is a host
+    copy of the initial weights. Without Transformer Engine, core attention is SDPA (flash ``varlen_attn``
+    for packed samples on GPU)."""
 
     name = "megatron"
     is_default = True  # a run config without trainer.backend runs this
