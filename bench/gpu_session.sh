@@ -40,8 +40,8 @@ for part in "$@"; do case $part in
   diag) step diag 150 python3 -m pytest -q -x -p no:cacheprovider tests/gpu -k disaggregated
         grep -h -A12 "engine step failed" $LOGS/diag.log | head -40 ;;
   sync) step sync 120 python3 bench/weight_sync.py $CFG --pushes 5 ;;
-  sync4b) step sync4b 200 python3 bench/weight_sync.py $CFG model.preset=qwen3-4B rollout.engine_device=cuda:1 \
-            resources.num_engines=2 rollout.use_router=true rollout.engine_max_running_requests=8 --pushes 5 ;;
+  sync4b) step sync4b 200 python3 bench/weight_sync.py $CFG model.preset=qwen3-4B rollout.engine.device=cuda:1 \
+            resources.num_engines=2 rollout.use_router=true rollout.engine.max_running_requests=8 --pushes 5 ;;
   rollout) step rollout 200 python3 bench/rollout.py --device cuda --shape qwen3-1.7b --prompts 256 --prompt-len 128 \
              --new-tokens 256 --skip-hf --profile --variants ${ROLLOUT_VARIANTS:-sdpa,bmm,sdpa+compile,bmm+compile} --kernel-tables $LOGS/kernels ;;
   train)
@@ -68,8 +68,8 @@ for part in "$@"; do case $part in
          --tp 2 --micro-batch 4 --seq-len 2048 --steps 3 --warmup 1 --grad-accum 8 ;;
   colocated) e2e colocated 200 resources.colocate=true ;;
   disagg) e2e disagg_sync 190; e2e disagg_async 170 rollout.mode=async ;;
-  shrunk) e2e shrunk 150 rollout.engine_device=cuda:1 resources.num_engines=2 rollout.use_router=true \
-            rollout.engine_max_running_requests=256 rollout.num_rollouts=2 rollout.rollout_batch_size=32 \
+  shrunk) e2e shrunk 150 rollout.engine.device=cuda:1 resources.num_engines=2 rollout.use_router=true \
+            rollout.engine.max_running_requests=256 rollout.num_rollouts=2 rollout.rollout_batch_size=32 \
             trainer.global_batch_size=256 rollout.max_new_tokens=256 ;;
   kernel) step kernel 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/rollout/test_decode_kernel.py \
             tests/unit/rollout/test_decode_variants.py
