@@ -19,18 +19,22 @@ def spawn(command: list[str], log_path=None, env: dict[str, str] | None = None) 
     the kernel to die with the process that started it: a driver killed with SIGKILL leaves no engine
     or router behind holding ports and memory."""
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    parent = os.getpid()
     return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, **(env or {})}, preexec_fn=_die_with_parent)
+                            env={**os.environ, **(env or {})}, preexec_fn=lambda: _die_with_parent(parent))
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: PR_SET_PDEATHSIG = SIGKILL (Linux; a no-op elsewhere)."""
+def _die_with_parent(parent: int) -> None:
+    """In the child, before exec: PR_SET_PDEATHSIG = SIGKILL (Linux; a no-op elsewhere). A parent that died
+    between the fork and this call sends no signal any more, so the child checks and exits itself."""
     try:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     except OSError:
-        pass
+        return
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
