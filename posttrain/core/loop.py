@@ -34,24 +34,30 @@ from posttrain.core.types import AdvantageBatch
 
 
 async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, plugin_files: list[str] = (),
-                disabled: list[str] = (), on_step: Any = None) -> dict[str, float]:
-    """Run ``cfg`` to ``rollout.num_rollouts`` steps in ``run`` (a RunDirectory); the last metrics."""
+                disabled: list[str] = (), on_step: Any = None, on_phase: Any = None) -> dict[str, float]:
+    """Run ``cfg`` to ``rollout.num_rollouts`` steps in ``run`` (a RunDirectory); the last metrics.
+    ``on_phase(name)`` marks each start-up phase, ``on_step(step, metrics, samples)`` each step's end."""
+    phase = on_phase or (lambda name, detail="": None)
     executor = EXECUTORS[cfg.resources.executor](cfg, plugin_files, disabled)
     async with AsyncExitStack() as stack:
         stack.callback(executor.close)
         # -- roles: the trainer builds the model; engines start from its weights as an HF checkpoint
+        phase("model")
         trainer = executor.trainer()
         init_dir = trainer.save_hf(str(run.path / "hf-init"))
+        phase("engines")
         engines = executor.engines(init_dir, run.logs)
         stack.callback(engines.close)
         stack.callback(trainer.close)  # runs first: leaves the weight-update group while engines still answer
         url, engine_urls = engines.urls()
+        phase("connect")
         trainer.connect_engines(engine_urls)
         engine = await stack.enter_async_context(_client(url, cfg))
 
         # -- data, rewards, algorithm
         from transformers import AutoTokenizer
 
+        phase("data")
         dataset = load_prompts(cfg.data, tokenizer=AutoTokenizer.from_pretrained(init_dir), base_dir=run.base_dir)
         buffer = DataBuffer.from_config(cfg, dataset)
         rewards = RewardRunner.from_config(cfg, plugins)
@@ -70,6 +76,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, plugin_f
         if resume:
             done = -1  # killed before its first checkpoint: start over
             if (ckpt := run.latest_checkpoint()) is not None:
+                phase("resume")
                 trainer.load(str(ckpt / "trainer"))
                 state = run.load_checkpoint(ckpt)
                 buffer.load_state_dict(state["buffer"])
@@ -78,6 +85,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, plugin_f
             metrics_out.truncate_after(done)
             run.truncate_after(done)
         version = start
+        phase("weights")
         trainer.push_weights(version, str(run.path / "hf-latest"))
 
         async def rollout_group(group):
@@ -95,6 +103,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, plugin_f
         pending = None  # async mode: the next step's generation, already running
         gc.collect()
         gc.freeze()  # start-up's objects (models, modules) leave the collector: no long gen-2 pauses per step
+        phase("train")
         for step in range(start, cfg.rollout.num_rollouts):
             t0 = time.perf_counter()
             # 1-4. prompts -> samples -> rewards -> filters (dynamic sampling keeps generating until full)
