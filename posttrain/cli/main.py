@@ -11,7 +11,7 @@ import sys
 
 import typer
 
-from posttrain.cli import engine_cmd, models_cmd, new, plot_cmd, plugins_cmd, rewards_cmd, run
+from posttrain.cli import config_cmd, engine_cmd, models_cmd, new, plot_cmd, plugins_cmd, rewards_cmd, run
 from posttrain.cli.console import err_console
 
 app = typer.Typer(
@@ -26,6 +26,7 @@ app.add_typer(new.app, name="new")
 app.add_typer(engine_cmd.app, name="engine")
 app.add_typer(rewards_cmd.app, name="rewards")
 app.add_typer(models_cmd.app, name="models")
+app.add_typer(config_cmd.app, name="config")
 app.command("run")(run.run)
 app.command("plot")(plot_cmd.plot)
 
