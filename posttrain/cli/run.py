@@ -54,6 +54,8 @@ def run(config: Path = typer.Argument(None, help="run config (YAML); optional wi
     """Check CONFIG (every error at once, before anything starts), then train."""
     plugins = load(plugin, disable)
     overrides = list(overrides or [])
+    if config is not None and "=" in config.name and not config.exists():  # `--resume DIR key=value`
+        config, overrides = None, [str(config), *overrides]
     if smoke:
         overrides.append("rollout.num_rollouts=2")
     plan = plan_run(config, run_dir, resume, resume_or_start)

@@ -33,7 +33,7 @@ def calls(monkeypatch):
     seen = []
 
     def fake(cfg, plugins, run, **kwargs):
-        seen.append({"run": run, **kwargs})
+        seen.append({"cfg": cfg, "run": run, **kwargs})
 
     monkeypatch.setattr(run_cmd, "start_training", fake)
     return seen
@@ -69,10 +69,11 @@ def test_resume_without_checkpoint_exits_2_with_the_reason(tmp_path, monkeypatch
 
 def test_resume_says_which_step_and_checkpoint(tmp_path, monkeypatch, capsys, calls):
     run = make_run_dir(tmp_path / "r", checkpoint_step=4, interval=5)
-    code, out, err = rl_cli(monkeypatch, capsys, "run", "--resume", run)
+    code, out, err = rl_cli(monkeypatch, capsys, "run", "--resume", run, "rollout.num_rollouts=7")
     assert code == 0, err
     assert f"resumed from step 5 (checkpoint {run / 'checkpoints' / 'step_000004'})" in out
     assert len(calls) == 1 and calls[0]["resume"] is True
+    assert calls[0]["cfg"].rollout.num_rollouts == 7  # an override, not taken for the CONFIG argument
 
 
 def test_resume_or_start_starts_over_without_a_checkpoint(tmp_path, monkeypatch, capsys, calls):
