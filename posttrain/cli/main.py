@@ -10,6 +10,7 @@ import os
 import sys
 
 import typer
+from rich.markup import escape
 
 from posttrain.cli import config_cmd, engine_cmd, models_cmd, new, plot_cmd, plugins_cmd, rewards_cmd, run
 from posttrain.cli.console import err_console
@@ -91,7 +92,8 @@ def main() -> None:
         if debug:
             raise
         for line in str(exc).splitlines():
-            err_console.print(f"[bold red]error:[/] {line}" if not line.startswith(" ") else line,
+            # messages quote user text (keys, values, docstrings): escaped, so `[low, high]` stays as it is
+            err_console.print(f"[bold red]error:[/] {escape(line)}" if not line.startswith(" ") else escape(line),
                               highlight=False, markup=True, soft_wrap=True)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:

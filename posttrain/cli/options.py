@@ -18,8 +18,10 @@ def load(plugin_files: list[str], disabled: list[str]):
     from posttrain.core.plugins import load_plugins
 
     plugins = load_plugins(plugin_files=plugin_files, disabled=disabled_names(disabled))
+    from rich.markup import escape
+
     from posttrain.cli.console import err_console
 
     for failure in plugins.failures:
-        err_console.print(f"[yellow]warning:[/] {failure}", highlight=False)
+        err_console.print(f"[yellow]warning:[/] {escape(str(failure))}", highlight=False, soft_wrap=True)
     return plugins

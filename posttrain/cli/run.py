@@ -18,6 +18,7 @@ from typing import Any
 
 import typer
 import yaml
+from rich.markup import escape
 
 from posttrain.cli.console import console, err_console
 from posttrain.cli.options import Disabled, PluginFiles, disabled_names, load
@@ -62,12 +63,12 @@ def run(config: Path = typer.Argument(None, help="run config (YAML); optional wi
     cfg, findings = check(plan, overrides, plugins, scan_data=dry_run)
     console.print(plugins.header())
     for note in findings.notes:
-        err_console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
+        err_console.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
     if dry_run:
         console.print(yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip(), markup=False)
         if findings.dataset is not None:
-            console.print(f"[green]data OK[/]: {findings.dataset.summary()}", highlight=False, soft_wrap=True)
-        console.print(f"[green]config OK[/]: {plan.source}", highlight=False, soft_wrap=True)
+            console.print(f"[green]data OK[/]: {escape(findings.dataset.summary())}", highlight=False, soft_wrap=True)
+        console.print(f"[green]config OK[/]: {escape(plan.source)}", highlight=False, soft_wrap=True)
         return
     run = plan.run
     if run is None:
@@ -81,11 +82,12 @@ def run(config: Path = typer.Argument(None, help="run config (YAML); optional wi
 
     from posttrain.cli.live import LiveDisplay
 
-    console.print(f"run directory: {run.path}", soft_wrap=True)
+    console.print(f"run directory: {run.path}", soft_wrap=True, markup=False)
     if plan.checkpoint is not None:
-        console.print(f"resumed from step {plan.resume_step + 1} (checkpoint {plan.checkpoint})", soft_wrap=True)
+        console.print(f"resumed from step {plan.resume_step + 1} (checkpoint {plan.checkpoint})", soft_wrap=True,
+                      markup=False)
     elif plan.start_over:
-        console.print(f"no checkpoint in {run.path}: starting it over from step 1", soft_wrap=True)
+        console.print(f"no checkpoint in {run.path}: starting it over from step 1", soft_wrap=True, markup=False)
     display = LiveDisplay(cfg.rollout.num_rollouts, console, first_step=plan.resume_step + 1)
     try:
         with display:
@@ -160,10 +162,12 @@ def interrupted(run: Any, next_step: int, total: int) -> None:
     err_console.print(f"interrupted at step {min(next_step + 1, total)}/{total}", highlight=False)
     if ckpt is not None:
         err_console.print(f"resume with: rl-cli run --resume {run.path}  (from step "
-                          f"{run.checkpoint_step(ckpt) + 1}, checkpoint {ckpt})", highlight=False, soft_wrap=True)
+                          f"{run.checkpoint_step(ckpt) + 1}, checkpoint {ckpt})", highlight=False, soft_wrap=True,
+                          markup=False)
     else:
         err_console.print(f"no checkpoint yet (checkpoint.interval); start it over with: "
-                          f"rl-cli run --resume-or-start {run.path}", highlight=False, soft_wrap=True)
+                          f"rl-cli run --resume-or-start {run.path}", highlight=False, soft_wrap=True,
+                          markup=False)
     raise typer.Exit(130)
 
 
@@ -175,4 +179,4 @@ def _finish(run: Any) -> None:
     if rows:
         write_curves(rows, run.path / "curves.png", title=run.path.name)
         console.print(f"done: {len(rows)} steps; curves: {run.path / 'curves.png'}; "
-                      f"metrics: {run.path / 'metrics.jsonl'}", soft_wrap=True)
+                      f"metrics: {run.path / 'metrics.jsonl'}", soft_wrap=True, markup=False)

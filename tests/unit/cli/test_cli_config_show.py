@@ -68,3 +68,10 @@ def test_rst_inline_markup_becomes_plain_or_coloured_text():
         "w = clamp(x, low, high), see Sample"
     text = rich_text("outside ``[low, high]`` [bold]")
     assert text.plain == "outside [low, high] [bold]" and text.spans[0].style == "cyan"
+
+
+def test_error_lines_keep_brackets(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("estimator: grpo\ndata: {path: 'x[low, high].jsonl'}\n")
+    out = rl_cli("run", str(cfg), "--dry-run")
+    assert out.returncode == 2 and "no such file or directory: x[low, high].jsonl" in out.stderr
