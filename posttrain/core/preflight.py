@@ -95,8 +95,8 @@ def _model_paths(model_config: Any) -> list[str]:
     errors = []
     for key in ("path", "tokenizer"):
         value = getattr(model_config, key, None)
-        if not isinstance(value, str) or (key == "tokenizer" and value == "char"):
-            continue
+        if not isinstance(value, str) or (key == "tokenizer" and "/" not in value):
+            continue  # a tokenizer without a slash is a name its model spec knows, not a directory
         where, p = f"model.{key}", Path(value).expanduser()
         if p.is_dir():
             if key == "path" and not (p / "config.json").is_file():
