@@ -10,8 +10,9 @@ import os
 import sys
 
 import typer
+from rich.markup import escape
 
-from posttrain.cli import models_cmd, new, plot_cmd, plugins_cmd, rewards_cmd, run
+from posttrain.cli import config_cmd, models_cmd, new, plot_cmd, plugins_cmd, rewards_cmd, run
 from posttrain.cli.console import err_console
 
 app = typer.Typer(
@@ -25,14 +26,37 @@ app.add_typer(plugins_cmd.app, name="plugins")
 app.add_typer(new.app, name="new")
 app.add_typer(rewards_cmd.app, name="rewards")
 app.add_typer(models_cmd.app, name="models")
+app.add_typer(config_cmd.app, name="config")
 app.command("run")(run.run)
 app.command("plot")(plot_cmd.plot)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        import platform
+
+        from posttrain import __version__
+
+        print(f"rl-cli (posttrain) {__version__}, Python {platform.python_version()}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root(debug: bool = typer.Option(False, "--debug", help="show tracebacks for errors")) -> None:
+def _root(debug: bool = typer.Option(False, "--debug", help="show tracebacks for errors (accepted anywhere on the "
+                                                            "command line)"),
+          version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                       help="print the version and exit")) -> None:
     if debug:
         os.environ["POSTTRAIN_DEBUG"] = "1"
+
+
+def take_debug_flag(args: list[str]) -> tuple[bool, list[str]]:
+    """``--debug`` may come anywhere (``rl-cli run cfg.yaml --debug``), not only before the command, as
+    users add it to the end of the line that just failed; it is taken out before Typer parses. After a
+    ``--`` everything is an argument, so it stays there."""
+    end = args.index("--") if "--" in args else len(args)
+    head = [a for a in args[:end] if a != "--debug"]
+    return len(head) < end, head + args[end:]
 
 
 def _add_plugin_commands() -> None:
@@ -50,20 +74,27 @@ def main() -> None:
     import faulthandler
     import signal
 
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints every thread's stack
-    debug = "--debug" in sys.argv or os.environ.get("POSTTRAIN_DEBUG", "") not in ("", "0")
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints every thread's stack
+    except (OSError, ValueError):  # stderr without a file descriptor (captured, embedded): no stack dumps
+        pass
+    flag, args = take_debug_flag(sys.argv[1:])
+    if flag:
+        os.environ["POSTTRAIN_DEBUG"] = "1"  # also reaches the processes a run starts
+    debug = os.environ.get("POSTTRAIN_DEBUG", "") not in ("", "0")
     from posttrain.core.errors import UsageError
 
     from posttrain.cli.options import _argv_disable_plugin
 
     try:
         _add_plugin_commands()
-        app(args=_argv_disable_plugin(sys.argv[1:]), prog_name="rl-cli")
+        app(args=_argv_disable_plugin(args), prog_name="rl-cli")
     except UsageError as exc:
         if debug:
             raise
         for line in str(exc).splitlines():
-            err_console.print(f"[bold red]error:[/] {line}" if not line.startswith(" ") else line,
+            # messages quote user text (keys, values, docstrings): escaped, so `[low, high]` stays as it is
+            err_console.print(f"[bold red]error:[/] {escape(line)}" if not line.startswith(" ") else escape(line),
                               highlight=False, markup=True, soft_wrap=True)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:

@@ -28,10 +28,12 @@ def load(plugin_files: list[str], specs: list[str]):
 
     enabled, disabled = split_specs(specs)
     plugins = load_plugins(plugin_files=plugin_files, disabled=disabled, enabled=enabled)
+    from rich.markup import escape
+
     from posttrain.cli.console import err_console
 
     for failure in plugins.failures:
-        err_console.print(f"[yellow]warning:[/] {failure}", highlight=False)
+        err_console.print(f"[yellow]warning:[/] {escape(str(failure))}", highlight=False, soft_wrap=True)
     return plugins
 
 

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from posttrain.cli.console import console
 from posttrain.cli.options import Disabled, PluginFiles, load
+from posttrain.cli.text import plain, rich_text
 from posttrain.core.errors import UsageError, unknown
 from posttrain.core.registry import KINDS
 from posttrain.core.schema import describe
@@ -51,7 +52,7 @@ def list_(kind: str = typer.Option(None, "--kind", help="only this kind (estimat
     table = Table("KIND", "NAME", "PROVIDED BY", "MODULE", "SUMMARY", box=None, pad_edge=False)
     for r in rows:
         by = f"{r['distribution']}=={r['version']}" if r["version"] else r["distribution"]
-        table.add_row(r["kind"], r["name"], by, r["module"], r["summary"])
+        table.add_row(r["kind"], r["name"], by, r["module"], rich_text(r["summary"]))
     console.print(table)
 
 
@@ -66,13 +67,13 @@ def show(name: str, plugin: list[str] = PluginFiles, disable: list[str] = Disabl
     for plural, registry in found:
         component, info = registry[name], registry.provider(name)
         console.print(f"[bold]{name}[/]  ({KINDS[plural]}, from {info.provided_by if info else '?'}, "
-                      f"{info.module if info else ''})")
-        console.print(inspect.cleandoc(component.__doc__ or "(no docstring)"), markup=False)
+                      f"{info.module if info else ''})", markup=True)
+        console.print(rich_text(inspect.cleandoc(component.__doc__ or "(no docstring)")))
         fields = describe(getattr(component, "Config", None))
         table = Table("FIELD", "TYPE", "DEFAULT", "HELP", box=None, pad_edge=False, title_justify="left",
                       title="config" if fields else "config: (no options)")
         for f in fields:
-            table.add_row(f["name"], f["type"], f["default"], f["help"])
+            table.add_row(f["name"], rich_text(f["type"]), rich_text(f["default"]), rich_text(f["help"]))
         console.print(table)
 
 
@@ -114,7 +115,7 @@ def check(name: str, plugin: list[str] = PluginFiles, disable: list[str] = Disab
 
 def _summary(component) -> str:
     doc = inspect.getdoc(component) or ""
-    return doc.strip().splitlines()[0] if doc.strip() else ""
+    return plain(doc.strip().splitlines()[0]) if doc.strip() else ""
 
 
 def _ident(name: str) -> str:

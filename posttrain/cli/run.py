@@ -1,76 +1,176 @@
-"""``rl-cli run CONFIG [key=value ...]``: validate the config (every error at once), then train.
+"""``rl-cli run CONFIG [key=value ...]``: check everything that can be checked (every error at once,
+exit code 2), then train.
 
 ``--resume RUN_DIR`` continues a run from its latest checkpoint with the config it was started with
-(overrides still apply). ``--smoke`` runs two steps: a quick check that every part starts and connects.
+(overrides still apply); a run without a checkpoint is an error. ``--resume-or-start RUN_DIR`` is for
+schedulers that requeue the same command: it resumes when there is a checkpoint, and otherwise starts
+(over) in RUN_DIR. ``--smoke`` runs two steps: a quick check that every part starts and connects.
+Ctrl-C stops the run and prints the command that continues it (exit code 130).
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import typer
 import yaml
+from rich.markup import escape
 
-from posttrain.cli.console import console
+from posttrain.cli.console import console, err_console
 from posttrain.cli.options import Disabled, PluginFiles, load
-from posttrain.core.config import load_config
+from posttrain.core.errors import ConfigError, UsageError
+
+
+@dataclass
+class Plan:
+    """Where a run writes and what it starts from, decided before anything is validated or started."""
+
+    run: Any  # RunDirectory, or None for a new one (created after validation)
+    raw: dict[str, Any]  # the config mapping as read (before overrides)
+    config_file: Path | None  # the YAML file the config comes from (None: the run directory's config.yaml)
+    source: str  # named in error messages
+    base_dir: Path  # relative data paths are also tried here
+    checkpoint: Path | None = None  # resuming from it
+    resume_step: int = -1  # the 0-based step of that checkpoint
+    start_over: bool = False  # a run directory used again from step 0 (its old metrics are dropped)
 
 
 def run(config: Path = typer.Argument(None, help="run config (YAML); optional with --resume", show_default=False),
         overrides: list[str] = typer.Argument(None, help="dotted overrides: estimator.epsilon=1e-4",
                                               show_default=False),
-        dry_run: bool = typer.Option(False, "--dry-run", help="validate and print the resolved config, run nothing"),
+        dry_run: bool = typer.Option(False, "--dry-run", help="check everything and print the resolved config; "
+                                                               "start nothing"),
         run_dir: Path = typer.Option(None, "--run-dir", help="where the run writes (default runs/<name>-<time>)"),
-        resume: Path = typer.Option(None, "--resume", help="continue the run in this directory", show_default=False),
+        resume: Path = typer.Option(None, "--resume", help="continue the run in this directory from its latest "
+                                                           "checkpoint (an error if it has none)", show_default=False),
+        resume_or_start: Path = typer.Option(None, "--resume-or-start", show_default=False,
+                                             help="resume the run in this directory if it has a checkpoint, "
+                                                  "else start it there (for schedulers that requeue)"),
         smoke: bool = typer.Option(False, "--smoke", help="two steps only, to check that everything connects"),
         plugin: list[str] = PluginFiles, disable: list[str] = Disabled) -> None:
-    """Validate CONFIG (every error at once), then train."""
-    from posttrain.core.data import inspect_config_data
-    from posttrain.core.errors import ConfigError, UsageError
-    from posttrain.core.run_dir import RunDirectory
-
+    """Check CONFIG (every error at once, before anything starts), then train."""
     plugins = load(plugin, disable)
     overrides = list(overrides or [])
-    if config is None and resume is None:
-        raise UsageError("give a CONFIG to run, or --resume RUN_DIR")
+    if config is not None and "=" in config.name and not config.exists():  # `--resume DIR key=value`
+        config, overrides = None, [str(config), *overrides]
     if smoke:
         overrides.append("rollout.num_rollouts=2")
-    if resume is not None:
-        run = RunDirectory(resume)
-        cfg = load_config(None, overrides, plugins, data=run.read_config())
-        run.base_dir = Path(config).parent if config else Path(".")
-    else:
-        dataset, data_errors = inspect_config_data(config, overrides) if dry_run else (None, [])
-        try:
-            cfg = load_config(config, overrides, plugins)
-        except ConfigError as exc:
-            raise ConfigError(exc.errors + data_errors, exc.source) from None
-        if data_errors:
-            raise ConfigError(data_errors, str(config))
-    missing = cfg.missing_for_training()
-    if missing and not dry_run:
-        raise ConfigError(missing, str(config or resume))
+    plan = plan_run(config, run_dir, resume, resume_or_start)
+    cfg, findings = check(plan, overrides, plugins, scan_data=dry_run)
     console.print(plugins.header())
+    for note in findings.notes:
+        err_console.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
     if dry_run:
         console.print(yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip(), markup=False)
-        if dataset is not None:
-            console.print(f"[green]data OK[/]: {dataset.summary()}", highlight=False)
-        console.print(f"[green]config OK[/]: {config}")
-        for line in missing:
-            console.print(f"[yellow]note[/]: {line}", highlight=False)
+        if findings.dataset is not None:
+            console.print(f"[green]data OK[/]: {escape(findings.dataset.summary())}", highlight=False, soft_wrap=True)
+        console.print(f"[green]config OK[/]: {escape(plan.source)}", highlight=False, soft_wrap=True)
         return
-    if resume is None:
+    run = plan.run
+    if run is None:
+        from posttrain.core.run_dir import RunDirectory
+
         run = RunDirectory.create(run_dir, config.stem)
-        run.base_dir = config.parent
+    run.base_dir = plan.base_dir
+    if plan.checkpoint is None:  # a new run, or one started over in place: its config is this one
+        run.logs.mkdir(parents=True, exist_ok=True)
         run.write_config(cfg.to_dict(), plugins)
 
     from posttrain.cli.live import LiveDisplay
+
+    console.print(f"run directory: {run.path}", soft_wrap=True, markup=False)
+    if plan.checkpoint is not None:
+        console.print(f"resumed from step {plan.resume_step + 1} (checkpoint {plan.checkpoint})", soft_wrap=True,
+                      markup=False)
+    elif plan.start_over:
+        console.print(f"no checkpoint in {run.path}: starting it over from step 1", soft_wrap=True, markup=False)
+    display = LiveDisplay(cfg.rollout.num_rollouts, console, first_step=plan.resume_step + 1)
+    try:
+        with display:
+            start_training(cfg, plugins, run, resume=plan.checkpoint is not None or plan.start_over,
+                           on_step=display.update, on_phase=display.phase)
+    except KeyboardInterrupt:
+        interrupted(run, display.next_step, cfg.rollout.num_rollouts)
+    _finish(run)
+
+
+def start_training(cfg: Any, plugins: Any, run: Any, **kwargs: Any) -> None:
+    """The loop, in its own event loop (a seam: CLI tests replace it)."""
     from posttrain.core.loop import train
 
-    console.print(f"run directory: {run.path}")
-    with LiveDisplay(cfg.rollout.num_rollouts, console) as display:
-        asyncio.run(train(cfg, plugins, run, resume=resume is not None, on_step=display.update))
+    asyncio.run(train(cfg, plugins, run, **kwargs))
+
+
+def plan_run(config: Path | None, run_dir: Path | None, resume: Path | None, resume_or_start: Path | None) -> Plan:
+    """Decide what ``rl-cli run`` starts from; a run that cannot be resumed is a UsageError here."""
+    from posttrain.core.config import read_yaml
+    from posttrain.core.run_dir import RunDirectory
+
+    if resume is not None and resume_or_start is not None:
+        raise UsageError("give --resume or --resume-or-start, not both")
+    if config is None and resume is None and resume_or_start is None:
+        raise UsageError("give a CONFIG to run, or --resume RUN_DIR")
+    if (resume or resume_or_start) is not None and run_dir is not None:
+        raise UsageError("--run-dir: not with --resume/--resume-or-start (they name the run directory)")
+    target = resume if resume is not None else resume_or_start
+    if target is None:
+        return Plan(None, read_yaml(config), config, str(config), Path(config).parent)
+    run = RunDirectory(target)
+    base_dir = Path(config).parent if config else Path(".")
+    saved = run.path / "config.yaml"
+    if resume is not None or (saved.is_file() and run.latest_checkpoint() is not None):
+        ckpt, step = run.resume_point()  # raises with the reason when there is nothing to resume
+        return Plan(run, run.read_config(), None, str(saved), base_dir, ckpt, step)
+    # --resume-or-start without a checkpoint: start in RUN_DIR, with CONFIG or else its own config.yaml
+    if config is not None:
+        return Plan(run, read_yaml(config), config, str(config), base_dir, start_over=saved.is_file())
+    if saved.is_file():
+        return Plan(run, run.read_config(), None, str(saved), base_dir, start_over=True)
+    raise UsageError(f"--resume-or-start {target}: no run there yet; give the CONFIG to start it with")
+
+
+def check(plan: Plan, overrides: list[str], plugins: Any, scan_data: bool = False) -> tuple[Any, Any]:
+    """The validated config and the preflight findings; every error found raises one ConfigError."""
+    from posttrain.core.config import apply_overrides, load_config
+    from posttrain.core.preflight import check_run
+
+    errors: list[str] = []
+    try:
+        if plan.config_file is not None:
+            cfg = load_config(plan.config_file, overrides, plugins)
+        else:
+            cfg = load_config(None, overrides, plugins, data=plan.raw)
+    except ConfigError as exc:
+        cfg, errors = None, list(exc.errors)
+    raw = copy.deepcopy(plan.raw)
+    apply_overrides(raw, overrides)  # its errors are load_config's
+    findings = check_run(cfg, raw, plugins, plan.base_dir, scan_data=scan_data)
+    errors += findings.errors
+    if errors:
+        raise ConfigError(errors, plan.source)
+    return cfg, findings
+
+
+def interrupted(run: Any, next_step: int, total: int) -> None:
+    """Ctrl-C: say where the run stopped and how to continue it; exit code 130 (128 + SIGINT)."""
+    ckpt = run.latest_checkpoint()
+    err_console.print(f"interrupted at step {min(next_step + 1, total)}/{total}", highlight=False)
+    if ckpt is not None:
+        err_console.print(f"resume with: rl-cli run --resume {run.path}  (from step "
+                          f"{run.checkpoint_step(ckpt) + 1}, checkpoint {ckpt})", highlight=False, soft_wrap=True,
+                          markup=False)
+    else:
+        err_console.print(f"no checkpoint yet (checkpoint.interval); start it over with: "
+                          f"rl-cli run --resume-or-start {run.path}", highlight=False, soft_wrap=True,
+                          markup=False)
+    raise typer.Exit(130)
+
+
+def _finish(run: Any) -> None:
     from posttrain.cli.plot_cmd import write_curves
     from posttrain.core.metrics import read_metrics
 
@@ -78,4 +178,4 @@ def run(config: Path = typer.Argument(None, help="run config (YAML); optional wi
     if rows:
         write_curves(rows, run.path / "curves.png", title=run.path.name)
         console.print(f"done: {len(rows)} steps; curves: {run.path / 'curves.png'}; "
-                      f"metrics: {run.path / 'metrics.jsonl'}")
+                      f"metrics: {run.path / 'metrics.jsonl'}", soft_wrap=True, markup=False)

@@ -323,6 +323,92 @@ def load_prompts(cfg: Any, tokenizer: Any = None, base_dir: str | Path = ".") ->
     return dataset
 
 
+def scan_prompts(cfg: Any, base_dir: str | Path = ".") -> tuple[PromptDataset | None, list[str]]:
+    """``(dataset or None, problems)``: every row of ``cfg`` (a ``DataConfig``) read and checked, without a
+    tokenizer (so chat templates and ``max_prompt_len`` are not applied), for ``rl-cli run --dry-run``."""
+    import dataclasses
+
+    cfg = dataclasses.replace(cfg, apply_chat_template=False, max_prompt_len=None)
+    dataset, errors = _collect(cfg, None, base_dir)
+    if len(errors) > MAX_ERRORS_SHOWN:
+        errors = errors[:MAX_ERRORS_SHOWN] + [f"... and {len(errors) - MAX_ERRORS_SHOWN} more data errors"]
+    return (None if errors else dataset), errors
+
+
+# ---- a cheap look at a dataset: its first rows and its size, without parsing every row ----
+
+@dataclass
+class DatasetPreview:
+    """The first readable rows of a dataset (``(where, mapping)``) and how many rows it has (slice applied)."""
+
+    path: Path
+    rows: list[tuple[str, dict[str, Any]]]
+    count: int
+
+    def keys(self) -> list[str]:
+        """Every key of the previewed rows, in first-seen order."""
+        return list(dict.fromkeys(str(k) for _, r in self.rows for k in r))
+
+
+def resolve_path(spec: str, base_dir: str | Path = ".") -> tuple[Path, slice | None]:
+    """``(path, slice)`` of a ``data.path`` spec; a relative path is also tried against ``base_dir``."""
+    local, rows_slice = split_slice(spec)
+    path = Path(local)
+    if not path.is_absolute() and not path.exists() and (Path(base_dir) / local).exists():
+        path = Path(base_dir) / local
+    return path, rows_slice
+
+
+def preview(spec: str, base_dir: str | Path = ".", n: int = 5) -> DatasetPreview:
+    """The first ``n`` readable object rows of ``spec`` and its row count; cheap for large files (parquet
+    and saved datasets read their metadata, JSONL counts lines).
+
+    :raises DataError: the file is missing, of an unsupported format, or unreadable.
+    """
+    path, rows_slice = resolve_path(spec, base_dir)
+    if not path.exists():
+        raise DataError([f"{path}: no such file or directory"])
+    if path.suffix == ".jsonl" and not path.is_dir():
+        with path.open("rb") as f:
+            total = sum(1 for line in f if line.strip())
+    elif path.suffix == ".parquet" and not path.is_dir():
+        import pyarrow.parquet as pq
+
+        try:
+            total = pq.ParquetFile(path).metadata.num_rows
+        except Exception as exc:  # pyarrow raises several types for corrupt files
+            raise DataError([f"{path}: not a readable parquet file ({exc})"]) from None
+    elif path.is_dir():
+        total = _saved_dataset_len(path)
+    else:
+        total = None  # .json: counted while reading below (the whole file is parsed anyway)
+    records: Any = read_records(path)  # lazy: stops after the last row it needs
+    if total is None:
+        records = list(records)
+        total = len(records)
+    wanted = range(total)[rows_slice or slice(None)]
+    keep = set(wanted[:n])
+    rows = []
+    for i, (where, record, problem) in enumerate(records):
+        if i > max(keep, default=-1):
+            break
+        if i in keep and problem is None and isinstance(record, dict):
+            rows.append((where, record))
+    return DatasetPreview(path, rows, len(wanted))
+
+
+def _saved_dataset_len(path: Path) -> int:
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as exc:
+        raise DataError([f"{path}: not a dataset saved with save_to_disk ({exc})"]) from None
+    if isinstance(ds, datasets.DatasetDict):
+        return len(ds["train"]) if "train" in ds else 0  # read_records names the splits
+    return len(ds)
+
+
 def check_data(cfg: Any, tokenizer: Any = None, base_dir: str | Path = ".") -> list[str]:
     """The data's problems as messages (empty when it loads), for ``rl-cli run --dry-run``."""
     return _collect(cfg, tokenizer, base_dir)[1]

@@ -34,25 +34,32 @@ from posttrain.core.rollout.client import EngineClient
 from posttrain.core.types import AdvantageBatch
 
 
-async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step: Any = None) -> dict[str, float]:
+async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step: Any = None,
+                on_phase: Any = None) -> dict[str, float]:
     """Run ``cfg`` to ``rollout.num_rollouts`` steps in ``run`` (a RunDirectory); the last metrics. Every
-    role rebuilds the same plugin set (``plugins.load_args``) in its own process."""
+    role rebuilds the same plugin set (``plugins.load_args``) in its own process. ``on_phase(name)`` marks
+    each start-up phase, ``on_step(step, metrics, samples)`` each step's end."""
+    phase = on_phase or (lambda name, detail="": None)
     executor = EXECUTORS[cfg.resources.executor](cfg, **plugins.load_args)
     async with AsyncExitStack() as stack:
         stack.callback(executor.close)
         # -- roles: the trainer builds the model; engines start from its weights as an HF checkpoint
+        phase("model")
         trainer = executor.trainer()
         init_dir = trainer.save_hf(str(run.path / "hf-init"))
+        phase("engines")
         engines = executor.engines(init_dir, run.logs)
         stack.callback(engines.close)
         stack.callback(trainer.close)  # runs first: leaves the weight-update group while engines still answer
         url, engine_urls = engines.urls()
+        phase("connect")
         trainer.connect_engines(engine_urls)
         engine = await stack.enter_async_context(EngineClient(url, max_concurrency=cfg.rollout.server_concurrency))
 
         # -- data, rewards, algorithm
         from transformers import AutoTokenizer
 
+        phase("data")
         dataset = load_prompts(cfg.data, tokenizer=AutoTokenizer.from_pretrained(init_dir), base_dir=run.base_dir)
         buffer = DataBuffer.from_config(cfg, dataset)
         rewards = RewardRunner.from_config(cfg, plugins)
@@ -71,6 +78,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         if resume:
             done = -1  # killed before its first checkpoint: start over
             if (ckpt := run.latest_checkpoint()) is not None:
+                phase("resume")
                 trainer.load(str(ckpt / "trainer"))
                 state = run.load_checkpoint(ckpt)
                 buffer.load_state_dict(state["buffer"])
@@ -79,6 +87,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
             metrics_out.truncate_after(done)
             run.truncate_after(done)
         version = start
+        phase("weights")
         trainer.push_weights(version, str(run.path / "hf-latest"))
 
         async def rollout_group(group):
@@ -97,6 +106,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         pending = None  # async mode: the next step's generation, already running
         gc.collect()
         gc.freeze()  # start-up's objects (models, modules) leave the collector: no long gen-2 pauses per step
+        phase("train")
         for step in range(start, cfg.rollout.num_rollouts):
             t0 = time.perf_counter()
             # 1-4. prompts -> samples -> rewards -> filters (dynamic sampling keeps generating until full)

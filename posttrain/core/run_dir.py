@@ -80,6 +80,25 @@ class RunDirectory:
         path = self.checkpoints / marker.read_text().strip()
         return path if (path / "state.json").is_file() else None
 
+    def checkpoint_step(self, path: Path) -> int:
+        """The 0-based step a checkpoint was written after (read without restoring anything)."""
+        return int(json.loads((path / "state.json").read_text())["step"])
+
+    def resume_point(self) -> tuple[Path, int]:
+        """``(checkpoint, step)`` that ``--resume`` continues from.
+
+        :raises UsageError: not a run directory, or no complete checkpoint in it (with the reason).
+        """
+        config = self.read_config()
+        ckpt = self.latest_checkpoint()
+        if ckpt is not None:
+            return ckpt, self.checkpoint_step(ckpt)
+        interval = (config.get("checkpoint") or {}).get("interval", 0) if isinstance(config, dict) else 0
+        why = ("its config has checkpoint.interval: 0 (no checkpoints)" if not interval else
+               f"it stopped before its first checkpoint (checkpoint.interval: {interval})")
+        raise UsageError(f"--resume {self.path}: nothing to resume, no checkpoint there: {why}. Start it "
+                         f"over in place with `rl-cli run --resume-or-start {self.path}`, or start a new run")
+
     def save_checkpoint(self, step: int, save_trainer: Any, state: dict[str, Any], keep: int) -> Path:
         """``save_trainer(dir)`` writes the trainer's part; ``state`` (JSON-able) holds the rest."""
         name = f"step_{step:06d}"

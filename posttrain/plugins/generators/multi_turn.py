@@ -44,8 +44,8 @@ class MultiTurn:
         """Config errors: tool names the run's registry lacks, an unknown parser."""
         from posttrain.core.rollout.tools import PARSERS
 
-        errors = [f"generator.tools: {plugins.tools.unknown_message(n)}" for n in self.config.tools
-                  if n not in plugins.tools]
+        errors = [f"generator.tools.{i}: {plugins.tools.unknown_message(n)}"
+                  for i, n in enumerate(self.config.tools) if n not in plugins.tools]
         if self.config.parser not in PARSERS:
             errors.append(f"generator.parser: unknown parser {self.config.parser!r}. Valid: {', '.join(PARSERS)}")
         return errors

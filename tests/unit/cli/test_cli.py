@@ -40,9 +40,11 @@ def test_installed_third_party_package_is_listed_and_usable(example_site, write)
     rows = {r["name"]: r for r in json.loads(rl_cli("plugins", "list", "--json", env=env).stdout)}
     assert rows["keyword"]["distribution"] == "posttrain-example" and rows["keyword"]["version"] == "0.2.0"
     assert rows["signed"]["kind"] == "estimator"
+    write("p.jsonl", '{"prompt": "a"}\n{"prompt": "b"}\n')
     cfg = write("ex.yaml", "estimator: {name: signed, scale: 2.0}\nrewards: [{name: keyword, keywords: [a]}]\n"
-                           "rollout: {rollout_batch_size: 2, n_samples_per_prompt: 4}\n"
-                           "trainer: {global_batch_size: 8, micro_batch_size: 4}\n")
+                           "rollout: {rollout_batch_size: 2, n_samples_per_prompt: 4, num_rollouts: 1}\n"
+                           "trainer: {global_batch_size: 8, micro_batch_size: 4}\ndata: {path: p.jsonl}\n"
+                           "model: {name: qwen3, tokenizer: char}\ngenerator: single_turn\nloss: ppo_clip\n")
     out = rl_cli("run", cfg, "--dry-run", env=env)
     assert out.returncode == 0, out.stderr
     assert "posttrain-example-0.2.0" in out.stdout and "scale: 2.0" in out.stdout
@@ -98,7 +100,8 @@ def posttrain_register_estimators(registry):
 
 def test_dry_run_reports_five_errors_without_traceback(write):
     cfg = write("bad.yaml", "estimator: {name: grop}\nrewards: [{name: exact_match, ignore_cse: true}]\n"
-                            "rollout: {rollout_batch_size: -3}\ntrainer: {lrr: 1}\ndata: {path: missing.jsonl}\n")
+                            "rollout: {rollout_batch_size: -3}\ntrainer: {lrr: 1}\ndata: {path: missing.jsonl}\n"
+                            "model: qwen3\ngenerator: single_turn\nloss: ppo_clip\n")
     out = rl_cli("run", cfg, "--dry-run")
     assert out.returncode == 2
     assert "5 error(s)" in out.stderr and "Traceback" not in out.stderr

@@ -7,7 +7,7 @@ import sys
 def test_dry_run_reports_three_bad_rows_and_config_errors(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"prompt": "ok", "label": "1"}\n{"prompt": \n{"q": "x"}\n{"prompt": 5}\n')
     (tmp_path / "cfg.yaml").write_text(
-        "estimator: grpo\nrewards: [math]\ndata: {path: bad.jsonl}\n"
+        "estimator: grpo\nrewards: [math]\ndata: {path: bad.jsonl}\nmodel: qwen3\ngenerator: single_turn\nloss: ppo_clip\n"
         "rollout: {rollout_batch_size: 2, n_samples_per_prompt: 2}\n"
         "trainer: {global_batch_size: 4, micro_batch_size: 3}\n")
     out = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "run", str(tmp_path / "cfg.yaml"), "--dry-run"],
@@ -25,8 +25,9 @@ def test_dry_run_summarizes_good_data(tmp_path):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "good.jsonl").write_text('{"prompt": "a"}\n{"prompt": 1}\n{"prompt": "c"}\n')
     (tmp_path / "cfg.yaml").write_text(
-        "estimator: grpo\ndata: {path: d/good.jsonl, on_bad_row: skip}\n"
-        "rollout: {rollout_batch_size: 2, n_samples_per_prompt: 2}\ntrainer: {global_batch_size: 4, micro_batch_size: 2}\n")
+        "estimator: grpo\ndata: {path: d/good.jsonl, on_bad_row: skip, epochs: 2}\nmodel: qwen3\ngenerator: single_turn\n"
+        "loss: ppo_clip\nrollout: {rollout_batch_size: 2, n_samples_per_prompt: 2, num_rollouts: 2}\n"
+        "trainer: {global_batch_size: 4, micro_batch_size: 2}\n")
     out = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "run", "cfg.yaml", "--dry-run"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr

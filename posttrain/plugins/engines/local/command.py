@@ -3,6 +3,7 @@ this plugin adds through ``posttrain_register_commands`` like any third-party pl
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import typer
@@ -14,6 +15,25 @@ app = typer.Typer(help="Serve a HF checkpoint over SGLang's native HTTP API (CPU
 
 
 DECODE_ATTENTION = ("auto", "sdpa", "bmm", "triton")
+
+
+class HTTP2ProbeFilter(logging.Filter):
+    """Drops aiohttp's traceback for an HTTP/2 connection preface (``PRI * HTTP/2.0``).
+
+    sglang-router probes every worker for gRPC by opening an HTTP/2 connection; our HTTP/1.1 server
+    answers 400, which is the right answer ("no gRPC here"), and the router goes on over HTTP/1.1. But
+    aiohttp logs each such request as "Error handling request" with a traceback ending in
+    ``BadHttpMessage: Pause on PRI/Upgrade``, which read like a crash in every engine log. Only that
+    exact case is dropped; every other bad request is still logged.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (exc is not None and type(exc).__name__ == "BadHttpMessage" and "PRI/Upgrade" in str(exc))
+
+
+def quiet_http2_probes() -> None:
+    logging.getLogger("aiohttp.server").addFilter(HTTP2ProbeFilter())
 
 
 @app.command()
@@ -43,6 +63,7 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
         raise UsageError(f"--decode-attention: expected {', '.join(DECODE_ATTENTION)}, got {decode_attention!r}")
     if device != "cpu" and not device.startswith("cuda"):
         raise UsageError(f"--device: expected cpu or cuda[:N], got {device!r}")
+    quiet_http2_probes()
     from posttrain.plugins.engines.local.server import serve as run
 
     run(str(model_dir), host=host, port=port, device=device, dtype=dtype,

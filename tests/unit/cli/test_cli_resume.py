@@ -1,0 +1,125 @@
+"""`--resume`, `--resume-or-start` and Ctrl-C, through `rl-cli run` in-process with the training loop
+replaced (``posttrain.cli.run.start_training``), so they take a second, not a run."""
+
+import json
+import sys
+
+import pytest
+import yaml
+
+from posttrain.cli import run as run_cmd
+from posttrain.cli.main import main
+from posttrain.core.config import load_config
+from tests.conftest import ROOT
+
+QUICKSTART = ROOT / "examples" / "quickstart.yaml"
+
+
+def rl_cli(monkeypatch, capsys, *args):
+    """(exit code, stdout, stderr) of `rl-cli ARGS` run in this process."""
+    monkeypatch.setattr(sys, "argv", ["rl-cli", *map(str, args)])
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code or 0
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The start_training calls, each as its keyword arguments (and the run directory)."""
+    seen = []
+
+    def fake(cfg, plugins, run, **kwargs):
+        seen.append({"cfg": cfg, "run": run, **kwargs})
+
+    monkeypatch.setattr(run_cmd, "start_training", fake)
+    return seen
+
+
+def make_run_dir(path, checkpoint_step=None, interval=0):
+    """A run directory as `rl-cli run` leaves it: config.yaml, metrics, and optionally a checkpoint."""
+    cfg = load_config(QUICKSTART).to_dict()
+    cfg["checkpoint"]["interval"] = interval
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (path / "metrics.jsonl").write_text(json.dumps({"step": 0, "rollout/reward_mean": 0.1}) + "\n")
+    if checkpoint_step is not None:
+        ckpt = path / "checkpoints" / f"step_{checkpoint_step:06d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "state.json").write_text(json.dumps({"step": checkpoint_step}))
+        (path / "checkpoints" / "latest").write_text(ckpt.name)
+    return path
+
+
+def test_resume_without_checkpoint_exits_2_with_the_reason(tmp_path, monkeypatch, capsys, calls):
+    run = make_run_dir(tmp_path / "r", interval=0)
+    code, _, err = rl_cli(monkeypatch, capsys, "run", "--resume", run)
+    assert code == 2 and not calls
+    assert "nothing to resume, no checkpoint there: its config has checkpoint.interval: 0" in err
+    assert f"rl-cli run --resume-or-start {run}" in err and "Traceback" not in err
+    assert (run / "metrics.jsonl").read_text().count("\n") == 1  # untouched
+
+    run = make_run_dir(tmp_path / "r2", interval=10)
+    code, _, err = rl_cli(monkeypatch, capsys, "run", "--resume", run)
+    assert code == 2 and "stopped before its first checkpoint (checkpoint.interval: 10)" in err
+
+
+def test_resume_says_which_step_and_checkpoint(tmp_path, monkeypatch, capsys, calls):
+    run = make_run_dir(tmp_path / "r", checkpoint_step=4, interval=5)
+    code, out, err = rl_cli(monkeypatch, capsys, "run", "--resume", run, "rollout.num_rollouts=7")
+    assert code == 0, err
+    assert f"resumed from step 5 (checkpoint {run / 'checkpoints' / 'step_000004'})" in out
+    assert len(calls) == 1 and calls[0]["resume"] is True
+    assert calls[0]["cfg"].rollout.num_rollouts == 7  # an override, not taken for the CONFIG argument
+
+
+def test_resume_or_start_starts_over_without_a_checkpoint(tmp_path, monkeypatch, capsys, calls):
+    run = make_run_dir(tmp_path / "r")
+    code, out, err = rl_cli(monkeypatch, capsys, "run", "--resume-or-start", run)
+    assert code == 0, err
+    assert "starting it over from step 1" in out
+    assert calls[0]["resume"] is True  # the loop then drops the old metrics (no checkpoint: from step 0)
+
+    fresh = tmp_path / "new"  # a scheduler's first launch: no directory yet
+    code, out, err = rl_cli(monkeypatch, capsys, "run", QUICKSTART, "--resume-or-start", fresh)
+    assert code == 0, err
+    assert calls[1]["resume"] is False and (fresh / "config.yaml").is_file()
+
+    resumable = make_run_dir(tmp_path / "r3", checkpoint_step=2, interval=1)
+    code, out, _ = rl_cli(monkeypatch, capsys, "run", QUICKSTART, "--resume-or-start", resumable)
+    assert code == 0 and "resumed from step 3" in out
+
+
+def test_ctrl_c_prints_how_to_resume_and_exits_130(tmp_path, monkeypatch, capsys):
+    def interrupted_after_a_checkpoint(cfg, plugins, run, **kwargs):
+        kwargs["on_phase"]("train")
+        kwargs["on_step"](0, {"rollout/reward_mean": 0.5})
+        ckpt = run.checkpoints / "step_000000"
+        ckpt.mkdir(parents=True)
+        (ckpt / "state.json").write_text(json.dumps({"step": 0}))
+        (run.checkpoints / "latest").write_text(ckpt.name)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_cmd, "start_training", interrupted_after_a_checkpoint)
+    run = tmp_path / "r"
+    code, out, err = rl_cli(monkeypatch, capsys, "run", QUICKSTART, "--run-dir", run)
+    assert code == 130
+    assert "interrupted at step 2/150" in err
+    assert f"resume with: rl-cli run --resume {run}  (from step 1" in err and "Traceback" not in err
+
+
+def test_ctrl_c_before_any_checkpoint_says_so(tmp_path, monkeypatch, capsys):
+    def interrupted(cfg, plugins, run, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_cmd, "start_training", interrupted)
+    code, _, err = rl_cli(monkeypatch, capsys, "run", QUICKSTART, "--run-dir", tmp_path / "r")
+    assert code == 130 and f"rl-cli run --resume-or-start {tmp_path / 'r'}" in err
+
+
+def test_resume_flags_conflict(tmp_path, monkeypatch, capsys, calls):
+    code, _, err = rl_cli(monkeypatch, capsys, "run", "--resume", tmp_path, "--resume-or-start", tmp_path)
+    assert code == 2 and "not both" in err
