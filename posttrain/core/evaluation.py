@@ -14,12 +14,15 @@ from posttrain.core.rewards import reward_metrics
 from posttrain.core.types import Sample
 
 
-async def evaluate(cfg: Any, engine: Any, generator: Any, rewards: Any, base_dir: Path) -> dict[str, float]:
+async def evaluate(cfg: Any, engine: Any, generator: Any, rewards: Any, base_dir: Path,
+                   tokenizer: Any = None) -> dict[str, float]:
+    """``eval/<name>/...`` metrics of every eval set; ``tokenizer`` renders chat templates
+    (``apply_chat_template: true``)."""
     out: dict[str, float] = {}
     for ds in cfg.eval.datasets:
         data = DataConfig(path=ds.path, input_key=ds.input_key, label_key=ds.label_key,
                           metadata_key=ds.metadata_key, apply_chat_template=ds.apply_chat_template, shuffle=False)
-        rows = load_prompts(data, base_dir=base_dir).rows[: ds.limit]
+        rows = load_prompts(data, tokenizer=tokenizer, base_dir=base_dir).rows[: ds.limit]
         sampling = dataclasses.replace(cfg.rollout.sampling_params(seed=cfg.seed), temperature=ds.temperature,
                                        top_p=ds.top_p, max_new_tokens=ds.max_new_tokens or cfg.rollout.max_new_tokens)
         groups = [[Sample(prompt=r.prompt, label=r.label, metadata=dict(r.metadata), group_index=g, index=i)

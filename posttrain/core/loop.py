@@ -60,7 +60,8 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         from transformers import AutoTokenizer
 
         phase("data")
-        dataset = load_prompts(cfg.data, tokenizer=AutoTokenizer.from_pretrained(init_dir), base_dir=run.base_dir)
+        tokenizer = AutoTokenizer.from_pretrained(init_dir)
+        dataset = load_prompts(cfg.data, tokenizer=tokenizer, base_dir=run.base_dir)
         buffer = DataBuffer.from_config(cfg, dataset)
         rewards = RewardRunner.from_config(cfg, plugins)
         stack.push_async_callback(rewards.aclose)
@@ -167,7 +168,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
                     "perf/weight_push_s": push_s, **_memory_metrics(trainer, engines),
                     "perf/rollout_tokens_per_s": tokens / max(generate_s, 1e-9)}
             if cfg.eval.interval and (step + 1) % cfg.eval.interval == 0:
-                last.update(await evaluate(cfg, engine, generator, rewards, run.base_dir))
+                last.update(await evaluate(cfg, engine, generator, rewards, run.base_dir, tokenizer))
             metrics_out.log(step, last)
             run.log_rollouts(step, groups, batching.sample_log(samples))
             plugins.pm.hook.posttrain_on_step_end(step=step, metrics=last)
