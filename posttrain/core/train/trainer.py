@@ -73,7 +73,8 @@ class MegatronTrainer:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         has_ckpt = bool(spec.config.path) and load_weights
         self.model = M.build_gpt(spec, self.hf, dtype=self.dtype, attention=self.config.attention,
-                                 transformer_overrides=overrides["transformer"], init_weights=not has_ckpt)
+                                 transformer_overrides=overrides["transformer"], init_weights=not has_ckpt,
+                                 seed=seed)
         if has_ckpt:
             M.load_hf(self.model, spec, self.hf, spec.config.path)
         if self.config.compile:  # before DDP wrapping; graph breaks (packed cu_seqlens) are fine
