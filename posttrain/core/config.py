@@ -148,17 +148,20 @@ class RolloutConfig:
     server_concurrency: int = option(512, ge=1, help="requests in flight per engine client")
     weight_sync: Literal["auto", "distributed", "tensor", "disk"] = option(
         "auto", help="how weights reach the engines: distributed (NCCL between GPUs, else Gloo), tensor (CUDA IPC "
-                     "handles, colocated), disk (an HF checkpoint); auto: tensor when colocated, else distributed")
+                     "handles, same host), disk (an HF checkpoint); auto: tensor when colocated or when an engine "
+                     "is on a trainer GPU, else distributed")
     weight_bucket_mb: int = option(512, ge=1, help="bucket size of a distributed weight update")
     seed_sampling: bool = option(False, help="give every sample its own sampling_seed, from the run's seed and the "
                                              "sample's index, so a rerun draws the same tokens (SGLang engines also "
                                              "need sglang: {enable_deterministic_inference: true})")
 
-    def weight_sync_mode(self, colocate: bool) -> str:
-        """``weight_sync`` with ``auto`` resolved: ``tensor`` when colocated, else ``distributed``."""
+    def weight_sync_mode(self, colocate: bool, shared_gpus: list[int] | tuple[int, ...] = ()) -> str:
+        """``weight_sync`` with ``auto`` resolved: ``tensor`` when colocated or when engines sit on trainer
+        GPUs (``shared_gpus``, from :func:`gpus_shared_with_trainer`: NCCL refuses two ranks on one GPU),
+        else ``distributed``."""
         if self.weight_sync != "auto":
             return self.weight_sync
-        return "tensor" if colocate else "distributed"
+        return "tensor" if colocate or shared_gpus else "distributed"
 
     def sampling_params(self, seed: int | None = None):
         """The run's :class:`~posttrain.core.types.SamplingParams`; ``seed`` (the run's) is kept only when
@@ -310,7 +313,17 @@ class RunConfig:
         if colocate and r.weight_sync == "distributed" and r.engine_device.startswith("cuda"):
             errors.append("rollout.weight_sync: distributed (NCCL) cannot join two processes on one GPU; "
                           "colocated engines take tensor (or disk, or auto)")
+        shared = gpus_shared_with_trainer(r, self.resources)
+        if not colocate and shared and r.weight_sync == "distributed":
+            errors.append(f"rollout.weight_sync: distributed (NCCL) cannot join two processes on one GPU, and the "
+                          f"trainer and an engine share cuda:{shared[0]}; use tensor (CUDA IPC), disk or auto, or "
+                          f"put the engines on other GPUs (resources.trainer_gpus_per_node, rollout.engine_device)")
         return errors
+
+    def weight_sync_mode(self) -> str:
+        """``rollout.weight_sync`` resolved for this run's placement (see :meth:`RolloutConfig.weight_sync_mode`)."""
+        return self.rollout.weight_sync_mode(self.resources.colocate, gpus_shared_with_trainer(self.rollout,
+                                                                                              self.resources))
 
     def missing_for_training(self) -> list[str]:
         """Sections a config may leave out while it is validated piecemeal, but a run needs."""
@@ -328,6 +341,23 @@ class RunConfig:
                 value = [c.to_dict() for c in value]
             out[key] = to_dict(value)
         return out
+
+
+def gpus_shared_with_trainer(r: RolloutConfig, res: ResourcesConfig) -> list[int]:
+    """GPU indices that a local engine shares with the trainer, without colocation: engines on
+    ``cuda[:N]`` where the trainer also trains. The trainer takes GPUs ``0 .. trainer_gpus_per_node - 1``
+    (the local executor trains on GPU 0 even when that is 0, whenever CUDA is there; a Ray actor with no
+    GPUs trains on the CPU). Engine ``i`` on ``cuda`` takes the GPU the fleet gives it (``first + i x
+    gpus_per_engine``, ``first`` being the trainer's GPU count); ``cuda:N`` puts every engine on ``N``."""
+    if r.engine != "local" or not r.engine_device.startswith("cuda") or res.colocate:
+        return []
+    trainer = res.trainer_gpus_per_node if res.executor == "ray" else max(1, res.trainer_gpus_per_node)
+    if r.engine_device == "cuda":
+        engines = [res.trainer_gpus_per_node + i * res.gpus_per_engine for i in range(res.num_engines)]
+    else:
+        index = r.engine_device.partition(":")[2]
+        engines = [int(index)] if index.isdigit() else []
+    return sorted({g for g in engines if g < trainer})
 
 
 def batch_identity(r: RolloutConfig, t: TrainerConfig) -> list[str]:

@@ -96,7 +96,7 @@ class TrainerRole:
 
     @property
     def weight_sync(self) -> str:
-        return self.cfg.rollout.weight_sync_mode(self.cfg.resources.colocate)
+        return self.cfg.weight_sync_mode()
 
     def push_weights(self, version: int, disk_dir: str | None = None) -> float:
         """New weights to the engines under their HF names, by ``rollout.weight_sync``: ``distributed``
