@@ -4,10 +4,9 @@
 #   bash bench/gpu_issue24.sh PART...   (run tool: carry [".whl"], kind nvidia-h200; .whl/ holds megatron-core)
 # parts:
 #   equiv          tests/gpu/equivalence.py: CPU path vs each GPU variant (10 steps), and GPU vs GPU (repeat)
-#   quick:S1,S2..  examples/quickstart.yaml, trainer on cuda, engine on the CPU, seeds S1,S2..; EXTRA=... adds overrides
-#   twice:S        the same seed twice, rewards compared step by step
-#   onegpu         rl-cli run examples/quickstart.yaml rollout.engine_device=cuda (trainer and engine on GPU 0), 20 steps
-#   pytest         tests/gpu/test_equivalence_gpu.py and the one-GPU run test
+#   par            PAR="TAG:SEED[:KEY=VALUE,...] ..." quickstart runs side by side (trainer on cuda, no router)
+#   same:A,FILE    run A's reward curve against another metrics.jsonl (path) step by step
+#   pytest         tests/gpu/test_equivalence_gpu.py (WORKERS parallel)
 set -u
 OUT=${OUT:-/tmp/out}; LOGS=/tmp/i24; mkdir -p "$OUT" "$LOGS"
 if [ -z "${SKIP_INSTALL:-}" ]; then  # SKIP_INSTALL=1: a machine that has them (trying the script on the CPU)
@@ -37,33 +36,47 @@ equiv() {
   $EQ --device cuda --out $LOGS/gpu_defaults2.pt --steps $steps > /dev/null 2>&1
   TABLE+=("| gpu defaults run 1 vs run 2 | $($EQ --compare $LOGS/gpu_defaults.pt $LOGS/gpu_defaults2.pt) |")
 }
-quick() {  # quick SEED EXTRA...: one quickstart run; prints seed, last-10 reward, entropy at 100, wall
-  local seed=$1 tag=$2; shift 2
-  local dir=$LOGS/runs/$tag-s$seed t0=$(date +%s)
-  timeout ${QUICK_LIMIT:-300} python3 -m posttrain.cli.main run examples/quickstart.yaml --run-dir $dir seed=$seed \
-    rollout.use_router=false rollout.weight_sync=disk ${EXTRA:-} "$@" > $LOGS/$tag-s$seed.log 2>&1
-  local rc=$?
-  python3 - "$dir/metrics.jsonl" "$tag seed $seed rc $rc wall $(( $(date +%s) - t0 ))s" <<'PY'
-import json, statistics, sys
-rows = [json.loads(l) for l in open(sys.argv[1])] if __import__("os").path.exists(sys.argv[1]) else []
+summary() {  # summary DIR TAG: steps, last-10 reward, reward and entropy at step 100, step-0 grad norm
+  python3 - "$1/metrics.jsonl" "$2" <<'PY'
+import json, os, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])] if os.path.exists(sys.argv[1]) else []
 r = [x["rollout/reward_mean"] for x in rows]
-ent = rows[100].get("train/entropy") if len(rows) > 100 else None
+at = lambda i, k: round(rows[i][k], 4) if len(rows) > i and k in rows[i] else None
 print(f"| {sys.argv[2]} | steps {len(r)} | last10 {statistics.mean(r[-10:]) if r else float('nan'):.3f} | "
-      f"reward@100 {r[100] if len(r) > 100 else float('nan'):.3f} entropy@100 {ent} |")
-json.dump(r, open(sys.argv[1] + ".rewards.json", "w"))
+      f"reward@100 {at(100, 'rollout/reward_mean')} entropy@100 {at(100, 'train/entropy')} | "
+      f"grad_norm@0 {at(0, 'train/grad_norm')} | sync {rows[0].get('perf/weight_push_s', 0) if rows else 0:.3f}s |")
 PY
+}
+same_curve() {  # same_curve A B: are the reward curves of two runs equal, and where do they first differ
+  python3 - "$1" "$2" <<'PY'
+import json, os, sys
+def curve(p):
+    return [json.loads(l)["rollout/reward_mean"] for l in open(p)] if os.path.exists(p) else []
+a, b = curve(sys.argv[1]), curve(sys.argv[2])
+first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+print(f"| {os.path.basename(os.path.dirname(sys.argv[1]))} vs {os.path.basename(os.path.dirname(sys.argv[2]))} | "
+      f"equal {a == b and len(a) > 0} | first different step {first} of {min(len(a), len(b))} |")
+PY
+}
+par() {  # par "TAG:SEED[:OVERRIDE,...] ...": quickstart runs side by side, trainer on cuda, 2 threads each
+  local pids=() specs=($1)
+  for spec in "${specs[@]}"; do
+    IFS=: read -r tag seed extra <<< "$spec"
+    OMP_NUM_THREADS=2 timeout ${QUICK_LIMIT:-400} python3 -m posttrain.cli.main run examples/quickstart.yaml \
+      --run-dir $LOGS/runs/$tag seed=$seed rollout.use_router=false ${extra//,/ } > $LOGS/$tag.log 2>&1 &
+    pids+=($!)
+  done
+  for i in "${!pids[@]}"; do wait ${pids[$i]}; TABLE+=("$(summary $LOGS/runs/${specs[$i]%%:*} "${specs[$i]} rc $?")"); done
 }
 for part in "$@"; do case $part in
   equiv) equiv ;;
-  quick:*) for s in $(echo ${part#quick:} | tr , ' '); do TABLE+=("$(quick $s q)"); done ;;
-  twice:*) s=${part#twice:}; TABLE+=("$(quick $s a)") ; TABLE+=("$(quick $s b)")
-           TABLE+=("| same curve (seed $s): $(python3 -c "import json,sys; a=json.load(open('$LOGS/runs/a-s$s/metrics.jsonl.rewards.json')); b=json.load(open('$LOGS/runs/b-s$s/metrics.jsonl.rewards.json')); print(a==b, 'first diff at step', next((i for i,(x,y) in enumerate(zip(a,b)) if x!=y), None))") |") ;;
-  onegpu) t0=$(date +%s); timeout 300 python3 -m posttrain.cli.main run examples/quickstart.yaml --run-dir $LOGS/runs/onegpu \
-            rollout.engine_device=cuda rollout.use_router=false rollout.num_rollouts=20 > $LOGS/onegpu.log 2>&1
-          TABLE+=("| onegpu engine_device=cuda | rc $? $(( $(date +%s) - t0 ))s | $(grep -h -i -m2 'weight_sync\|error' $LOGS/onegpu.log | cut -c1-200 | tr '\n' ' ') | $(wc -l < $LOGS/runs/onegpu/metrics.jsonl 2>/dev/null) steps |") ;;
-  pytest) python3 -m pytest -q -p no:cacheprovider tests/gpu/test_equivalence_gpu.py 2>&1 | tail -15 | tee $LOGS/pytest.log
+  par) par "$PAR" ;;
+  same:*) pair=${part#same:}; TABLE+=("$(same_curve $LOGS/runs/${pair%%,*}/metrics.jsonl ${pair##*,})") ;;
+  pytest) python3 -m pytest -q -p no:cacheprovider -n ${WORKERS:-6} tests/gpu/test_equivalence_gpu.py 2>&1 | tail -15 > $LOGS/pytest.log
+          grep -E "^E  |passed|failed" $LOGS/pytest.log | cut -c1-400
           TABLE+=("| pytest tests/gpu/test_equivalence_gpu.py | $(tail -1 $LOGS/pytest.log) |") ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac; done
-tar czf "$OUT/logs.tgz" -C "$LOGS" --exclude='*.pt' --exclude='hf-*' --exclude='checkpoints' . 2>/dev/null
+tar czf "$OUT/logs.tgz" -C "$LOGS" --exclude='*.pt' --exclude='hf-*' --exclude='checkpoints' --exclude='tensorboard' \
+  --exclude='rollouts.jsonl' . 2>/dev/null
 echo; for row in "${TABLE[@]}"; do echo "$row"; done

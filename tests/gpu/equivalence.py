@@ -87,13 +87,15 @@ def rel(a, b) -> float:
     return float((a - b).norm()) / scale if scale else float((a - b).norm())
 
 
-# Worst relative error allowed over the steps. A CPU run that only packs the samples differently (the
-# same math, summed in another order) stays under these for 10 steps (tests/unit/train/
-# test_equivalence_harness.py); grad norms drift most: Adam turns rounding in near-zero gradient elements
-# (|g| ~ eps) into O(lr) differences of those elements, and the next steps' gradients see them (3e-5 by
-# step 6 in that CPU control), so the 1e-5 bar holds at the first step and 1e-4 after.
-TOLERANCES = {"init": 0.0, "loss": 1e-5, "grad_norm@0": 1e-5, "grad_norm": 1e-4, "log_probs": 1e-5,
-              "entropy": 1e-5, "weights": 1e-5}
+# Worst relative error allowed. The first step (``@0``: the log-probs of the initial weights, the first
+# gradient and update) and the loss and entropy of every step must agree to 1e-5. Over 10 steps grad
+# norms, log-probs and weights drift further, in an equivalent computation too: Adam turns rounding in
+# near-zero gradient elements (|g| ~ eps) into O(lr) differences of those elements, which later steps
+# see. A CPU run that only packs its samples differently (the same math summed in another order) drifts
+# to 3e-5 in grad norm and 9e-6 in weights by step 10 (tests/unit/train/test_equivalence_harness.py), so
+# the 10-step bar is 1e-4: a 1% lr change, beta2 0.999 or a lost entropy/KL term give 1e-3 to 4e-3.
+TOLERANCES = {"init": 0.0, "loss": 1e-5, "entropy": 1e-5, "log_probs@0": 1e-5, "grad_norm@0": 1e-5,
+              "weights@0": 1e-5, "log_probs": 1e-4, "grad_norm": 1e-4, "weights": 1e-4}
 
 
 def _flat(weights: dict):
@@ -115,7 +117,7 @@ def compare(ref: dict, other: dict) -> dict[str, float]:
                "log_probs": rel(r["old_log_probs"], o["old_log_probs"]),
                "entropy": rel(r["entropy"], o["entropy"]), "weights": rel(wr, wo), "update": rel(wr - prev_r, wo - prev_o)}
         if i == 0:
-            row["grad_norm@0"] = row["grad_norm"]
+            row.update({f"{k}@0": row[k] for k in ("log_probs", "grad_norm", "weights")})
         prev_r, prev_o = wr, wo
         for k, v in row.items():
             worst[k] = max(worst.get(k, 0.0), v)
