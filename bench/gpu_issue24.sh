@@ -62,11 +62,14 @@ par() {  # par "TAG:SEED[:OVERRIDE,...] ...": quickstart runs side by side, trai
   local pids=() specs=($1)
   for spec in "${specs[@]}"; do
     IFS=: read -r tag seed extra <<< "$spec"
-    OMP_NUM_THREADS=2 timeout ${QUICK_LIMIT:-400} python3 -m posttrain.cli.main run examples/quickstart.yaml \
+    PYTHONWARNINGS=default OMP_NUM_THREADS=2 timeout ${QUICK_LIMIT:-400} python3 -m posttrain.cli.main run examples/quickstart.yaml \
       --run-dir $LOGS/runs/$tag seed=$seed rollout.use_router=false ${extra//,/ } > $LOGS/$tag.log 2>&1 &
     pids+=($!)
   done
-  for i in "${!pids[@]}"; do wait ${pids[$i]}; TABLE+=("$(summary $LOGS/runs/${specs[$i]%%:*} "${specs[$i]} rc $?")"); done
+  for i in "${!pids[@]}"; do
+    wait ${pids[$i]}; local rc=$? tag=${specs[$i]%%:*}
+    TABLE+=("$(summary $LOGS/runs/$tag "${specs[$i]} rc $rc") non-deterministic ops: $(grep -o 'aten::[a-z_]*[^ ]* does not have a deterministic implementation' $LOGS/$tag.log | sort -u | tr '\n' ' ') |")
+  done
 }
 for part in "$@"; do case $part in
   equiv) equiv ;;

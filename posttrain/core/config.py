@@ -210,6 +210,8 @@ class TrainerConfig:
     use_distributed_optimizer: bool = option(True, help="Megatron's distributed optimizer (GPU only; CPU uses torch AdamW)")
     fused_adam: bool = option(True, help="GPU without TE/Apex: torch's fused AdamW kernel inside Megatron's optimizer")
     value_clip: float = option(0.2, ge=0.0, help="critic value clipping range; 0 disables")
+    deterministic: bool | None = option(None, help="deterministic CUDA kernels, so a seeded GPU run repeats (slower "
+                                                    "attention backward); None: on with rollout.seed_sampling")
     megatron: dict[str, Any] = option(default_factory=dict, help="Megatron TransformerConfig/DDP/optimizer fields by name")
 
     def validate(self) -> list[str]:

@@ -22,33 +22,37 @@ import os
 import sys
 from pathlib import Path
 
-BASE = dict(lr=3e-3, entropy_coef=0.005, kl_loss_coef=0.01, global_batch_size=64, micro_batch_size=32,
-            sequence_packing=False)
-GROUPS, GROUP_SIZE = 8, 8
+BASE = dict(lr=3e-3, entropy_coef=0.005, kl_loss_coef=0.01, sequence_packing=False)
+# name: (groups, samples per group, prompt lengths, response lengths, micro-batch size)
+SHAPES = {"small": (8, 8, (4, 6), (1, 4), 32),  # two micro-batches of mixed lengths
+          "quickstart": (64, 16, (4, 4), (1, 1), 1024)}  # the quickstart's batch: 1024 x 5 tokens, one pass
 
 
-def make_batch(step: int):
-    """Step ``step``'s batch: 8 groups of 8 samples (prompt 4-6 tokens, response 1-4), GRPO advantages."""
+def make_batch(step: int, shape: str = "small"):
+    """Step ``step``'s batch of ``SHAPES[shape]``, with GRPO advantages of random 0/1 rewards."""
     import torch
 
     from posttrain.core.train.batch import TrainBatch
 
+    groups, group_size, (p_lo, p_hi), (r_lo, r_hi), _ = SHAPES[shape]
     gen = torch.Generator().manual_seed(1000)  # the same prompts and responses every step
     tokens, prompts = [], []
-    for _ in range(GROUPS):
-        prompt = torch.randint(1, 128, (int(torch.randint(4, 7, (1,), generator=gen)),), generator=gen).tolist()
-        for _ in range(GROUP_SIZE):
-            response = torch.randint(1, 128, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen)
+    for _ in range(groups):
+        prompt = torch.randint(1, 128, (int(torch.randint(p_lo, p_hi + 1, (1,), generator=gen)),),
+                               generator=gen).tolist()
+        for _ in range(group_size):
+            response = torch.randint(1, 128, (int(torch.randint(r_lo, r_hi + 1, (1,), generator=gen)),),
+                                     generator=gen)
             tokens.append(prompt + response.tolist())
             prompts.append(len(prompt))
     batch = TrainBatch.from_lists(tokens, prompts)
-    rewards = (torch.rand(GROUPS, GROUP_SIZE, generator=torch.Generator().manual_seed(step)) < 0.4).float()
+    rewards = (torch.rand(groups, group_size, generator=torch.Generator().manual_seed(step)) < 0.4).float()
     adv = (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)
     batch.advantages = adv.reshape(-1, 1) * batch.response_mask
     return batch
 
 
-def run(device: str, steps: int, overrides: dict, out: str) -> None:
+def run(device: str, steps: int, overrides: dict, out: str, shape: str = "small") -> None:
     if device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch: the trainer's CPU path
     import torch
@@ -61,15 +65,17 @@ def run(device: str, steps: int, overrides: dict, out: str) -> None:
     spec_cls = plugins.registry("model")["qwen3"]
     spec = spec_cls(spec_cls.Config(preset="tiny", dtype="float32", tokenizer="char"))
     loss_cls = plugins.registry("loss")["ppo_clip"]
-    trainer = MegatronTrainer(spec, TrainerConfig(**{**BASE, **overrides}), seed=0)
+    size = SHAPES[shape][0] * SHAPES[shape][1]
+    config = {**BASE, "global_batch_size": size, "micro_batch_size": SHAPES[shape][4], **overrides}
+    trainer = MegatronTrainer(spec, TrainerConfig(**config), seed=0)
     assert trainer.megatron_optimizer == (device == "cuda"), "the device asked for is not the path taken"
 
     def weights():
         return {k: v.detach().float().cpu().clone() for b in trainer.export_hf(1 << 30) for k, v in b}
 
-    record = {"device": device, "overrides": overrides, "init": weights(), "steps": []}
+    record = {"device": device, "overrides": overrides, "shape": shape, "init": weights(), "steps": []}
     for step in range(steps):
-        batch = make_batch(step)
+        batch = make_batch(step, shape)
         batch.old_log_probs, entropy = trainer.log_probs(batch, with_entropy=True)
         batch.ref_log_probs = trainer.log_probs(batch, weights="ref")[0]
         metrics = trainer.train_step(batch, loss_cls(loss_cls.Config()))
@@ -145,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cpu", "cuda"])
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="small")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a TrainerConfig field")
     p.add_argument("--out")
     p.add_argument("--compare", nargs=2, metavar=("REF", "OTHER"))
@@ -164,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         if not sep:
             p.error(f"--set {item}: expected KEY=VALUE")
         overrides[key] = _value(value)
-    run(args.device, args.steps, overrides, args.out)
+    run(args.device, args.steps, overrides, args.out, args.shape)
     return 0
 
 

@@ -15,6 +15,8 @@ class TrainerRole:
     """
 
     def __init__(self, config: dict[str, Any], plugin_files: list[str] = (), disabled: list[str] = ()):
+        import dataclasses
+
         import torch
 
         from posttrain.core.config import load_config
@@ -28,8 +30,11 @@ class TrainerRole:
         self.loss = cfg.loss.create(plugins)
         self.correction = cfg.correction.create(plugins) if cfg.correction else None
         estimator = plugins.estimators[cfg.estimator.name]
-        self.policy = MegatronTrainer(self.spec, cfg.trainer, seed=cfg.seed)
-        self.critic = (MegatronTrainer(self.spec, cfg.trainer, seed=cfg.seed, role="critic")
+        trainer = cfg.trainer
+        if trainer.deterministic is None:  # seeded sampling asks for a run that repeats: GPU kernels too
+            trainer = dataclasses.replace(trainer, deterministic=cfg.rollout.seed_sampling)
+        self.policy = MegatronTrainer(self.spec, trainer, seed=cfg.seed)
+        self.critic = (MegatronTrainer(self.spec, trainer, seed=cfg.seed, role="critic")
                        if getattr(estimator, "needs_critic", False) else None)
         self.sender = None
 

@@ -68,6 +68,11 @@ class MegatronTrainer:
         self.hf = spec.hf_config()
         self.dtype = spec.config.dtype
         overrides = M.split_megatron_overrides(self.config.megatron)
+        if self.config.deterministic and torch.cuda.is_available():  # a seeded GPU run repeats (issue #24)
+            from posttrain.core.train.determinism import use_deterministic_kernels
+
+            use_deterministic_kernels()
+            overrides["transformer"].setdefault("deterministic_mode", True)
         M.init_parallel(self.config.tp, self.config.pp, seed=seed)
         self.tp_rank, self.tp_size = M.tp_info()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
