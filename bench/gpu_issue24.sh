@@ -68,7 +68,7 @@ par() {  # par "TAG:SEED[:OVERRIDE,...] ...": quickstart runs side by side, trai
   done
   for i in "${!pids[@]}"; do
     wait ${pids[$i]}; local rc=$? tag=${specs[$i]%%:*}
-    TABLE+=("$(summary $LOGS/runs/$tag "${specs[$i]} rc $rc") non-deterministic ops: $(grep -o 'aten::[a-z_]*[^ ]* does not have a deterministic implementation' $LOGS/$tag.log | sort -u | tr '\n' ' ') |")
+    TABLE+=("$(summary $LOGS/runs/$tag "${specs[$i]} rc $rc") non-deterministic ops: $(grep -o '[A-Za-z_:.]* does not have a deterministic implementation' $LOGS/$tag.log | sort -u | tr '\n' ' ') |")
   done
 }
 for part in "$@"; do case $part in
