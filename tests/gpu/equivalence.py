@@ -130,9 +130,11 @@ def compare(ref: dict, other: dict) -> dict[str, float]:
     return worst
 
 
-def failures(worst: dict[str, float]) -> list[str]:
-    """The quantities over their tolerance, as ``name error > tolerance`` lines."""
-    return [f"{k} {worst[k]:.2e} > {tol:.0e}" for k, tol in TOLERANCES.items() if not worst[k] <= tol]
+def failures(worst: dict[str, float], tolerances: dict[str, float] | None = None) -> list[str]:
+    """The quantities over their tolerance (``TOLERANCES`` updated by ``tolerances``), as
+    ``name error > tolerance`` lines."""
+    limits = {**TOLERANCES, **(tolerances or {})}
+    return [f"{k} {worst[k]:.2e} > {tol:.0e}" for k, tol in limits.items() if not worst[k] <= tol]
 
 
 def _value(text: str):

@@ -36,6 +36,10 @@ VARIANTS = {  # name: (GPU settings, the CPU reference's settings)
     "defaults_weight_decay": (["weight_decay=0.1"], ["weight_decay=0.1"]),
     "deterministic": (["deterministic=true"], []),
 }
+# torch.compile fuses the norms, SwiGLU and rotary into kernels that round differently: on an H200 its
+# 10-step grad-norm drift measured 1.03e-4 once and under 1e-4 once (bench/RESULTS.md), still 50x under
+# what a 1% lr change gives (1.6e-2)
+EXTRA_TOLERANCE = {"compile": {"grad_norm": 3e-4}}
 
 
 def _harness():
@@ -70,7 +74,7 @@ def test_gpu_steps_like_the_cpu(recorded, variant):
     gpu, cpu = VARIANTS[variant]
     h = _harness()
     worst = h.compare(recorded("cpu", cpu), recorded("cuda", gpu))
-    assert h.failures(worst) == [], worst
+    assert h.failures(worst, EXTRA_TOLERANCE.get(variant)) == [], worst
 
 
 def test_deterministic_gpu_steps_repeat_bit_for_bit(recorded):
