@@ -155,17 +155,20 @@ class RolloutConfig:
     server_concurrency: int = option(512, ge=1, help="requests in flight per engine client")
     weight_sync: Literal["auto", "distributed", "tensor", "disk"] = option(
         "auto", help="how weights reach the engines: distributed (NCCL between GPUs, else Gloo), tensor (CUDA IPC "
-                     "handles, colocated), disk (an HF checkpoint); auto: tensor when colocated, else distributed")
+                     "handles, same host), disk (an HF checkpoint); auto: tensor when colocated or when an engine "
+                     "is on a trainer GPU, else distributed")
     weight_bucket_mb: int = option(512, ge=1, help="bucket size of a distributed weight update")
     seed_sampling: bool = option(False, help="give every sample its own sampling_seed, from the run's seed and the "
                                              "sample's index, so a rerun draws the same tokens (SGLang engines also "
                                              "need sglang: {enable_deterministic_inference: true})")
 
-    def weight_sync_mode(self, colocate: bool) -> str:
-        """``weight_sync`` with ``auto`` resolved: ``tensor`` when colocated, else ``distributed``."""
+    def weight_sync_mode(self, colocate: bool, shared_gpus: list[int] | tuple[int, ...] = ()) -> str:
+        """``weight_sync`` with ``auto`` resolved: ``tensor`` when colocated or when engines sit on trainer
+        GPUs (``shared_gpus``, from :func:`gpus_shared_with_trainer`: NCCL refuses two ranks on one GPU),
+        else ``distributed``."""
         if self.weight_sync != "auto":
             return self.weight_sync
-        return "tensor" if colocate else "distributed"
+        return "tensor" if colocate or shared_gpus else "distributed"
 
     def sampling_params(self, seed: int | None = None):
         """The run's :class:`~posttrain.core.types.SamplingParams`; ``seed`` (the run's) is kept only when
@@ -206,6 +209,8 @@ class TrainerConfig:
     lr_decay_steps: int | None = option(None, ge=1, help="steps from start to min_lr (linear/cosine)")
     min_lr: float = option(0.0, ge=0.0)
     value_clip: float = option(0.2, ge=0.0, help="critic value clipping range; 0 disables")
+    deterministic: bool | None = option(None, help="deterministic CUDA kernels, so a seeded GPU run repeats (slower "
+                                                    "attention backward); None: on with rollout.seed_sampling")
     backend: Any = component("trainers", default=True, help="the trainer backend and its options: "
                              "{name: megatron, tp: 2}; see `rl-cli plugins list --kind trainer`")
 
@@ -306,10 +311,20 @@ class RunConfig:
         if engine is not None and r.weight_sync != "auto" and r.weight_sync not in engine.weight_sync_modes:
             errors.append(f"rollout.weight_sync: engine backend {r.engine.name!r} supports "
                           f"{', '.join(engine.weight_sync_modes)}, not {r.weight_sync}")
+        shared = gpus_shared_with_trainer(engine, self.resources) if engine is not None else []
+        if not colocate and shared and r.weight_sync == "distributed":
+            errors.append(f"rollout.weight_sync: distributed (NCCL) cannot join two processes on one GPU, and the "
+                          f"trainer and an engine share cuda:{shared[0]}; use tensor (CUDA IPC), disk or auto, or "
+                          f"put the engines on other GPUs (resources.trainer_gpus_per_node, rollout.engine)")
         if self.resources.trainer_nodes > 1:
             errors.append("resources.trainer_nodes: a trainer on several nodes needs the trainer group "
                           "(not in this version); use 1")
         return errors
+
+    def weight_sync_mode(self) -> str:
+        """``rollout.weight_sync`` resolved for this run's placement (see :meth:`RolloutConfig.weight_sync_mode`)."""
+        shared = gpus_shared_with_trainer(self.rollout.engine.create(), self.resources)
+        return self.rollout.weight_sync_mode(self.resources.colocate, shared)
 
     def components(self) -> list[Component]:
         """Every selected component, the backends inside ``rollout`` and ``trainer`` included."""
@@ -333,6 +348,17 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain data (YAML-able), with components flattened back to ``{name, ...config}``."""
         return {key: to_dict(value) for key, value in vars(self).items()}
+
+
+def gpus_shared_with_trainer(engine: Any, res: ResourcesConfig) -> list[int]:
+    """GPU indices that the engines of backend ``engine`` share with the trainer, without colocation. The
+    trainer takes GPUs ``0 .. trainer_gpus_per_node - 1`` (the local executor trains on GPU 0 even when that
+    is 0, whenever CUDA is there; a Ray actor with no GPUs trains on the CPU); the engines take
+    ``engine.engine_gpus(res)``."""
+    if res.colocate:
+        return []
+    trainer = res.trainer_gpus_per_node if res.executor == "ray" else max(1, res.trainer_gpus_per_node)
+    return sorted({g for g in engine.engine_gpus(res) if g < trainer})
 
 
 def batch_identity(r: RolloutConfig, t: TrainerConfig) -> list[str]:

@@ -16,6 +16,8 @@ class TrainerRole:
     """
 
     def __init__(self, config: dict[str, Any], load_args: dict[str, list[str]] | None = None):
+        import dataclasses
+
         import torch
 
         from posttrain.core.config import load_config
@@ -28,6 +30,8 @@ class TrainerRole:
         self.loss = cfg.loss.create(plugins)
         self.correction = cfg.correction.create(plugins) if cfg.correction else None
         estimator = plugins.estimators[cfg.estimator.name]
+        if cfg.trainer.deterministic is None:  # seeded sampling asks for a run that repeats: GPU kernels too
+            cfg.trainer = dataclasses.replace(cfg.trainer, deterministic=cfg.rollout.seed_sampling)
         self.backend = cfg.trainer.backend.create(plugins)
         self.engine_backend = cfg.rollout.engine.create(plugins)
         self.policy = self.backend.build(self.spec, cfg, role="actor", seed=cfg.seed)
@@ -100,7 +104,7 @@ class TrainerRole:
 
     @property
     def weight_sync(self) -> str:
-        return self.cfg.rollout.weight_sync_mode(self.cfg.resources.colocate)
+        return self.cfg.weight_sync_mode()
 
     def push_weights(self, version: int, disk_dir: str | None = None) -> float:
         """New weights to the engines under their HF names, by ``rollout.weight_sync``: ``distributed``

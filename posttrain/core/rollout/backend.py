@@ -102,6 +102,13 @@ class EngineBackend:
         the fleet asks the servers for memory figures). Default: ``resources.rollout_gpus > 0``."""
         return resources.rollout_gpus > 0
 
+    def engine_gpus(self, resources: Any) -> list[int]:
+        """The GPU indices (of this machine) its engines take, for placement checks: ``gpu_ids`` of every
+        engine when :meth:`on_gpu`, else none. A backend whose servers run elsewhere gives none."""
+        if not self.on_gpu(resources):
+            return []
+        return sorted({g for i in range(resources.num_engines) for g in gpu_ids(resources, i)})
+
     def ranks_per_engine(self, resources: Any) -> int:
         """Ranks one engine contributes to a distributed weight-update group (its TP size)."""
         return 1

@@ -38,6 +38,9 @@ class ExternalEngines(EngineBackend):
     def on_gpu(self, resources: Any) -> bool:
         return self.config.device == "cuda"
 
+    def engine_gpus(self, resources: Any) -> list[int]:
+        return []  # not this run's processes: their GPUs are not placed by it
+
     def ranks_per_engine(self, resources: Any) -> int:
         return self.config.tp
 

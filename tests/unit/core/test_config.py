@@ -116,3 +116,32 @@ def test_weight_sync_auto_follows_colocation(write, plugins, colocate, given, mo
     path = write("c.yaml", GOOD + f"resources: {{colocate: {str(colocate).lower()}}}\n")
     cfg = load_config(path, [f"rollout.weight_sync={given}"], plugins=plugins)
     assert cfg.rollout.weight_sync_mode(cfg.resources.colocate) == mode
+    assert cfg.weight_sync_mode() == mode  # the engine is on the CPU: no GPU is shared
+
+
+@pytest.mark.parametrize("overrides, shared, mode", [
+    # one GPU: the trainer trains on cuda:0 and engine_device=cuda puts the engine there too
+    ([], [0], "tensor"),
+    (["resources.trainer_gpus_per_node=1"], [], "distributed"),  # the engine goes to cuda:1
+    (["rollout.engine.device=cuda:0", "resources.trainer_gpus_per_node=2"], [0], "tensor"),
+    (["rollout.engine.device=cuda:2", "resources.trainer_gpus_per_node=2"], [], "distributed"),
+    (["resources.executor=ray"], [], "distributed"),  # a Ray trainer with no GPUs trains on the CPU
+    (["rollout.weight_sync=disk"], [0], "disk"),
+])
+def test_weight_sync_auto_never_puts_nccl_on_a_shared_gpu(write, plugins, overrides, shared, mode):
+    from posttrain.core.config import gpus_shared_with_trainer
+
+    cfg = load_config(write("c.yaml", GOOD), ["rollout.engine.device=cuda", *overrides], plugins=plugins)
+    assert gpus_shared_with_trainer(cfg.rollout.engine.create(), cfg.resources) == shared
+    assert cfg.weight_sync_mode() == mode
+
+
+def test_nccl_between_trainer_and_engine_on_one_gpu_is_refused_in_one_line(write, plugins):
+    with pytest.raises(ConfigError) as info:
+        load_config(write("c.yaml", GOOD), ["rollout.engine.device=cuda", "rollout.weight_sync=distributed"],
+                    plugins=plugins)
+    (error,) = info.value.errors
+    assert error.startswith("rollout.weight_sync: distributed (NCCL)") and "share cuda:0" in error
+    assert "\n" not in error
+    load_config(write("c.yaml", GOOD), ["rollout.engine.device=cuda", "rollout.weight_sync=distributed",
+                                        "resources.trainer_gpus_per_node=1"], plugins=plugins)  # cuda:1: fine

@@ -35,7 +35,6 @@ def test_trainer_uses_megatron_distributed_optimizer_and_learns_in_bf16(tiny_ckp
 def test_fused_adam_and_kept_logits_step_like_the_defaults(tiny_ckpts, megatron_tp1, tmp_path):
     """The two training levers change speed, not the update: three bf16 steps land on the same
     parameters (within bf16 rounding), and a fused-Adam checkpoint loads and steps on."""
-    from posttrain.core.config import TrainerConfig
     from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
     from train_helpers import local_loss, spec_for, tp_batch, trainer_configs
 

@@ -1,8 +1,11 @@
 """Run under ``torchrun --nproc_per_node 2``: the trainer with TP=2 on gloo; rank 0 saves the results.
 
 usage: tp_worker.py HF_DIR OUT_FILE CKPT_DIR [dp|pp|kept]
+       tp_worker.py - OUT_FILE - init-tp|init-pp|init-pp-tied
 
 With ``pp``: TP=1, PP=2 (one layer per stage) instead of TP=2. With ``kept``: TP=2 with ``log_probs_recompute=False``. With ``dp``: TP=1 and data parallelism over the two processes instead, each rank taking half the batch.
+With ``init-*``: no checkpoint; the weights seeded initialization draws (seed 3) at TP=2 or PP=2 (tied
+embeddings with ``-tied``), exported as HF tensors (``last_stage_output`` is the last stage's tied copy).
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ def main() -> None:
     torch.set_num_threads(1)
     if sys.argv[4:] == ["dp"]:
         return data_parallel(hf_dir, out_file)
+    if sys.argv[4:] and sys.argv[4].startswith("init-"):
+        return seeded(out_file, sys.argv[4])
     parallel = {"tp": 1, "pp": 2} if sys.argv[4:] == ["pp"] else {"tp": 2}
     if sys.argv[4:] == ["kept"]:
         parallel["log_probs_recompute"] = False
-    trainer = MegatronTrainer(spec_for("qwen3", hf_dir),
-                              **trainer_configs(lr=1e-3, micro_batch_size=2, global_batch_size=4, **parallel))
+    configs = trainer_configs(lr=1e-3, micro_batch_size=2, global_batch_size=4, **parallel)
+    trainer = MegatronTrainer(spec_for("qwen3", hf_dir), **configs)
     batch = tp_batch()
     lp, ent = trainer.log_probs(batch, with_entropy=True)
     batch.old_log_probs = lp
@@ -34,7 +39,7 @@ def main() -> None:
     exported = {k: v.clone() for bucket in trainer.export_hf(1 << 20) for k, v in bucket}
     trainer.train_step(batch, local_loss)
     after_two = {k: v.clone() for bucket in trainer.export_hf(1 << 20) for k, v in bucket}
-    fresh = MegatronTrainer(spec_for("qwen3", hf_dir), config)
+    fresh = MegatronTrainer(spec_for("qwen3", hf_dir), **configs)
     fresh.load(ckpt)
     fresh.train_step(batch, local_loss)
     reloaded = {k: v.clone() for bucket in fresh.export_hf(1 << 20) for k, v in bucket}
@@ -52,8 +57,8 @@ def data_parallel(hf_dir: str, out_file: str) -> None:
     from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
     from train_helpers import local_loss, spec_for, tp_batch, trainer_configs
 
-    trainer = MegatronTrainer(spec_for("qwen3", hf_dir), TrainerConfig(lr=1e-3, micro_batch_size=1,
-                                                                       global_batch_size=2))
+    trainer = MegatronTrainer(spec_for("qwen3", hf_dir),
+                              **trainer_configs(lr=1e-3, micro_batch_size=1, global_batch_size=2))
     rank = dist.get_rank()
     batch = tp_batch().select(2 * rank, 2 * rank + 2)
     batch.old_log_probs = trainer.log_probs(batch)[0]
@@ -63,6 +68,26 @@ def data_parallel(hf_dir: str, out_file: str) -> None:
     dist.all_gather_object(losses, metrics["loss"])
     if rank == 0:
         torch.save({"params": exported, "loss": sum(losses), "grad_norm": metrics["grad_norm"]}, out_file)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def seeded(out_file: str, mode: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
+    from train_helpers import seeded_spec, trainer_configs
+
+    spec = seeded_spec(tied=mode.endswith("-tied"))
+    trainer = MegatronTrainer(spec, **trainer_configs(**({"tp": 2} if mode == "init-tp" else {"pp": 2})), seed=3)
+    exported = {k: v.clone() for bucket in trainer.export_hf(1 << 20) for k, v in bucket}
+    output = getattr(trainer.gpt, "output_layer", None)
+    tied_copy = output.weight.detach().clone() if mode.endswith("-tied") and output is not None else None
+    copies = [None, None]
+    dist.all_gather_object(copies, tied_copy)
+    if dist.get_rank() == 0:
+        torch.save({"params": exported, "last_stage_output": copies[1]}, out_file)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -12,6 +12,15 @@ def spec_for(family: str, path=None, dtype: str = "float32"):
     return cls(cls.Config(path=str(path) if path else None, dtype=dtype))
 
 
+def seeded_spec(tied: bool = False):
+    """The qwen3 tiny preset without a checkpoint (weights drawn from the seed), optionally with tied
+    embeddings."""
+    spec = spec_for("qwen3")
+    hf = {**spec.hf_config(), "tie_word_embeddings": tied}
+    spec.hf_config = lambda: dict(hf)
+    return spec
+
+
 def local_loss(log_probs, old_log_probs, advantages, response_mask, is_weights=None, global_tokens=None,
                global_seqs=None):
     """PPO-clip with token-mean over ``global_tokens`` (the Algorithms issue's contract, kept local)."""

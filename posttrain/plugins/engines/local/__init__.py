@@ -62,6 +62,12 @@ class LocalEngine(EngineBackend):
     def on_gpu(self, resources: Any) -> bool:
         return self.config.device.startswith("cuda")
 
+    def engine_gpus(self, resources: Any) -> list[int]:
+        device = self.config.device
+        if device.startswith("cuda:"):  # every engine on that GPU
+            return [int(device[5:])]
+        return super().engine_gpus(resources)
+
     def launch(self, slot: EngineSlot) -> EngineLaunch:
         from posttrain.core.rollout.backend import gpu_ids
         from posttrain.core.rollout.fleet import visible_device

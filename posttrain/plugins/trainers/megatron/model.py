@@ -126,8 +126,9 @@ def core_attention_for(kind: str) -> Any:
 
 
 def build_gpt(spec: Any, hf: dict[str, Any], *, dtype: str = "float32", attention: str = "auto",
-              transformer_overrides: dict[str, Any] | None = None, init_weights: bool = True) -> Any:
-    """A ``GPTModel`` holding this rank's TP shards, on the current device. ``tp`` comes from parallel state."""
+              transformer_overrides: dict[str, Any] | None = None, init_weights: bool = True, seed: int = 0) -> Any:
+    """A ``GPTModel`` holding this rank's TP shards, on the current device. ``tp`` comes from parallel state.
+    ``init_weights`` draws them from ``seed`` the same way on every device and layout (:mod:`.init`)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
 
@@ -142,7 +143,7 @@ def build_gpt(spec: Any, hf: dict[str, Any], *, dtype: str = "float32", attentio
     kwargs.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, params_dtype=torch_dtype,
                   pipeline_dtype=torch_dtype,
                   bf16=torch_dtype == torch.bfloat16, fp16=torch_dtype == torch.float16,
-                  use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=init_weights)
+                  use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=False)
     if pp > 1:  # packed micro-batches differ in length: stages exchange shapes before activations
         kwargs.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
                       batch_p2p_comm=torch.cuda.is_available())  # gloo: plain isend/irecv
@@ -155,7 +156,12 @@ def build_gpt(spec: Any, hf: dict[str, Any], *, dtype: str = "float32", attentio
     mark_tp_params(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
-    return model.to(torch_dtype)
+    model = model.to(torch_dtype)
+    if init_weights:
+        from posttrain.plugins.trainers.megatron.init import seeded_init
+
+        seeded_init(model, spec, hf, seed)
+    return model
 
 
 def mark_tp_params(model: Any) -> None:

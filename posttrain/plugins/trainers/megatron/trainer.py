@@ -66,12 +66,18 @@ class MegatronTrainer:
         self.hf = spec.hf_config()
         self.dtype = spec.config.dtype
         overrides = M.split_megatron_overrides(self.backend.megatron)
+        if self.config.deterministic and torch.cuda.is_available():  # a seeded GPU run repeats (issue #24)
+            from posttrain.plugins.trainers.megatron.determinism import use_deterministic_kernels
+
+            use_deterministic_kernels()
+            overrides["transformer"].setdefault("deterministic_mode", True)
         M.init_parallel(self.backend.tp, self.backend.pp, seed=seed)
         self.tp_rank, self.tp_size = M.tp_info()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         has_ckpt = bool(spec.config.path) and load_weights
         self.model = M.build_gpt(spec, self.hf, dtype=self.dtype, attention=self.backend.attention,
-                                 transformer_overrides=overrides["transformer"], init_weights=not has_ckpt)
+                                 transformer_overrides=overrides["transformer"], init_weights=not has_ckpt,
+                                 seed=seed)
         if has_ckpt:
             M.load_hf(self.model, spec, self.hf, spec.config.path)
         if self.backend.compile:  # before DDP wrapping; graph breaks (packed cu_seqlens) are fine

@@ -1,0 +1,134 @@
+"""Random initial weights that depend on the seed alone: not on the device, TP or PP.
+
+Megatron initializes each rank's shards where they live: on a GPU from the CUDA RNG tracker (a stream
+per TP rank), on the CPU from master tensors drawn one after another from the global generator. So the
+same seed gave a CPU run and a GPU run different models, and a run could not be compared step for step
+across devices or layouts (issue #24).
+
+:func:`seeded_init` draws every parameter's *full* (TP=1) tensor on the CPU, in the order Megatron's CPU
+initialization draws them for the whole TP=1, PP=1 model (its construction order), from a generator
+seeded with ``seed``; then it keeps this rank's shard (:func:`~posttrain.plugins.trainers.megatron.model.shard`, the
+same split as loading an HF checkpoint) and copies it to the parameter's device and dtype. Every rank
+draws the whole stream, also the tensors other stages hold, so a stage's shards do not depend on PP.
+At TP=1 on the CPU the result is bit-identical to Megatron's own CPU initialization (tested), so CPU
+runs keep the weights they had.
+
+Which init function a tensor gets follows Megatron's layers: embeddings ``embedding_init_method``,
+column-parallel weights ``init_method``, row-parallel weights (attention and MLP output projections)
+``output_layer_init_method``, biases zero; norm weights keep what their constructors set (no draws).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from posttrain.core.errors import UsageError
+
+
+def _inner(model: Any) -> Any:
+    while hasattr(model, "module") and not hasattr(model, "decoder"):
+        model = model.module
+    return model
+
+
+def _kind(module: Any, attr: str) -> str | None:
+    """``"embedding" | "column" | "row" | "zero"`` for a Megatron parallel layer's parameter, or None."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    if attr == "bias" and isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        return "zero"
+    if attr != "weight":
+        return None
+    if isinstance(module, VocabParallelEmbedding):
+        return "embedding"
+    if isinstance(module, RowParallelLinear):  # checked first: keep the two linear kinds apart
+        return "row"
+    if isinstance(module, ColumnParallelLinear):
+        return "column"
+    return None
+
+
+def _entries(module: Any, prefix: str) -> list[tuple[str, str | None, Any]]:
+    """``(name, kind, param)`` for ``module``'s parameters in registration (= construction) order."""
+    out = []
+    for name, param in module.named_parameters():
+        owner, _, attr = name.rpartition(".")
+        out.append((f"{prefix}.{name}" if prefix else name, _kind(module.get_submodule(owner), attr), param))
+    return out
+
+
+def _full_shape(param: Any, tp: int) -> list[int]:
+    shape = list(param.shape)
+    if tp > 1 and getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= tp
+    return shape
+
+
+def _plan(gpt: Any, spec: Any, hf: dict[str, Any], tp: int) -> list[tuple[str, list[int], str | None, Any]]:
+    """``(global name, full shape, kind, local param or None)`` for the whole TP=1, PP=1 model, in the
+    order Megatron constructs it: embedding, layers 0..L-1, output layer."""
+    vocab_rows = spec.padded_vocab_size(hf, 1)
+    hidden = int(hf["hidden_size"])
+    # the embedding draws first, also on stages that do not hold it (rope: no position embeddings)
+    word = getattr(getattr(getattr(gpt, "embedding", None), "word_embeddings", None), "weight", None)
+    plan: list[tuple[str, list[int], str | None, Any]] = [
+        ("embedding.word_embeddings.weight", [vocab_rows, hidden], "embedding", word)]
+    layers = list(gpt.decoder.layers)
+    local = {layer.layer_number - 1: layer for layer in layers}
+
+    def shapes(layer):
+        return [(name, _full_shape(p, tp), kind) for name, kind, p in _entries(layer, "")]
+
+    template = shapes(layers[0])
+    if any(shapes(layer) != template for layer in layers[1:]):  # other stages' layers are drawn like ours
+        raise UsageError("seeded initialization needs identical decoder layers; load a checkpoint instead")
+    for i in range(int(hf["num_hidden_layers"])):
+        params = {n: p for n, _, p in _entries(local[i], "")} if i in local else {}
+        plan += [(f"decoder.layers.{i}.{n}", shape, kind, params.get(n)) for n, shape, kind in template]
+    # the final norm draws nothing; an untied output layer draws last (a tied one is the embedding)
+    if not spec.tied(hf):
+        weight = getattr(getattr(gpt, "output_layer", None), "weight", None)
+        plan.append(("output_layer.weight", [vocab_rows, hidden], "column", weight))
+    return plan
+
+
+@torch.no_grad()
+def seeded_init(model: Any, spec: Any, hf: dict[str, Any], seed: int) -> None:
+    """Fill this rank's parameters of ``model`` (built with ``perform_initialization=False``) from ``seed``."""
+    from posttrain.plugins.trainers.megatron.model import shard, tp_info
+
+    gpt = _inner(model)
+    rank, tp = tp_info()
+    cfg = gpt.config
+    init = {"embedding": getattr(cfg, "embedding_init_method", None) or cfg.init_method,
+            "column": cfg.init_method, "row": cfg.output_layer_init_method}
+    drawn: dict[str, torch.Tensor] = {}
+    with torch.random.fork_rng(devices=[]):  # the global CPU generator, as Megatron's CPU init uses it
+        torch.manual_seed(seed)
+        for name, shape, kind, param in _plan(gpt, spec, hf, tp):
+            if kind is None or kind == "zero":
+                if param is not None and kind == "zero":
+                    param.zero_()
+                continue  # norm weights: set by their constructors, no draw
+            full = torch.empty(shape, dtype=torch.float32)
+            init[kind](full)
+            if name == "embedding.word_embeddings.weight":
+                drawn[name] = full
+            if param is not None:
+                _copy_shard(name, param, full, rank, tp, shard)
+    weight = getattr(getattr(gpt, "output_layer", None), "weight", None)
+    if spec.tied(hf) and weight is not None and getattr(gpt, "embedding", None) is None:
+        # the last PP stage's copy of a tied embedding (first and last stage keep them equal)
+        _copy_shard("output_layer.weight", weight, drawn["embedding.word_embeddings.weight"], rank, tp, shard)
+
+
+def _copy_shard(name: str, param: Any, full: torch.Tensor, rank: int, tp: int, shard: Any) -> None:
+    rows = param.shape[0] * tp if getattr(param, "tensor_model_parallel", False) and param.partition_dim == 0 else None
+    if name.endswith(("word_embeddings.weight", "output_layer.weight")) and rows and rows > full.shape[0]:
+        full = torch.cat([full, full.new_zeros(rows - full.shape[0], *full.shape[1:])])  # TP-dependent padding
+    piece = shard(name, param, full, rank, tp)
+    if tuple(piece.shape) != tuple(param.shape):
+        raise UsageError(f"seeded init: {name}: shard {tuple(piece.shape)} does not fit {tuple(param.shape)}")
+    param.copy_(piece.to(param.dtype))

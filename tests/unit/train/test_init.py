@@ -1,0 +1,60 @@
+"""Seeded initialization: the seed alone decides the initial weights (device, TP and PP do not)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from posttrain.plugins.trainers.megatron import model as M
+from train_helpers import seeded_spec, spec_for
+from test_tp import _torchrun
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama", "glm4"])
+def test_seeded_init_is_megatrons_cpu_init_bit_for_bit(megatron_tp1, family):
+    """At TP=1 on the CPU the seeded draw is what Megatron's own CPU initialization made (biases of
+    qwen2 included), so CPU runs keep their weights; on a GPU the same tensors are now used."""
+    spec = spec_for(family)
+    hf = spec.hf_config()
+    torch.manual_seed(5)
+    megatron = M.megatron_params(M.build_gpt(spec, hf, init_weights=False,
+                                             transformer_overrides={"perform_initialization": True}))
+    seeded = M.megatron_params(M.build_gpt(spec, hf, seed=5))
+    assert sorted(megatron) == sorted(seeded)
+    assert [n for n in megatron if not torch.equal(megatron[n], seeded[n])] == []
+
+
+def test_seeded_init_depends_on_the_seed_only(megatron_tp1):
+    spec = seeded_spec(tied=True)
+    hf = spec.hf_config()
+    torch.manual_seed(123)
+    before = torch.rand(3)
+    torch.manual_seed(123)
+    a = M.megatron_params(M.build_gpt(spec, hf, seed=1))
+    assert torch.equal(torch.rand(3), before)  # the global generator is left where it was
+    b = M.megatron_params(M.build_gpt(spec, hf, seed=1))
+    c = M.megatron_params(M.build_gpt(spec, hf, seed=2))
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert not torch.equal(a["embedding.word_embeddings.weight"], c["embedding.word_embeddings.weight"])
+    assert "output_layer.weight" not in a  # tied: the output layer is the embedding
+    norms = [n for n in a if n.endswith("layernorm.weight")]
+    assert norms and all(bool((a[n] == 1).all()) for n in norms)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["init-tp", "init-pp", "init-pp-tied"])
+def test_seeded_init_is_the_same_at_tp2_and_pp2(tmp_path, megatron_tp1, mode):
+    """TP=2 shards and PP=2 stages (tied embeddings: the last stage's copy too) gather to the TP=1 weights."""
+    from posttrain.core.config import TrainerConfig
+    from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
+
+    _torchrun("-", str(tmp_path / "mp.pt"), "-", mode)
+    parallel = torch.load(tmp_path / "mp.pt")
+    tied = mode.endswith("-tied")
+    trainer = MegatronTrainer(seeded_spec(tied=tied), TrainerConfig(), seed=3)
+    full = {k: v for bucket in trainer.export_hf(1 << 20) for k, v in bucket}
+    assert sorted(full) == sorted(parallel["params"])
+    assert [k for k in full if not torch.equal(full[k], parallel["params"][k])] == []
+    if tied:
+        embedding = trainer.gpt.embedding.word_embeddings.weight
+        assert torch.equal(parallel["last_stage_output"], embedding)
