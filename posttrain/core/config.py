@@ -418,8 +418,13 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> list[str]:
-    """Apply ``a.b.c=value`` (value parsed as YAML; list items by index: ``rewards.0.weight=0.5``)."""
+    """Apply ``a.b.c=value`` (value parsed as YAML; list items by index: ``rewards.0.weight=0.5``).
+
+    ``section.name=other`` that switches a component section to another component drops the keys the
+    file gave that section (they configured the one it named: ``trainer.backend.name=fsdp`` on a
+    file with ``backend: {name: megatron, tp: 2}``); keys set by earlier overrides stay."""
     errors = []
+    overridden: set[tuple[int, Any]] = set()  # (id(section), key) set on the command line
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:
@@ -443,7 +448,11 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
                 errors.append(f"{key}: {'.'.join(parts[:i])} is not a section")
                 break
             if last:
+                if part == "name" and isinstance(node, dict) and node.get("name") not in (None, value):
+                    for k in [k for k in node if k != "name" and (id(node), k) not in overridden]:
+                        del node[k]
                 node[part] = value
+                overridden.add((id(node), part))
             else:
                 if isinstance(node, dict) and not isinstance(node.get(part), (dict, list)):
                     node[part] = {"name": node[part]} if isinstance(node.get(part), str) else {}

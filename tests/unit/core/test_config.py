@@ -48,6 +48,16 @@ def test_bad_overrides_are_errors():
     assert raw["rewards"][0]["weight"] == 1
 
 
+def test_overriding_a_component_name_drops_the_files_keys_for_the_old_one():
+    raw = {"trainer": {"lr": 1.0, "backend": {"name": "megatron", "tp": 2, "sequence_packing": False}},
+           "estimator": {"name": "grpo", "epsilon": 1e-5}}
+    assert apply_overrides(raw, ["trainer.backend.device=cpu", "trainer.backend.name=torch_simple",
+                                 "estimator.name=grpo"]) == []
+    assert raw["trainer"]["backend"] == {"name": "torch_simple", "device": "cpu"}  # set on the command line: kept
+    assert raw["estimator"] == {"name": "grpo", "epsilon": 1e-5}  # the same name keeps the section
+    assert raw["trainer"]["lr"] == 1.0
+
+
 def test_five_mistakes_five_errors(write, plugins):
     path = write("bad.yaml", """
 estimator: {name: grop}
