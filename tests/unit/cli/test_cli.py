@@ -131,7 +131,7 @@ def test_cli_imports_nothing_heavy():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["estimator", "reward", "generator", "model"])
+@pytest.mark.parametrize("kind", ["estimator", "reward", "generator", "model", "engine", "trainer"])
 def test_new_plugin_passes_its_own_tests(tmp_path, pip_target, kind):
     pkg = tmp_path / f"my-{kind}"
     out = rl_cli("new", "plugin", pkg, "--kind", kind, "--name", f"my_{kind}")
