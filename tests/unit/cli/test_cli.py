@@ -69,6 +69,12 @@ def test_plugins_check_runs_the_contract():
     assert " passed" in out.stdout
 
 
+def test_plugins_check_runs_the_backend_contracts():
+    out = rl_cli("plugins", "check", "external")  # its server checks skip: no URLs configured
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert " passed" in out.stdout and "no contract suite" not in out.stdout
+
+
 def test_plugins_check_fails_a_broken_component(write):
     path = write("bad_est.py", '''
 from dataclasses import dataclass
