@@ -16,7 +16,7 @@ class TestHFGenerate(EngineContract):
 class TestTorchSimple(TrainerContract):
     @pytest.fixture
     def trainer_backend(self):
-        return TorchSimpleTrainer(TorchSimpleTrainer.Config(device="cpu"))
+        return TorchSimpleTrainer(TorchSimpleTrainer.Config())  # device auto: CUDA where there is one
 
 
 def test_discovered_through_the_entry_points():
