@@ -151,17 +151,23 @@ class RolloutConfig:
     server_concurrency: int = option(512, ge=1, help="requests in flight per engine client")
     weight_sync: Literal["auto", "distributed", "tensor", "disk"] = option(
         "auto", help="how weights reach the engines: distributed (NCCL between GPUs, else Gloo), tensor (CUDA IPC "
-                     "handles, colocated), disk (an HF checkpoint); auto: tensor when colocated, else distributed")
+                     "handles, colocated), disk (an HF checkpoint); auto: tensor when colocated, else distributed "
+                     "(disk for engine backends without that mode)")
     weight_bucket_mb: int = option(512, ge=1, help="bucket size of a distributed weight update")
     seed_sampling: bool = option(False, help="give every sample its own sampling_seed, from the run's seed and the "
                                              "sample's index, so a rerun draws the same tokens (SGLang engines also "
                                              "need sglang: {enable_deterministic_inference: true})")
 
     def weight_sync_mode(self, colocate: bool) -> str:
-        """``weight_sync`` with ``auto`` resolved: ``tensor`` when colocated, else ``distributed``."""
+        """``weight_sync`` with ``auto`` resolved: ``tensor`` when colocated, else ``distributed``; when the
+        engine backend's servers lack that mode (its ``weight_sync_modes``), ``disk`` (or its first mode)."""
         if self.weight_sync != "auto":
             return self.weight_sync
-        return "tensor" if colocate else "distributed"
+        mode = "tensor" if colocate else "distributed"
+        modes = getattr(getattr(self.engine, "cls", None), "weight_sync_modes", None)
+        if modes and mode not in modes:
+            return "disk" if "disk" in modes else modes[0]
+        return mode
 
     def sampling_params(self, seed: int | None = None):
         """The run's :class:`~posttrain.core.types.SamplingParams`; ``seed`` (the run's) is kept only when

@@ -64,15 +64,19 @@ def test_listed_and_config_mistakes_caught_before_start(site):
     rows = {r["name"]: r for r in json.loads(rl_cli("plugins", "list", "--json", "--kind", "engine", env=env).stdout)}
     assert {"local", "sglang", "external", "hf_generate"} <= set(rows)
     assert rows["hf_generate"]["distribution"] == "posttrain-thirdparty"
-    out = rl_cli("run", QUICKSTART, "--dry-run", "rollout.engine.name=hf_generate", "trainer.backend.name=torch_simple",
-                 "trainer.backend.device=tpu", env=env)
-    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
-    assert "rollout.weight_sync: hf_generate engines load weights from disk only" in out.stderr
-    assert "trainer.backend.device: expected auto, cpu, cuda or cuda:N, got 'tpu'" in out.stderr
+    for override, error in (("rollout.weight_sync=tensor", "rollout.weight_sync: engine backend 'hf_generate' "
+                                                           "supports disk, not tensor"),
+                            ("trainer.backend.device=tpu", "trainer.backend.device: expected auto, cpu, cuda or "
+                                                           "cuda:N, got 'tpu'")):
+        out = rl_cli("run", QUICKSTART, "--dry-run", "rollout.engine.name=hf_generate",
+                     "trainer.backend.name=torch_simple", override, env=env)
+        assert out.returncode == 2 and "Traceback" not in out.stderr and error in out.stderr, out.stderr
+    assert rl_cli("run", QUICKSTART, "--dry-run", "rollout.engine.name=hf_generate", env=env).returncode == 0
 
 
 def test_hf_generate_engine_with_the_megatron_trainer(tmp_path, site):
-    run, _ = run_quickstart(tmp_path, site, *HF_ENGINE)
+    """weight_sync: auto resolves to disk, the one mode hf_generate's servers have."""
+    run, _ = run_quickstart(tmp_path, site, "rollout.engine.name=hf_generate")
     assert selected(run) == ("hf_generate", "megatron")
     assert "hf_generate serving" in (run / "logs" / "engine-0.log").read_text()
 

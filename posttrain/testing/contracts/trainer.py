@@ -16,7 +16,8 @@ and a fixed batch of 4 samples of different lengths, and checks (``[B, T]`` as i
   state (the next step gives the same metrics and weights);
 - ``export_hf``: exactly the HF checkpoint's tensor names and shapes, in buckets of at most
   ``bucket_bytes``; ``save_hf`` writes the same tensors with a ``config.json`` transformers loads;
-- ``role="critic"``: ``values`` ``[B, T]``, 0 outside the valid columns, and a value step changes them.
+- ``role="critic"`` (skipped for a backend whose ``build`` raises ``NotImplementedError`` for it):
+  ``values`` ``[B, T]``, 0 outside the valid columns, and a value step changes them.
 """
 
 from __future__ import annotations
@@ -230,7 +231,10 @@ class TrainerContract(ComponentContract):
     def test_critic_values(self, trainer_backend, spec, run):
         import torch
 
-        critic = trainer_backend.build(spec, run, role="critic", seed=0)
+        try:
+            critic = trainer_backend.build(spec, run, role="critic", seed=0)
+        except NotImplementedError as exc:  # then runs with critic estimators (gae) fail at start
+            pytest.skip(f"{trainer_backend.name} builds no critic: {exc}")
         batch = contract_batch()
         values = critic.values(batch)
         assert tuple(values.shape) == tuple(batch.tokens.shape) and torch.isfinite(values).all()

@@ -1,7 +1,8 @@
 """The ``hf_generate`` engine backend: one :mod:`posttrain_thirdparty.hf_server` process per engine.
 
-Select it with ``rollout.engine: {name: hf_generate}`` and ``rollout.weight_sync: disk`` (its servers
-reload weights from an HF checkpoint the trainer writes; they join no weight-update group).
+Select it with ``rollout.engine: {name: hf_generate}``. Its servers reload weights from an HF checkpoint
+the trainer writes (``rollout.weight_sync: disk``, what ``auto`` resolves to for it); they join no
+weight-update group.
 """
 
 from __future__ import annotations
@@ -31,11 +32,7 @@ class HFGenerateEngine(EngineBackend):
         max_batch_size: int = option(256, ge=1, help="rows decoded together")
 
     def check(self, run: Any, plugins: Any) -> list[str]:
-        errors = []
-        mode = run.rollout.weight_sync_mode(run.resources.colocate)
-        if mode != "disk":
-            errors.append(f"rollout.weight_sync: hf_generate engines load weights from disk only; set "
-                          f"rollout.weight_sync: disk (it resolves to {mode})")
+        errors = []  # an explicit rollout.weight_sync other than disk is reported by posttrain (weight_sync_modes)
         device = self.config.device
         if device != "cpu" and not (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
             errors.append(f"rollout.engine.device: expected cpu, cuda or cuda:N, got {device!r}")
