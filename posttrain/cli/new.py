@@ -87,17 +87,62 @@ BODIES = {
                      tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, torch_dtype="float32"),
     }
 '''),
+    "engine": ("posttrain_register_engines", "EngineContract", "engine_backend", '''
+    # The servers of this backend answer SGLang's HTTP API (/generate, /health_generate, /model_info,
+    # /server_info, the weight-update endpoints of weight_sync_modes): posttrain's EngineContract checks it.
+    weight_sync_modes = ("distributed", "tensor", "disk")
+
+    @dataclass
+    class Config:
+        device: str = option("cpu", help="cpu | cuda")
+
+    def on_gpu(self, resources):
+        return self.config.device.startswith("cuda")
+
+    def launch(self, slot):
+        """Engine ``slot.index``'s server: argv and environment (the fleet starts, watches and restarts it).
+
+        TODO: start your server here. This scaffold starts posttrain's own engine server on the checkpoint."""
+        import sys
+
+        return EngineLaunch([sys.executable, "-m", "posttrain.cli.main", "engine", "serve", slot.model_path,
+                             "--host", slot.host, "--port", str(slot.port), "--device", self.config.device],
+                            env={"OMP_NUM_THREADS": "1"})
+'''),
+    "trainer": ("posttrain_register_trainers", "TrainerContract", "trainer_backend", '''
+    @dataclass
+    class Config:
+        device: str = option("cpu", help="cpu | cuda | cuda:N")
+
+    def on_gpu(self):
+        return self.config.device.startswith("cuda")
+
+    def build(self, spec, run, role="actor", seed=0):
+        """The model of ``role`` (``actor`` or ``critic``) from the model spec and the run config: see
+        ``{package}.model`` (imported here, so that this entry module stays light)."""
+        from {package}.model import Model
+
+        return Model(spec, run.trainer, device=self.config.device, seed=seed, role=role,
+                     max_response_len=run.rollout.max_new_tokens)
+'''),
 }
 
 
 # kinds whose scaffold builds on a posttrain base class (the class line and its import)
-BASES = {"model": "(DenseGPTSpec)"}
-IMPORTS = {"model": "from posttrain.plugins.trainers.megatron.spec import DenseGPTSpec\n"}
+BASES = {"model": "(DenseGPTSpec)", "engine": "(EngineBackend)", "trainer": "(TrainerBackend)"}
+IMPORTS = {"model": "from posttrain.plugins.trainers.megatron.spec import DenseGPTSpec\n",
+           "engine": "from posttrain.core.rollout.backend import EngineBackend, EngineLaunch\n",
+           "trainer": "from posttrain.core.trainer_backend import TrainerBackend\n"}
+DOCS = {"engine": "TODO: one line on what runs behind SGLang's protocol, then where it runs and what it serves.",
+        "trainer": "TODO: one line on how this backend trains (devices, parallelism, optimizer), then its limits."}
+# kinds with a second module (the heavy part, imported on use), from a template next to this file
+MODULES = {"trainer": ("model.py", "new_trainer_model.py.tmpl")}
 
 
 @app.command()
 def plugin(directory: Path = typer.Argument(..., help="where to create the package", show_default=False),
-           kind: str = typer.Option(..., "--kind", help="estimator | reward | generator | model", show_default=False),
+           kind: str = typer.Option(..., "--kind", help="estimator | reward | generator | model | engine | trainer",
+                               show_default=False),
            name: str = typer.Option(..., "--name", help="the component name used in run configs", show_default=False),
            force: bool = typer.Option(False, "--force", help="write into a non-empty directory")) -> None:
     """Create an installable plugin package: pyproject with the entry point, module, contract test, README."""
@@ -109,6 +154,7 @@ def plugin(directory: Path = typer.Argument(..., help="where to create the packa
         raise UsageError(f"{directory}: directory exists and is not empty (use --force)")
     package = f"posttrain_{name}"
     hook, contract, fixture, body = BODIES[kind]
+    body = body.replace("{package}", package)
     cls = "".join(part.capitalize() for part in name.split("_"))
     files = {
         "pyproject.toml": f'''[build-system]
@@ -139,7 +185,7 @@ from posttrain import hookimpl, option
 {IMPORTS.get(kind, "")}
 
 class {cls}{BASES.get(kind, "")}:
-    """TODO: one line on what this {kind} does, then the formula and tensor shapes."""
+    """{DOCS.get(kind, f"TODO: one line on what this {kind} does, then the formula and tensor shapes.")}"""
 
     name = "{name}"
 {body}
@@ -183,6 +229,9 @@ Use it in a run config:
 ```
 ''',
     }
+    if kind in MODULES:
+        module, template = MODULES[kind]
+        files[f"{package}/{module}"] = (Path(__file__).with_name(template)).read_text().format(name=name)
     for rel, text in files.items():
         path = directory / rel
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -194,5 +243,9 @@ Use it in a run config:
 def _yaml_snippet(kind: str, name: str) -> str:
     if kind == "reward":
         return f"rewards:\n  - name: {name}\n    weight: 1.0"
+    if kind == "engine":
+        return f"rollout:\n  engine:\n    name: {name}"
+    if kind == "trainer":
+        return f"trainer:\n  backend:\n    name: {name}"
     section = {"estimator": "estimator", "generator": "generator", "model": "model"}[kind]
     return f"{section}:\n  name: {name}"

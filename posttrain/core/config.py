@@ -156,7 +156,7 @@ class RolloutConfig:
     weight_sync: Literal["auto", "distributed", "tensor", "disk"] = option(
         "auto", help="how weights reach the engines: distributed (NCCL between GPUs, else Gloo), tensor (CUDA IPC "
                      "handles, same host), disk (an HF checkpoint); auto: tensor when colocated or when an engine "
-                     "is on a trainer GPU, else distributed")
+                     "is on a trainer GPU, else distributed (disk for engine backends without that mode)")
     weight_bucket_mb: int = option(512, ge=1, help="bucket size of a distributed weight update")
     seed_sampling: bool = option(False, help="give every sample its own sampling_seed, from the run's seed and the "
                                              "sample's index, so a rerun draws the same tokens (SGLang engines also "
@@ -165,10 +165,15 @@ class RolloutConfig:
     def weight_sync_mode(self, colocate: bool, shared_gpus: list[int] | tuple[int, ...] = ()) -> str:
         """``weight_sync`` with ``auto`` resolved: ``tensor`` when colocated or when engines sit on trainer
         GPUs (``shared_gpus``, from :func:`gpus_shared_with_trainer`: NCCL refuses two ranks on one GPU),
-        else ``distributed``."""
+        else ``distributed``; when the engine backend's servers lack that mode (its ``weight_sync_modes``),
+        ``disk`` (or its first mode)."""
         if self.weight_sync != "auto":
             return self.weight_sync
-        return "tensor" if colocate or shared_gpus else "distributed"
+        mode = "tensor" if colocate or shared_gpus else "distributed"
+        modes = getattr(getattr(self.engine, "cls", None), "weight_sync_modes", None)
+        if modes and mode not in modes:
+            return "disk" if "disk" in modes else modes[0]
+        return mode
 
     def sampling_params(self, seed: int | None = None):
         """The run's :class:`~posttrain.core.types.SamplingParams`; ``seed`` (the run's) is kept only when
@@ -453,8 +458,13 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> list[str]:
-    """Apply ``a.b.c=value`` (value parsed as YAML; list items by index: ``rewards.0.weight=0.5``)."""
+    """Apply ``a.b.c=value`` (value parsed as YAML; list items by index: ``rewards.0.weight=0.5``).
+
+    ``section.name=other`` that switches a component section to another component drops the keys the
+    file gave that section (they configured the one it named: ``trainer.backend.name=fsdp`` on a
+    file with ``backend: {name: megatron, tp: 2}``); keys set by earlier overrides stay."""
     errors = []
+    overridden: set[tuple[int, Any]] = set()  # (id(section), key) set on the command line
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:
@@ -478,7 +488,11 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
                 errors.append(f"{key}: {'.'.join(parts[:i])} is not a section")
                 break
             if last:
+                if part == "name" and isinstance(node, dict) and node.get("name") not in (None, value):
+                    for k in [k for k in node if k != "name" and (id(node), k) not in overridden]:
+                        del node[k]
                 node[part] = value
+                overridden.add((id(node), part))
             else:
                 if isinstance(node, dict) and not isinstance(node.get(part), (dict, list)):
                     node[part] = {"name": node[part]} if isinstance(node.get(part), str) else {}

@@ -21,12 +21,14 @@ import importlib
 _LAZY = {
     "ComponentContract": "common",
     "CorrectionContract": "correction",
+    "EngineContract": "engine",
     "EstimatorContract": "estimator",
     "FilterContract": "filter",
     "GeneratorContract": "generator",
     "LossContract": "loss",
     "ModelSpecContract": "model",
     "RewardContract": "reward",
+    "TrainerContract": "trainer",
 }
 
 
@@ -45,8 +47,10 @@ CONTRACTS = {
     "generators": ("GeneratorContract", "generator"),
     "models": ("ModelSpecContract", "model_spec"),
     "filters": ("FilterContract", "filter_"),
+    "engines": ("EngineContract", "engine_backend"),
+    "trainers": ("TrainerContract", "trainer_backend"),
 }
 
-__all__ = ["CONTRACTS", "ComponentContract", "CorrectionContract", "EstimatorContract", "FilterContract",
-           "GeneratorContract",
-           "LossContract", "ModelSpecContract", "RewardContract"]
+__all__ = ["CONTRACTS", "ComponentContract", "CorrectionContract", "EngineContract", "EstimatorContract",
+           "FilterContract", "GeneratorContract", "LossContract", "ModelSpecContract", "RewardContract",
+           "TrainerContract"]

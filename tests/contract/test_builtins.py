@@ -3,8 +3,8 @@
 import pytest
 
 from posttrain.core.plugins import load_plugins
-from posttrain.testing import (CorrectionContract, EstimatorContract, FilterContract, GeneratorContract, LossContract, ModelSpecContract,
-                               RewardContract)
+from posttrain.testing import (CorrectionContract, EngineContract, EstimatorContract, FilterContract, GeneratorContract,
+                               LossContract, ModelSpecContract, RewardContract, TrainerContract)
 
 PLUGINS = load_plugins(autoload=False)  # posttrain's own components only
 
@@ -60,3 +60,34 @@ class TestFilters(FilterContract):
     @pytest.fixture(params=_ours("filters"))
     def filter_(self, request):
         return _instance("filters", request.param)
+
+
+class TestEngines(EngineContract):
+    """Every built-in engine backend's server: ``local`` on the CPU, ``external`` pointed at a running local
+    engine, ``sglang`` where SGLang and a GPU are (never in CPU CI)."""
+
+    @pytest.fixture(params=_ours("engines"))
+    def engine_backend(self, request, tmp_path_factory):
+        name = request.param
+        if name == "external":
+            from posttrain.testing.contracts.engine import live_engine
+
+            local = _instance("engines", "local")
+            cls = PLUGINS.registry("engines")[name]
+            url = live_engine(local, request, tmp_path_factory).url
+            return cls(cls.Config(urls=[url], device="cpu"))
+        return _instance("engines", name)
+
+    @pytest.fixture
+    def engine(self, engine_backend, request, tmp_path_factory):
+        if engine_backend.name == "sglang":  # its checks without a server still run
+            pytest.importorskip("sglang", reason="the sglang backend's server needs SGLang installed (and a GPU)")
+        from posttrain.testing.contracts.engine import live_engine
+
+        return live_engine(engine_backend, request, tmp_path_factory)
+
+
+class TestTrainers(TrainerContract):
+    @pytest.fixture(params=_ours("trainers"))
+    def trainer_backend(self, request):
+        return _instance("trainers", request.param)

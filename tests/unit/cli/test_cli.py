@@ -71,6 +71,12 @@ def test_plugins_check_runs_the_contract():
     assert " passed" in out.stdout
 
 
+def test_plugins_check_runs_the_backend_contracts():
+    out = rl_cli("plugins", "check", "external")  # its server checks skip: no URLs configured
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert " passed" in out.stdout and "no contract suite" not in out.stdout
+
+
 def test_plugins_check_fails_a_broken_component(write):
     path = write("bad_est.py", '''
 from dataclasses import dataclass
@@ -134,7 +140,7 @@ def test_cli_imports_nothing_heavy():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["estimator", "reward", "generator", "model"])
+@pytest.mark.parametrize("kind", ["estimator", "reward", "generator", "model", "engine", "trainer"])
 def test_new_plugin_passes_its_own_tests(tmp_path, pip_target, kind):
     pkg = tmp_path / f"my-{kind}"
     out = rl_cli("new", "plugin", pkg, "--kind", kind, "--name", f"my_{kind}")

@@ -48,6 +48,34 @@ def test_bad_overrides_are_errors():
     assert raw["rewards"][0]["weight"] == 1
 
 
+def test_overriding_a_component_name_drops_the_files_keys_for_the_old_one():
+    raw = {"trainer": {"lr": 1.0, "backend": {"name": "megatron", "tp": 2, "sequence_packing": False}},
+           "estimator": {"name": "grpo", "epsilon": 1e-5}}
+    assert apply_overrides(raw, ["trainer.backend.device=cpu", "trainer.backend.name=torch_simple",
+                                 "estimator.name=grpo"]) == []
+    assert raw["trainer"]["backend"] == {"name": "torch_simple", "device": "cpu"}  # set on the command line: kept
+    assert raw["estimator"] == {"name": "grpo", "epsilon": 1e-5}  # the same name keeps the section
+    assert raw["trainer"]["lr"] == 1.0
+
+
+def test_auto_weight_sync_falls_back_to_a_mode_the_engine_backend_has(plugins):
+    from dataclasses import dataclass
+
+    from posttrain.core.config import Component, RolloutConfig
+    from posttrain.core.rollout.backend import EngineBackend
+
+    class DiskOnly(EngineBackend):
+        name = "disk_only"
+        weight_sync_modes = ("disk",)
+
+    rollout = RolloutConfig()
+    rollout.engine = Component("engines", "disk_only", DiskOnly.Config(), cls=DiskOnly)
+    assert rollout.weight_sync_mode(colocate=False) == rollout.weight_sync_mode(colocate=True) == "disk"
+    rollout.engine = Component("engines", "local", None, cls=plugins.registry("engine")["local"])
+    assert rollout.weight_sync_mode(colocate=False) == "distributed"
+    assert rollout.weight_sync_mode(colocate=True) == "tensor"
+
+
 def test_five_mistakes_five_errors(write, plugins):
     path = write("bad.yaml", """
 estimator: {name: grop}
