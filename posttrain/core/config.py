@@ -157,6 +157,9 @@ class RolloutConfig:
         "auto", help="how weights reach the engines: distributed (NCCL between GPUs, else Gloo), tensor (CUDA IPC "
                      "handles, colocated), disk (an HF checkpoint); auto: tensor when colocated, else distributed")
     weight_bucket_mb: int = option(512, ge=1, help="bucket size of a distributed weight update")
+    weight_sync_timeout_s: float = option(300.0, gt=0.0, help="bound on every HTTP call and collective of a weight "
+                                                               "push: an engine that dies mid-push fails it this soon "
+                                                               "(it is restarted and the push repeated)")
     seed_sampling: bool = option(False, help="give every sample its own sampling_seed, from the run's seed and the "
                                              "sample's index, so a rerun draws the same tokens (SGLang engines also "
                                              "need sglang: {enable_deterministic_inference: true})")

@@ -31,6 +31,7 @@ from posttrain.core.losses import kl_penalty_rewards
 from posttrain.core.metrics import MetricsWriter
 from posttrain.core.rewards import RewardRunner, reward_metrics
 from posttrain.core.rollout.client import EngineClient
+from posttrain.core.rollout.supervise import push_weights
 from posttrain.core.types import AdvantageBatch
 
 
@@ -46,9 +47,10 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         engines = executor.engines(init_dir, run.logs)
         stack.callback(engines.close)
         stack.callback(trainer.close)  # runs first: leaves the weight-update group while engines still answer
-        url, engine_urls = engines.urls()
-        trainer.connect_engines(engine_urls)
-        engine = await stack.enter_async_context(EngineClient(url, max_concurrency=cfg.rollout.server_concurrency))
+        (url, engine_urls), key = engines.urls(), engines.api_key()
+        trainer.connect_engines(engine_urls, api_key=key)
+        engine = await stack.enter_async_context(EngineClient(url, max_concurrency=cfg.rollout.server_concurrency,
+                                                              api_key=key))
 
         # -- data, rewards, algorithm
         from transformers import AutoTokenizer
@@ -142,7 +144,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
                 if colocate:  # room for the engine's weights, the update, then its KV cache
                     await asyncio.to_thread(trainer.release_memory)
                     await asyncio.to_thread(engines.resume_memory, ["weights"])
-                restarted, push_s = await asyncio.to_thread(_push_weights, trainer, engines, engine_urls, version,
+                restarted, push_s = await asyncio.to_thread(push_weights, trainer, engines, version,
                                                             str(run.path / "hf-latest"))
                 if colocate:
                     await asyncio.to_thread(engines.resume_memory, ["kv_cache"])
@@ -169,26 +171,6 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         if pending is not None:
             pending.cancel()
         return last
-
-
-def _push_weights(trainer: Any, engines: Any, engine_urls: list[str], version: int, disk_dir: str,
-                  attempts: int = 3) -> tuple[list[str], float]:
-    """Weights to every engine; an engine that died is restarted (from the initial checkpoint) and the
-    weight-update group rebuilt, then the push is repeated. Returns the URLs of restarted engines and
-    the seconds of the successful push."""
-    restarted: list[str] = []
-    for attempt in range(attempts):
-        now = engines.check_and_restart()
-        restarted += now
-        if now or attempt:  # a restarted engine (or a failed broadcast) leaves the group broken
-            trainer.connect_engines(engine_urls)
-        try:
-            return restarted, trainer.push_weights(version, disk_dir)
-        except RuntimeError:
-            if attempt == attempts - 1:
-                raise
-            time.sleep(1.0)  # let the process table show the death before checking again
-    return restarted, 0.0
 
 
 async def _watching(engines: Any, engine: Any, generation: Any, every_s: float = 1.0) -> tuple[Any, float]:

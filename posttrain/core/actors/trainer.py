@@ -34,6 +34,7 @@ class TrainerRole:
         self.critic = (self.backend.build(self.spec, cfg, role="critic", seed=cfg.seed)
                        if getattr(estimator, "needs_critic", False) else None)
         self.sender = None
+        self.api_key: str | None = None
 
     # ---------------------------------------------------------------- forward passes
     def log_probs(self, batch: Any, weights: str | None = None, with_entropy: bool = False) -> Any:
@@ -82,18 +83,21 @@ class TrainerRole:
             AutoTokenizer.from_pretrained(tokenizer).save_pretrained(out_dir)
         return str(out_dir)
 
-    def connect_engines(self, engine_urls: list[str], backend: str | None = None) -> None:
+    def connect_engines(self, engine_urls: list[str], backend: str | None = None, api_key: str | None = None) -> None:
         """Open the weight-update group with every engine (the trainer is rank 0; each engine adds its
         backend's ``ranks_per_engine``). ``backend``: NCCL when the trainer and the engines are on GPUs,
-        else Gloo (only ``weight_sync: distributed`` opens one)."""
+        else Gloo (only ``weight_sync: distributed`` opens one). ``api_key``: the engines' key (kept for
+        later reconnections)."""
         from posttrain.core.rollout.weight_sync import WeightSender
 
+        self.api_key = api_key or self.api_key
         if self.sender is not None:
             self._leave_group()
         if backend is None:
             on_gpus = self.policy.device.type == "cuda" and self.engine_backend.on_gpu(self.cfg.resources)
             backend = "nccl" if on_gpus else "gloo"
-        self.sender = WeightSender(engine_urls, backend=backend,
+        self.sender = WeightSender(engine_urls, backend=backend, api_key=self.api_key,
+                                   timeout_s=self.cfg.rollout.weight_sync_timeout_s,
                                    ranks_per_engine=self.engine_backend.ranks_per_engine(self.cfg.resources))
         if self.weight_sync == "distributed":
             self.sender.init()

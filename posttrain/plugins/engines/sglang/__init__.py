@@ -44,12 +44,16 @@ class SGLangEngine(EngineBackend):
         return resources.gpus_per_engine
 
     def launch(self, slot: EngineSlot) -> EngineLaunch:
+        from posttrain.core.rollout.backend import API_KEY_ENV
         from posttrain.plugins.engines.sglang.launcher import sglang_command, sglang_spec_from_config
 
         spec = sglang_spec_from_config(self.config, slot.resources, slot.model_path, slot.port,
                                        engine_index=slot.index, seed=slot.seed)
         spec.host = slot.host
-        return EngineLaunch(sglang_command(spec))
+        cmd = sglang_command(spec)
+        if slot.api_key:  # the key goes by environment; the wrapper hands it to SGLang as --api-key
+            cmd[cmd.index("sglang.launch_server")] = "posttrain.plugins.engines.sglang.serve"
+        return EngineLaunch(cmd, {API_KEY_ENV: slot.api_key} if slot.api_key else {})
 
 
 @hookimpl
