@@ -32,6 +32,9 @@ def run(config: Path = typer.Argument(None, help="run config (YAML); optional wi
 
     plugins = load(plugin, disable)
     overrides = list(overrides or [])
+    if resume is not None and config is not None and "=" in str(config) and not config.is_file():
+        overrides.insert(0, str(config))  # `--resume RUN key=val`: the first override lands in CONFIG
+        config = None
     if config is None and resume is None:
         raise UsageError("give a CONFIG to run, or --resume RUN_DIR")
     if smoke:
@@ -39,6 +42,8 @@ def run(config: Path = typer.Argument(None, help="run config (YAML); optional wi
     if resume is not None:
         run = RunDirectory(resume)
         cfg = load_config(None, overrides, plugins, data=run.read_config())
+        if not dry_run:
+            run.lock()
         run.base_dir = Path(config).parent if config else Path(".")
     else:
         dataset, data_errors = inspect_config_data(config, overrides) if dry_run else (None, [])
@@ -53,7 +58,9 @@ def run(config: Path = typer.Argument(None, help="run config (YAML); optional wi
         raise ConfigError(missing, str(config or resume))
     console.print(plugins.header())
     if dry_run:
-        console.print(yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip(), markup=False)
+        from posttrain.core.secrets import redact
+
+        console.print(yaml.safe_dump(redact(cfg.to_dict()), sort_keys=False).rstrip(), markup=False)
         if dataset is not None:
             console.print(f"[green]data OK[/]: {dataset.summary()}", highlight=False)
         console.print(f"[green]config OK[/]: {config}")
