@@ -159,6 +159,8 @@ class RolloutConfig:
         "auto", help="how weights reach the engines: distributed (NCCL between GPUs, else Gloo), tensor (CUDA IPC "
                      "handles, colocated), disk (an HF checkpoint); auto: tensor when colocated, else distributed")
     weight_bucket_mb: int = option(512, ge=1, help="bucket size of a distributed weight update")
+    check_weights: bool = option(False, help="after each push, every engine reports a checksum per tensor (SGLang: "
+                                               "sampled tensors); a mismatch stops the run naming the first tensor")
     weight_sync_timeout_s: float = option(300.0, gt=0.0, help="bound on every HTTP call and collective of a weight "
                                                                "push: an engine that dies mid-push fails it this soon "
                                                                "(it is restarted and the push repeated)")

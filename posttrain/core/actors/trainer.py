@@ -123,7 +123,20 @@ class TrainerRole:
                 self.sender.update_from_tensors(named, version=version)
         else:
             self.sender.send(self.policy.export_hf(bucket), version=version)
+        if self.cfg.rollout.check_weights:
+            self.check_weights(version)
         return time.perf_counter() - start
+
+    def check_weights(self, version: int) -> None:
+        """``rollout.check_weights``: every engine must hold what was just pushed; raises
+        :class:`~posttrain.core.rollout.weight_check.WeightMismatch` naming the first differing tensor."""
+        from posttrain.core.rollout.weight_check import WeightMismatch
+
+        bucket = int(self.cfg.rollout.weight_bucket_mb * (1 << 20))
+        for url in self.sender.engine_urls:
+            problem = self.engine_backend.check_weights(url, self.api_key, self.policy.export_hf(bucket))
+            if problem is not None:
+                raise WeightMismatch(f"rollout.check_weights: engine {url} after push {version}: {problem}")
 
     def release_memory(self) -> None:
         """Return cached, unused GPU memory to the driver (colocated engines resume into it)."""

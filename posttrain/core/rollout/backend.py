@@ -128,6 +128,18 @@ class EngineBackend:
         session (dying with the driver), waits for ``health_path``, and restarts it when it dies."""
         raise NotImplementedError(f"engine backend {self.name!r} starts no servers; give urls() instead")
 
+    # ---------------------------------------------------------------- weights
+    def check_weights(self, url: str, api_key: str | None, buckets: Any) -> str | None:
+        """``rollout.check_weights``: None when the engine at ``url`` holds exactly the tensors of
+        ``buckets`` (``[(hf_name, tensor), ...]`` lists, as pushed), else the first difference ("tensor
+        NAME: ..."). Default: the engine's ``/weights_checksum`` (posttrain's engine server)."""
+        from posttrain.core.rollout.weight_check import engine_checksums, first_mismatch
+
+        report = engine_checksums(url, api_key)
+        if report is None:
+            return f"{url} has no /weights_checksum; backend {self.name!r} cannot check weights"
+        return first_mismatch(buckets, report)
+
     # ---------------------------------------------------------------- colocated memory
     def release_memory(self, url: str, tags: list[str] | None, api_key: str | None = None) -> None:
         """Free the engine's GPU memory (``tags``: ``weights``, ``kv_cache``; None: both) while a

@@ -143,3 +143,60 @@ async def test_only_the_key_holder_may_call_the_engine(engine_server, hf_model):
     async with EngineClient(url, api_key=own_engine.api_key) as engine:
         out = await engine.generate(input_ids=PROMPT, sampling_params=GREEDY)
         assert out["output_ids"] == hf_greedy(hf_model, PROMPT, 10)  # the pickle never ran
+
+
+@pytest.mark.slow
+def test_check_weights_names_the_first_differing_tensor(engine_server, tiny_ckpt):
+    """rollout.check_weights on posttrain's engine: every tensor's checksum, bit-exact in its dtype."""
+    from safetensors.torch import load_file
+
+    from posttrain.plugins.engines.local import LocalEngine
+
+    held = sorted(load_file(str(tiny_ckpt / "model.safetensors")).items())
+    check = LocalEngine().check_weights
+    assert check(engine_server.base_url, engine_server.api_key, [held[:5], held[5:]]) is None
+    name, tensor = held[7]
+    nudged = held[:7] + [(name, tensor + 1e-6)] + held[8:]
+    assert check(engine_server.base_url, engine_server.api_key, [nudged]) == \
+        f"tensor {name}: its float32 bytes differ from what was pushed"
+    assert "no tensor of that name" in check(engine_server.base_url, engine_server.api_key, [[("x.weight", tensor)]])
+
+
+async def test_sglang_check_weights_reads_sampled_rows_back(tiny_ckpt):
+    """SGLang has no checksums: ``/get_weights_by_name`` answers a parameter's first ``truncate_size`` rows as
+    float32 lists (``param.cpu().to(float32).numpy().tolist()[:truncate_size]`` in its model code), here
+    from a stand-in speaking that protocol, behind the key."""
+    import asyncio
+
+    from aiohttp import web
+    from safetensors.torch import load_file
+
+    from posttrain.core.rollout.procs import free_port
+    from posttrain.plugins.engines.sglang import SGLangEngine
+
+    held = dict(load_file(str(tiny_ckpt / "model.safetensors")))
+    asked = []
+
+    async def get_weights_by_name(request):
+        assert request.headers["Authorization"] == "Bearer k"
+        body = await request.json()
+        asked.append(body["name"])
+        return web.json_response(held[body["name"]].float().numpy().tolist()[:body["truncate_size"]])
+
+    app = web.Application()
+    app.router.add_post("/get_weights_by_name", get_weights_by_name)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        named = sorted(held.items())
+        check = SGLangEngine().check_weights
+        url = f"http://127.0.0.1:{port}"
+        assert await asyncio.to_thread(check, url, "k", [named]) is None
+        assert asked == [n for i, (n, _) in enumerate(named) if i % 8 == 0]
+        wrong = [(n, t * 2 if i == 8 else t) for i, (n, t) in enumerate(named)]
+        assert await asyncio.to_thread(check, url, "k", [wrong]) == \
+            f"tensor {named[8][0]}: its first 100 rows differ from what was pushed"
+    finally:
+        await runner.cleanup()
