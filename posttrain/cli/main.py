@@ -11,7 +11,7 @@ import sys
 
 import typer
 
-from posttrain.cli import models_cmd, new, plot_cmd, plugins_cmd, rewards_cmd, run
+from posttrain.cli import doctor, models_cmd, new, plot_cmd, plugins_cmd, rewards_cmd, run
 from posttrain.cli.console import err_console
 
 app = typer.Typer(
@@ -27,6 +27,7 @@ app.add_typer(rewards_cmd.app, name="rewards")
 app.add_typer(models_cmd.app, name="models")
 app.command("run")(run.run)
 app.command("plot")(plot_cmd.plot)
+app.command("doctor")(doctor.doctor)
 
 
 @app.callback()
