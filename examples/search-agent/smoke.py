@@ -18,14 +18,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-async def rollout(url: str, plugins, data: list[dict], max_new_tokens: int) -> list:
+async def rollout(url: str, api_key: str, plugins, data: list[dict], max_new_tokens: int) -> list:
     from posttrain.core.rollout.client import EngineClient
     from posttrain.core.types import Sample, SamplingParams
 
     generator = plugins.generators["search_agent"]()
     reward = plugins.rewards["search_answer"]()
     group = [Sample(prompt=row["prompt"], label=row["label"], group_index=i) for i, row in enumerate(data)]
-    async with EngineClient(url) as engine:
+    async with EngineClient(url, api_key=api_key) as engine:
         samples = await generator(group, engine, SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens))
     for s in samples:
         s.reward = reward(s)["score"]
@@ -49,7 +49,7 @@ def main() -> int:
         ckpt = make_tiny_checkpoint(Path(tmp) / "qwen3")
         server = start_local_engine(ckpt, context_length=512)
         try:
-            samples = asyncio.run(rollout(server.base_url, plugins, data, args.max_new_tokens))
+            samples = asyncio.run(rollout(server.base_url, server.api_key, plugins, data, args.max_new_tokens))
         finally:
             server.stop()
     ok = all(len(s.loss_mask) == s.response_length > 0 for s in samples)

@@ -12,7 +12,7 @@ import sys
 import typer
 from rich.markup import escape
 
-from posttrain.cli import config_cmd, models_cmd, new, plot_cmd, plugins_cmd, rewards_cmd, run
+from posttrain.cli import config_cmd, doctor, models_cmd, new, plot_cmd, plugins_cmd, rewards_cmd, run
 from posttrain.cli.console import err_console
 
 app = typer.Typer(
@@ -29,6 +29,7 @@ app.add_typer(models_cmd.app, name="models")
 app.add_typer(config_cmd.app, name="config")
 app.command("run")(run.run)
 app.command("plot")(plot_cmd.plot)
+app.command("doctor")(doctor.doctor)
 
 
 def _print_version(value: bool) -> None:

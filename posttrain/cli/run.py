@@ -65,7 +65,9 @@ def run(config: Path = typer.Argument(None, help="run config (YAML); optional wi
     for note in findings.notes:
         err_console.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
     if dry_run:
-        console.print(yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip(), markup=False)
+        from posttrain.core.secrets import redact
+
+        console.print(yaml.safe_dump(redact(cfg.to_dict()), sort_keys=False).rstrip(), markup=False)
         if findings.dataset is not None:
             console.print(f"[green]data OK[/]: {escape(findings.dataset.summary())}", highlight=False, soft_wrap=True)
         console.print(f"[green]config OK[/]: {escape(plan.source)}", highlight=False, soft_wrap=True)

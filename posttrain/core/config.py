@@ -14,6 +14,7 @@ with every problem found, each with its dotted path. Nothing starts before this 
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -96,8 +97,9 @@ def _parse_one(kind: str, value: Any, path: str, plugins: Any, weighted: bool,
     if name not in registry:
         return None, [f"{path}.name: {registry.unknown_message(name)}"]
     errors = []
-    if weighted and (isinstance(weight, bool) or not isinstance(weight, (int, float))):
-        errors.append(f"{path}.weight: expected a number, got {weight!r}")
+    if weighted and (isinstance(weight, bool) or not isinstance(weight, (int, float))
+                     or not math.isfinite(weight)):
+        errors.append(f"{path}.weight: expected a finite number, got {weight!r}")
     cls = registry[name]
     config, errs = build(getattr(cls, "Config", None) or _Empty, rest, path)
     return (None if errors + errs else Component(kind, name, config, float(weight), cls)), errors + errs
@@ -140,9 +142,9 @@ class RolloutConfig:
     rollout_batch_size: int = option(8, ge=1, help="prompts per rollout step")
     n_samples_per_prompt: int = option(8, ge=1, help="samples per prompt (the group size)")
     num_rollouts: int = option(100, ge=1, help="rollout steps in the run")
-    temperature: float = option(1.0, ge=0.0)
+    temperature: float = option(1.0, ge=0.0, help="0: greedy; else at least 1e-5 (smaller ones overflow the logits)")
     top_p: float = option(1.0, gt=0.0, le=1.0)
-    top_k: int = option(-1, help="-1 disables")
+    top_k: int = option(-1, help="-1 disables; else >= 1")
     max_new_tokens: int = option(128, ge=1)
     mode: Literal["sync", "async"] = option("sync", help="async overlaps generation N+1 with training N")
     min_p: float = option(0.0, ge=0.0, le=1.0, help="drop tokens below min_p x the top probability")
@@ -158,9 +160,20 @@ class RolloutConfig:
                      "handles, same host), disk (an HF checkpoint); auto: tensor when colocated or when an engine "
                      "is on a trainer GPU, else distributed (disk for engine backends without that mode)")
     weight_bucket_mb: int = option(512, ge=1, help="bucket size of a distributed weight update")
+    check_weights: bool = option(False, help="after each push, every engine reports a checksum per tensor (SGLang: "
+                                               "sampled tensors); a mismatch stops the run naming the first tensor")
+    weight_sync_timeout_s: float = option(300.0, gt=0.0, help="bound on every HTTP call and collective of a weight "
+                                                               "push: an engine that dies mid-push fails it this soon "
+                                                               "(it is restarted and the push repeated)")
     seed_sampling: bool = option(False, help="give every sample its own sampling_seed, from the run's seed and the "
                                              "sample's index, so a rerun draws the same tokens (SGLang engines also "
                                              "need sglang: {enable_deterministic_inference: true})")
+
+    def validate(self) -> list[str]:
+        errors = sampling_errors(self.temperature, "temperature")
+        if self.top_k != -1 and not 1 <= self.top_k < 2**63:
+            errors.append(f"top_k: {self.top_k} is out of range (-1 disables; else 1 <= top_k < 2**63)")
+        return errors
 
     def weight_sync_mode(self, colocate: bool, shared_gpus: list[int] | tuple[int, ...] = ()) -> str:
         """``weight_sync`` with ``auto`` resolved: ``tensor`` when colocated or when engines sit on trainer
@@ -274,6 +287,17 @@ class EvalDataset:
     top_p: float = option(1.0, gt=0.0, le=1.0)
     max_new_tokens: int | None = option(None, ge=1, help="default: rollout.max_new_tokens")
     limit: int | None = option(None, ge=1, help="evaluate the first N prompts only")
+
+    def validate(self) -> list[str]:
+        return sampling_errors(self.temperature, "temperature")
+
+
+def sampling_errors(temperature: float, key: str) -> list[str]:
+    """A temperature an engine can sample at: 0 (greedy) or at least ``1e-5`` (``logits / 1e-300``
+    overflows to inf and the softmax to NaN, which crashes a decode step)."""
+    if 0.0 < temperature < 1e-5:
+        return [f"{key}: {temperature!r} is out of range (0 for greedy, else >= 1e-05)"]
+    return []
 
 
 @dataclass

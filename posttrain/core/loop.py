@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import time
-from contextlib import AsyncExitStack, contextmanager
+from contextlib import AsyncExitStack
 from typing import Any
 
 from posttrain.core import batching
@@ -28,10 +29,13 @@ from posttrain.core.estimator_inputs import add_baseline, estimator_metadata
 from posttrain.core.evaluation import evaluate
 from posttrain.core.executors import EXECUTORS
 from posttrain.core.losses import kl_penalty_rewards
-from posttrain.core.metrics import MetricsWriter
+from posttrain.core.metrics import MetricsWriter, PhaseTimer, memory_metrics
 from posttrain.core.rewards import RewardRunner, reward_metrics
 from posttrain.core.rollout.client import EngineClient
+from posttrain.core.rollout.supervise import push_weights, watching
 from posttrain.core.types import AdvantageBatch
+
+log = logging.getLogger("posttrain.loop")
 
 
 async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step: Any = None,
@@ -47,14 +51,18 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         phase("model")
         trainer = executor.trainer()
         init_dir = trainer.save_hf(str(run.path / "hf-init"))
+        ckpt = run.latest_checkpoint() if resume else None
+        if ckpt is not None:  # another model's checkpoint is refused before any engine starts
+            run.check_resume(ckpt, cfg.to_dict(), init_dir)
         phase("engines")
         engines = executor.engines(init_dir, run.logs)
         stack.callback(engines.close)
         stack.callback(trainer.close)  # runs first: leaves the weight-update group while engines still answer
-        url, engine_urls = engines.urls()
+        (url, engine_urls), key = engines.urls(), engines.api_key()
         phase("connect")
-        trainer.connect_engines(engine_urls)
-        engine = await stack.enter_async_context(EngineClient(url, max_concurrency=cfg.rollout.server_concurrency))
+        trainer.connect_engines(engine_urls, api_key=key)
+        engine = await stack.enter_async_context(EngineClient(url, max_concurrency=cfg.rollout.server_concurrency,
+                                                              api_key=key))
 
         # -- data, rewards, algorithm
         from transformers import AutoTokenizer
@@ -71,19 +79,19 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         sampling = cfg.rollout.sampling_params(seed=cfg.seed)
         colocate = cfg.resources.colocate
         metrics_out = MetricsWriter(run.path, cfg.logging.tensorboard, cfg.logging.wandb,
-                                    cfg.logging.wandb_project, cfg.to_dict())
+                                    cfg.logging.wandb_project, cfg.to_dict())  # secrets redacted there
         stack.callback(metrics_out.close)
 
         # -- resume: trainer state, data position, RNG; metrics of later steps are dropped
-        start = 0
+        start, empty_steps = 0, 0
         if resume:
             done = -1  # killed before its first checkpoint: start over
-            if (ckpt := run.latest_checkpoint()) is not None:
+            if ckpt is not None:
                 phase("resume")
                 trainer.load(str(ckpt / "trainer"))
                 state = run.load_checkpoint(ckpt)
                 buffer.load_state_dict(state["buffer"])
-                done = state["step"]
+                done, empty_steps = state["step"], state.get("empty_steps", 0)
             start = done + 1
             metrics_out.truncate_after(done)
             run.truncate_after(done)
@@ -98,12 +106,23 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
             return group
 
         def generate():
-            return asyncio.ensure_future(_watching(engines, engine, collect_groups(
+            return asyncio.ensure_future(watching(engines, engine, collect_groups(
                 buffer, rollout_group, cfg.rollout.rollout_batch_size, filters,
                 cfg.data.over_sampling_batch_size, cfg.data.max_sampled_groups)))
 
+        def end_step(step: int, last: dict[str, float], groups: list, samples: list) -> None:
+            metrics_out.log(step, last)
+            run.log_rollouts(step, groups, batching.sample_log(samples))
+            plugins.pm.hook.posttrain_on_step_end(step=step, metrics=last)
+            if on_step is not None and ((step + 1) % cfg.logging.interval == 0 or step + 1 == cfg.rollout.num_rollouts):
+                on_step(step, last, samples)
+            if cfg.checkpoint.interval and ((step + 1) % cfg.checkpoint.interval == 0
+                                            or step + 1 == cfg.rollout.num_rollouts):
+                run.save_checkpoint(step, trainer.save, {"buffer": buffer.state_dict(), "empty_steps": empty_steps,
+                                                         "config": cfg.to_dict()}, cfg.checkpoint.keep)
+
         last: dict[str, float] = {}
-        timer = _Timer()
+        timer = PhaseTimer()
         pending = None  # async mode: the next step's generation, already running
         gc.collect()
         gc.freeze()  # start-up's objects (models, modules) leave the collector: no long gen-2 pauses per step
@@ -115,10 +134,18 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
                 (groups, sampling_metrics), generate_s = await (pending or generate())
             overlap = cfg.rollout.mode == "async" and step + 1 < cfg.rollout.num_rollouts
             pending = generate() if overlap else None  # step N+1 generates while step N trains
+            samples = batching.trainable(groups)
+            if not samples:  # every reward failed or every sample was aborted: nothing to train on
+                empty_steps += 1
+                log.warning("step %d: no trainable sample (%d groups); skipped, the run goes on", step, len(groups))
+                last = {**reward_metrics(groups), **batching.dropped_metrics(groups), **sampling_metrics,
+                        **timer.pop(), "rollout/samples": 0.0, "rollout/empty_steps": float(empty_steps),
+                        "perf/step_time": time.perf_counter() - t0}
+                end_step(step, last, groups, samples)
+                continue
             if colocate:  # the trainer's turn on the shared GPUs
                 with timer("release"):
                     await asyncio.to_thread(engines.release_memory)
-            samples = batching.trainable(groups)
             batch, reward, group_index, rollout_lp = batching.to_batch(samples)
 
             # 5. log-probs: the sampling policy as the trainer sees it, the reference, critic values
@@ -153,7 +180,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
                 if colocate:  # room for the engine's weights, the update, then its KV cache
                     await asyncio.to_thread(trainer.release_memory)
                     await asyncio.to_thread(engines.resume_memory, ["weights"])
-                restarted, push_s = await asyncio.to_thread(_push_weights, trainer, engines, engine_urls, version,
+                restarted, push_s = await asyncio.to_thread(push_weights, trainer, engines, version,
                                                             str(run.path / "hf-latest"))
                 if colocate:
                     await asyncio.to_thread(engines.resume_memory, ["kv_cache"])
@@ -165,84 +192,11 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
                     **reward_metrics(groups),
                     **sampling_metrics, **step_metrics, **{f"train/{k}": v for k, v in train_metrics.items()},
                     **phases, "perf/step_time": step_time, "perf/engine_restarts": float(len(restarted)),
-                    "perf/weight_push_s": push_s, **_memory_metrics(trainer, engines),
-                    "perf/rollout_tokens_per_s": tokens / max(generate_s, 1e-9)}
+                    "perf/weight_push_s": push_s, **memory_metrics(trainer, engines),
+                    "perf/rollout_tokens_per_s": tokens / max(generate_s, 1e-9), "rollout/empty_steps": float(empty_steps)}
             if cfg.eval.interval and (step + 1) % cfg.eval.interval == 0:
                 last.update(await evaluate(cfg, engine, generator, rewards, run.base_dir, tokenizer))
-            metrics_out.log(step, last)
-            run.log_rollouts(step, groups, batching.sample_log(samples))
-            plugins.pm.hook.posttrain_on_step_end(step=step, metrics=last)
-            if on_step is not None and ((step + 1) % cfg.logging.interval == 0 or step + 1 == cfg.rollout.num_rollouts):
-                on_step(step, last, samples)
-            if cfg.checkpoint.interval and ((step + 1) % cfg.checkpoint.interval == 0
-                                            or step + 1 == cfg.rollout.num_rollouts):
-                run.save_checkpoint(step, trainer.save, {"buffer": buffer.state_dict()}, cfg.checkpoint.keep)
+            end_step(step, last, groups, samples)
         if pending is not None:
             pending.cancel()
         return last
-
-
-def _push_weights(trainer: Any, engines: Any, engine_urls: list[str], version: int, disk_dir: str,
-                  attempts: int = 3) -> tuple[list[str], float]:
-    """Weights to every engine; an engine that died is restarted (from the initial checkpoint) and the
-    weight-update group rebuilt, then the push is repeated. Returns the URLs of restarted engines and
-    the seconds of the successful push."""
-    restarted: list[str] = []
-    for attempt in range(attempts):
-        now = engines.check_and_restart()
-        restarted += now
-        if now or attempt:  # a restarted engine (or a failed broadcast) leaves the group broken
-            trainer.connect_engines(engine_urls)
-        try:
-            return restarted, trainer.push_weights(version, disk_dir)
-        except RuntimeError:
-            if attempt == attempts - 1:
-                raise
-            time.sleep(1.0)  # let the process table show the death before checking again
-    return restarted, 0.0
-
-
-async def _watching(engines: Any, engine: Any, generation: Any, every_s: float = 1.0) -> tuple[Any, float]:
-    """Await ``generation`` while watching the engines: when one dies, it leaves the router and the
-    requests in flight are sent again (to the live engines); the weight push restarts it. Returns the
-    result and its own wall time (in async mode it overlaps training, so the step's phases miss it)."""
-    start = time.perf_counter()
-    async def watch():
-        while True:
-            await asyncio.sleep(every_s)
-            if await asyncio.to_thread(engines.drop_dead):
-                engine.interrupt()
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        return await generation, time.perf_counter() - start
-    finally:
-        watcher.cancel()
-
-
-def _memory_metrics(trainer: Any, engines: Any) -> dict[str, float]:
-    """Peak GPU memory of the trainer and of the busiest engine (GiB); nothing on CPU."""
-    out = {f"perf/trainer_{k}": v for k, v in trainer.memory_stats().items()}
-    peaks = [m["peak_gib"] for m in engines.memory_stats() if "peak_gib" in m]
-    if peaks:
-        out["perf/engine_peak_gib"] = max(peaks)
-    return out
-
-
-class _Timer:
-    """Wall time per phase of a step: ``with timer("train"): ...``; ``pop()`` gives ``perf/time_<phase>``."""
-
-    def __init__(self):
-        self.times: dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, phase: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
-
-    def pop(self) -> dict[str, float]:
-        out, self.times = {f"perf/time_{k}": v for k, v in self.times.items()}, {}
-        return out

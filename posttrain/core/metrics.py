@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,9 @@ class MetricsWriter:
         if wandb:
             import wandb as wandb_lib  # optional dependency: posttrain[wandb]
 
-            self._wandb = wandb_lib.init(project=wandb_project or "posttrain", config=config or {},
+            from posttrain.core.secrets import redact
+
+            self._wandb = wandb_lib.init(project=wandb_project or "posttrain", config=redact(config or {}),
                                          dir=str(self.run_dir), name=self.run_dir.name)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
@@ -98,3 +102,31 @@ def _number(value: Any) -> float | int | None:
         return value
     value = float(value)
     return value if math.isfinite(value) else None
+
+
+class PhaseTimer:
+    """Wall time per phase of a step: ``with timer("train"): ...``; ``pop()`` gives ``perf/time_<phase>``."""
+
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
+
+    def pop(self) -> dict[str, float]:
+        out, self.times = {f"perf/time_{k}": v for k, v in self.times.items()}, {}
+        return out
+
+
+def memory_metrics(trainer: Any, engines: Any) -> dict[str, float]:
+    """Peak GPU memory of the trainer and of the busiest engine (GiB); nothing on CPU."""
+    out = {f"perf/trainer_{k}": v for k, v in trainer.memory_stats().items()}
+    peaks = [m["peak_gib"] for m in engines.memory_stats() if "peak_gib" in m]
+    if peaks:
+        out["perf/engine_peak_gib"] = max(peaks)
+    return out

@@ -3,7 +3,9 @@
 ::
 
     runs/quickstart-20261129-201500/
-      config.yaml          # resolved run config (what --resume reads back)
+      .lock                # held (flock) by the one process writing here; holds its PID
+      config.yaml          # resolved run config (what --resume reads back), secrets <redacted>
+      secrets.yaml         # the redacted values (mode 0600), for --resume
       plugins.json         # every loaded plugin with its distribution and version
       metrics.jsonl        # one JSON object per step
       rollouts.jsonl       # per step: the prompts served (data order) and a few samples
@@ -13,12 +15,20 @@
       curves.png           # written at the end (rl-cli plot RUN_DIR redraws it)
 
 A checkpoint is written into ``checkpoints/.tmp-step_N`` and renamed into place, and ``latest`` is
-replaced atomically after that: a crash mid-write never corrupts the last good checkpoint.
+replaced atomically after that: a crash mid-write never corrupts the last good checkpoint. Its
+``state.json`` keeps the config (redacted) and the model's tensor shapes, so a resume with another
+model is refused and config changes since the checkpoint are named.
+
+One process writes a run directory: :meth:`RunDirectory.lock` takes an exclusive ``flock`` on ``.lock``
+(released by the kernel when the process dies, however it dies); a second writer stops with exit code 2,
+naming the holder's PID.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import logging
 import os
 import random
 import shutil
@@ -28,7 +38,10 @@ from typing import Any
 
 import yaml
 
+from posttrain.core import secrets
 from posttrain.core.errors import UsageError
+
+log = logging.getLogger("posttrain.run")
 
 
 class RunDirectory:
@@ -41,14 +54,44 @@ class RunDirectory:
     @classmethod
     def create(cls, path: str | Path | None, config_name: str) -> RunDirectory:
         path = Path(path) if path else Path("runs") / f"{config_name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        if path.exists() and any(path.iterdir()):
+        path.mkdir(parents=True, exist_ok=True)
+        run = cls(path).lock()  # before the emptiness check: a concurrent writer is named, not raced
+        if any(p.name != ".lock" for p in path.iterdir()):
+            run.unlock()
             raise UsageError(f"--run-dir {path}: exists and is not empty (use --resume {path} to continue it)")
-        run = cls(path)
         run.logs.mkdir(parents=True, exist_ok=True)
         return run
 
+    def lock(self) -> RunDirectory:
+        """Hold ``.lock`` exclusively for this process's life; another holder is a UsageError naming its PID."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise UsageError(f"{self.path}: run directory in use by another process (PID {holder}); "
+                             "one process writes a run directory at a time") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._lock_fd = fd
+        return self
+
+    def unlock(self) -> None:
+        fd = getattr(self, "_lock_fd", None)
+        if fd is not None:
+            os.close(fd)  # closing the descriptor releases the flock
+            self._lock_fd = None
+
     def write_config(self, config: dict[str, Any], plugins: Any) -> None:
-        (self.path / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        """``config.yaml`` with secrets redacted; the secrets in ``secrets.yaml`` (owner-only) for ``--resume``."""
+        clean, found = secrets.split(config)
+        (self.path / "config.yaml").write_text(yaml.safe_dump(clean, sort_keys=False))
+        if found:
+            fd = os.open(self.path / "secrets.yaml", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(yaml.safe_dump(found, sort_keys=False))
         infos = [{"name": i.name, "distribution": i.distribution, "version": i.version, "module": i.module}
                  for i in plugins.infos.values()]
         (self.path / "plugins.json").write_text(json.dumps(infos, indent=2))
@@ -57,7 +100,9 @@ class RunDirectory:
         path = self.path / "config.yaml"
         if not path.is_file():
             raise UsageError(f"--resume {self.path}: no config.yaml there (not a run directory)")
-        return yaml.safe_load(path.read_text())
+        config = yaml.safe_load(path.read_text())
+        kept = self.path / "secrets.yaml"
+        return secrets.merge(config, yaml.safe_load(kept.read_text()) or {}) if kept.is_file() else config
 
     def log_rollouts(self, step: int, groups: list[list[Any]], examples: list[dict[str, Any]]) -> None:
         """The prompts of a step's groups, in order, and a few samples (``rollouts.jsonl``)."""
@@ -106,7 +151,10 @@ class RunDirectory:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         save_trainer(str(tmp / "trainer"))
-        (tmp / "state.json").write_text(json.dumps({"step": step, **state, "rng": _rng_state()}))
+        if "config" in state:
+            state = {**state, "config": secrets.redact(state["config"])}
+        shapes = hf_shapes(self.path / "hf-init")
+        (tmp / "state.json").write_text(json.dumps({"step": step, **state, "model_shapes": shapes, "rng": _rng_state()}))
         final = self.checkpoints / name
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -117,10 +165,51 @@ class RunDirectory:
             shutil.rmtree(old, ignore_errors=True)
         return final
 
+    def check_resume(self, ckpt: Path, config: dict[str, Any], model_dir: str | Path) -> list[str]:
+        """Before resuming from ``ckpt``: refuse it (UsageError) when the model it holds differs from
+        ``config``'s (the ``model`` section, or any tensor name or shape of the HF checkpoint in
+        ``model_dir``); log every other config key changed since it was written. Returns those changes."""
+        state = json.loads((ckpt / "state.json").read_text())
+        changes = config_changes(state["config"], secrets.redact(config)) if "config" in state else []
+        saved, now = state.get("model_shapes"), hf_shapes(model_dir)
+        problems = [c for c in changes if c.startswith("model.")]
+        if saved and now and saved != now:
+            diff = sorted(set(saved) ^ set(now)) or sorted(k for k in now if saved[k] != now[k])
+            first = diff[0]
+            problems.append(f"tensor {first}: {saved.get(first, 'absent')} in the checkpoint, "
+                            f"{now.get(first, 'absent')} in this model ({len(diff)} differ)")
+        if problems:
+            raise UsageError(f"--resume {self.path}: {ckpt.name} holds another model than the config: "
+                             + "; ".join(problems[:4]))
+        for change in changes:
+            log.warning("resume: config changed since %s: %s", ckpt.name, change)
+        return changes
+
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
         state = json.loads((path / "state.json").read_text())
         _set_rng_state(state.pop("rng"))
         return state
+
+
+def hf_shapes(model_dir: str | Path) -> dict[str, list[int]]:
+    """``{tensor name: shape}`` of an HF checkpoint, read from the safetensors headers (no tensor data)."""
+    out: dict[str, list[int]] = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(size))
+        out.update({k: v["shape"] for k, v in header.items() if k != "__metadata__"})
+    return out
+
+
+def config_changes(old: Any, new: Any, path: str = "") -> list[str]:
+    """``"key.sub: old -> new"`` for every leaf that differs between two config trees."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [c for k in list(old) + [k for k in new if k not in old]
+                for c in config_changes(old.get(k), new.get(k), f"{path}.{k}" if path else str(k))]
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        return [c for i, (a, b) in enumerate(zip(old, new)) for c in config_changes(a, b, f"{path}.{i}")]
+    return [] if old == new else [f"{path}: {old!r} -> {new!r}"]
 
 
 def _rng_state() -> dict[str, Any]:

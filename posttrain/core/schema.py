@@ -12,13 +12,15 @@ mapping into an instance and returns *all* problems at once, each prefixed with 
         def validate(self) -> list[str]:      # optional cross-field checks: "key: message"
             return []
 
-Types understood: bool, int, float (ints and numeric strings such as ``"1e-6"`` accepted), str,
+Types understood: bool, int, float (ints and numeric strings such as ``"1e-6"`` accepted; NaN and
+infinities never), str,
 ``Literal[...]``, ``X | None``, ``list[X]``, ``tuple[X, ...]``, ``dict[str, X]``, nested dataclasses, Any.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -133,14 +135,19 @@ def coerce(value: Any, tp: Any, path: str, context: Any = None) -> tuple[Any, li
             return value, []
         return None, [f"{path}: expected an integer, got {_kind(value)}"]
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value), []
-        if isinstance(value, str):  # YAML reads 1e-6 (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML reads 1e-6 (no dot) as a string
             try:
-                return float(value), []
+                number = float(value)
             except ValueError:
                 pass
-        return None, [f"{path}: expected a number, got {_kind(value)}"]
+        if number is None:
+            return None, [f"{path}: expected a number, got {_kind(value)}"]
+        if not math.isfinite(number):  # .nan, .inf, or 1e400 (a string that overflows to inf)
+            return None, [f"{path}: expected a finite number, got {value!r}"]
+        return number, []
     if tp is str:
         return (value, []) if isinstance(value, str) else (None, [f"{path}: expected a string, got {_kind(value)}"])
     if isinstance(tp, type):

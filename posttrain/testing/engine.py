@@ -9,22 +9,29 @@ from pathlib import Path
 ENGINE_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def start_local_engine(model_dir: str | Path, log_dir: str | Path | None = None, **options):
+def start_local_engine(model_dir: str | Path, log_dir: str | Path | None = None, api_key: str | None = None,
+                       **options):
     """Start ``rl-cli engine serve model_dir`` on a free 127.0.0.1 port and wait for ``/health_generate``.
 
-    Returns a started :class:`~posttrain.plugins.engines.sglang.launcher.ManagedServer` (``.base_url``; call ``.stop()``).
-    Options are ``engine serve`` flags by name (defaults: ``context_length=256, max_running_requests=8``).
+    Returns a started :class:`~posttrain.core.rollout.procs.ManagedServer` (``.base_url``, ``.api_key``:
+    the key its clients send, a fresh random one unless given; call ``.stop()``). Options are
+    ``engine serve`` flags by name (defaults: ``context_length=256, max_running_requests=8``).
     """
-    from posttrain.core.rollout.procs import ManagedServer
-    from posttrain.plugins.engines.local import local_engine_command
-    from posttrain.core.rollout.procs import free_port
+    import secrets
 
+    from posttrain.core.rollout.backend import API_KEY_ENV
+    from posttrain.core.rollout.procs import ManagedServer, free_port
+    from posttrain.plugins.engines.local import local_engine_command
+
+    api_key = api_key or secrets.token_urlsafe(16)
     port = free_port()
     options.setdefault("context_length", 256)
     options.setdefault("max_running_requests", 8)
     log = os.path.join(str(log_dir), f"engine-{port}.log") if log_dir else None
-    return ManagedServer(local_engine_command(str(model_dir), port, **options), f"http://127.0.0.1:{port}",
-                         log_path=log, env=ENGINE_ENV, ready_timeout_s=120).start()
+    server = ManagedServer(local_engine_command(str(model_dir), port, **options), f"http://127.0.0.1:{port}",
+                           log_path=log, env={**ENGINE_ENV, API_KEY_ENV: api_key}, ready_timeout_s=120)
+    server.api_key = api_key
+    return server.start()
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:

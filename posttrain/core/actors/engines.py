@@ -24,6 +24,10 @@ class EngineRole:
         """``(url generators talk to, every engine's own URL)``."""
         return self.fleet.url, self.fleet.engine_urls
 
+    def api_key(self) -> str:
+        """The run's engine API key (clients, the weight sender and the router send it)."""
+        return self.fleet.api_key
+
     def release_memory(self, tags: list[str] | None = None) -> None:
         self.fleet.release_memory(tags)
 

@@ -38,6 +38,7 @@ class TrainerRole:
         self.critic = (self.backend.build(self.spec, cfg, role="critic", seed=cfg.seed)
                        if getattr(estimator, "needs_critic", False) else None)
         self.sender = None
+        self.api_key: str | None = None
 
     # ---------------------------------------------------------------- forward passes
     def log_probs(self, batch: Any, weights: str | None = None, with_entropy: bool = False) -> Any:
@@ -86,18 +87,21 @@ class TrainerRole:
             AutoTokenizer.from_pretrained(tokenizer).save_pretrained(out_dir)
         return str(out_dir)
 
-    def connect_engines(self, engine_urls: list[str], backend: str | None = None) -> None:
+    def connect_engines(self, engine_urls: list[str], backend: str | None = None, api_key: str | None = None) -> None:
         """Open the weight-update group with every engine (the trainer is rank 0; each engine adds its
         backend's ``ranks_per_engine``). ``backend``: NCCL when the trainer and the engines are on GPUs,
-        else Gloo (only ``weight_sync: distributed`` opens one)."""
+        else Gloo (only ``weight_sync: distributed`` opens one). ``api_key``: the engines' key (kept for
+        later reconnections)."""
         from posttrain.core.rollout.weight_sync import WeightSender
 
+        self.api_key = api_key or self.api_key
         if self.sender is not None:
             self._leave_group()
         if backend is None:
             on_gpus = self.policy.device.type == "cuda" and self.engine_backend.on_gpu(self.cfg.resources)
             backend = "nccl" if on_gpus else "gloo"
-        self.sender = WeightSender(engine_urls, backend=backend,
+        self.sender = WeightSender(engine_urls, backend=backend, api_key=self.api_key,
+                                   timeout_s=self.cfg.rollout.weight_sync_timeout_s,
                                    ranks_per_engine=self.engine_backend.ranks_per_engine(self.cfg.resources))
         if self.weight_sync == "distributed":
             self.sender.init()
@@ -123,7 +127,20 @@ class TrainerRole:
                 self.sender.update_from_tensors(named, version=version)
         else:
             self.sender.send(self.policy.export_hf(bucket), version=version)
+        if self.cfg.rollout.check_weights:
+            self.check_weights(version)
         return time.perf_counter() - start
+
+    def check_weights(self, version: int) -> None:
+        """``rollout.check_weights``: every engine must hold what was just pushed; raises
+        :class:`~posttrain.core.rollout.weight_check.WeightMismatch` naming the first differing tensor."""
+        from posttrain.core.rollout.weight_check import WeightMismatch
+
+        bucket = int(self.cfg.rollout.weight_bucket_mb * (1 << 20))
+        for url in self.sender.engine_urls:
+            problem = self.engine_backend.check_weights(url, self.api_key, self.policy.export_hf(bucket))
+            if problem is not None:
+                raise WeightMismatch(f"rollout.check_weights: engine {url} after push {version}: {problem}")
 
     def release_memory(self) -> None:
         """Return cached, unused GPU memory to the driver (colocated engines resume into it)."""

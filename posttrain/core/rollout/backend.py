@@ -31,6 +31,11 @@ The server a backend starts must answer SGLang's ``/health_generate`` and ``/gen
 (``/update_weights_from_disk`` for ``disk``; ``/init_weights_update_group`` and
 ``/update_weights_from_distributed`` for ``distributed``; ``/update_weights_from_tensor`` for
 ``tensor``). ``posttrain.testing.EngineContract`` checks all of it against a live server.
+
+Every server of a run is given the run's API key (``slot.api_key``, made by the fleet) and must require
+``Authorization: Bearer KEY`` on every endpoint except ``/health*`` (SGLang's ``--api-key`` rule). Hand
+the key over in the environment (``EngineLaunch.env``), never in argv: any local user can read another
+process's command line.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 WEIGHT_SYNC_MODES = ("distributed", "tensor", "disk")
+API_KEY_ENV = "POSTTRAIN_ENGINE_API_KEY"  # where engine servers (and the router) find the run's key
 
 
 @dataclass
@@ -47,7 +53,8 @@ class EngineSlot:
 
     ``gpus``: the GPU indices of this process (before ``CUDA_VISIBLE_DEVICES`` mapping) that the
     engine may use, ``resources.gpus_per_engine`` of them, placed after the trainer's GPUs unless the
-    run is colocated; empty on CPU-only placements.
+    run is colocated; empty on CPU-only placements. ``api_key``: the run's engine API key (see the
+    module doc: pass it by environment).
     """
 
     index: int
@@ -57,6 +64,7 @@ class EngineSlot:
     seed: int
     resources: Any  # the run's ResourcesConfig (num_engines, gpus_per_engine, colocate, ...)
     gpus: list[int] = field(default_factory=list)
+    api_key: str = field(default="", repr=False)
 
 
 @dataclass
@@ -118,24 +126,40 @@ class EngineBackend:
         """URLs of engines that are already running (the fleet then starts nothing), or None."""
         return None
 
+    def api_key(self) -> str | None:
+        """The API key of engines that are already running (``urls()``); None: the fleet makes one."""
+        return None
+
     def launch(self, slot: EngineSlot) -> EngineLaunch:
         """The server for engine ``slot.index``: argv and environment. The fleet starts it in its own
         session (dying with the driver), waits for ``health_path``, and restarts it when it dies."""
         raise NotImplementedError(f"engine backend {self.name!r} starts no servers; give urls() instead")
 
+    # ---------------------------------------------------------------- weights
+    def check_weights(self, url: str, api_key: str | None, buckets: Any) -> str | None:
+        """``rollout.check_weights``: None when the engine at ``url`` holds exactly the tensors of
+        ``buckets`` (``[(hf_name, tensor), ...]`` lists, as pushed), else the first difference ("tensor
+        NAME: ..."). Default: the engine's ``/weights_checksum`` (posttrain's engine server)."""
+        from posttrain.core.rollout.weight_check import engine_checksums, first_mismatch
+
+        report = engine_checksums(url, api_key)
+        if report is None:
+            return f"{url} has no /weights_checksum; backend {self.name!r} cannot check weights"
+        return first_mismatch(buckets, report)
+
     # ---------------------------------------------------------------- colocated memory
-    def release_memory(self, url: str, tags: list[str] | None) -> None:
+    def release_memory(self, url: str, tags: list[str] | None, api_key: str | None = None) -> None:
         """Free the engine's GPU memory (``tags``: ``weights``, ``kv_cache``; None: both) while a
         colocated trainer runs: SGLang's ``/release_memory_occupation``."""
         from posttrain.core.rollout.weight_sync import post_json
 
-        post_json(url + "/release_memory_occupation", {"tags": tags} if tags else {})
+        post_json(url + "/release_memory_occupation", {"tags": tags} if tags else {}, api_key=api_key)
 
-    def resume_memory(self, url: str, tags: list[str] | None) -> None:
+    def resume_memory(self, url: str, tags: list[str] | None, api_key: str | None = None) -> None:
         """Take the memory back (``/resume_memory_occupation``)."""
         from posttrain.core.rollout.weight_sync import post_json
 
-        post_json(url + "/resume_memory_occupation", {"tags": tags} if tags else {})
+        post_json(url + "/resume_memory_occupation", {"tags": tags} if tags else {}, api_key=api_key)
 
 
 def gpu_ids(resources: Any, index: int) -> list[int]:

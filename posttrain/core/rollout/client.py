@@ -12,6 +12,7 @@ Token in, token out: :func:`tokens_and_logprobs` reads the response's tokens and
 Connection errors (refused, reset, server disconnected) are retried with exponential backoff up to
 ``max_retries`` times; HTTP 4xx answers raise :class:`EngineRequestError` at once (a bad request stays
 bad); 5xx answers are retried. At most ``max_concurrency`` requests are in flight per client.
+``api_key``: sent as ``Authorization: Bearer KEY`` on every call (the run's engines and router need it).
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ class EngineClient:
     """Async SGLang-protocol client bound to one base URL (an engine or a router)."""
 
     def __init__(self, base_url: str, timeout_s: float = 600.0, max_retries: int = 3, max_concurrency: int = 512,
-                 backoff_s: float = 0.2):
+                 backoff_s: float = 0.2, api_key: str | None = None):
         self.base_url = base_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.max_retries = max_retries
         self.backoff_s = backoff_s
@@ -61,7 +63,7 @@ class EngineClient:
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._loop is not loop:
             # sessions belong to one event loop; a client reused from another loop gets a fresh one
-            self._session = aiohttp.ClientSession(timeout=self.timeout,
+            self._session = aiohttp.ClientSession(timeout=self.timeout, headers=self._headers,
                                                   connector=aiohttp.TCPConnector(limit=self.max_concurrency))
             self._sem = asyncio.Semaphore(self.max_concurrency)
             self._loop = loop

@@ -14,15 +14,20 @@ engine backend (``rollout.engine``) describes them.
 A backend that starts servers gives one :class:`~posttrain.core.rollout.backend.EngineLaunch` per engine
 (``resources.num_engines`` of them); one with fixed ``urls()`` (``external``) starts nothing. With
 ``rollout.use_router`` the real sglang-router fronts them all.
+
+The fleet makes the run's engine API key (``api_key``; a fixed-URL backend may give its own): every
+engine gets it in its ``EngineSlot``, the router by environment, and every client the fleet hands out
+sends it. A dead engine is restarted on its port, or on a fresh one when that port is taken.
 """
 
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 from typing import Any
 
 from posttrain.core.rollout.backend import EngineSlot, gpu_ids
-from posttrain.core.rollout.procs import ManagedServer, free_port
+from posttrain.core.rollout.procs import ManagedServer, free_port, port_free
 from posttrain.core.rollout.router import RouterProcess
 
 
@@ -51,6 +56,7 @@ class EngineFleet:
         self.external: list[str] = []
         self.router: RouterProcess | None = None
         self._dropped: set[str] = set()  # dead engines already taken off the router
+        self.api_key = backend.api_key() or secrets.token_urlsafe(32)
 
     def _log(self, name: str) -> Path | None:
         if self.log_dir is None:
@@ -62,7 +68,8 @@ class EngineFleet:
         port = free_port(self.host)
         gpus = gpu_ids(self.resources, i) if self.backend.on_gpu(self.resources) else []
         launch = self.backend.launch(EngineSlot(index=i, port=port, host=self.host, model_path=self.model_path,
-                                                seed=self.seed, resources=self.resources, gpus=gpus))
+                                                seed=self.seed, resources=self.resources, gpus=gpus,
+                                                api_key=self.api_key))
         return ManagedServer(launch.command, f"http://{self.host}:{port}", log_path=self._log(f"engine-{i}.log"),
                              env={**(self.env or {}), **launch.env}, health_path=launch.health_path)
 
@@ -81,7 +88,8 @@ class EngineFleet:
                     s.wait_ready()
             if self.rollout.use_router:
                 self.router = RouterProcess(self.engine_urls, host=self.host, model_path=self.model_path,
-                                            extra_args=list(self.rollout.router_args), log_path=self._log("router.log"))
+                                            extra_args=list(self.rollout.router_args), log_path=self._log("router.log"),
+                                            api_key=self.api_key)
                 self.router.start()
         except BaseException:
             self.stop()
@@ -104,37 +112,35 @@ class EngineFleet:
     def client(self):
         from posttrain.core.rollout.client import EngineClient
 
-        return EngineClient(self.url, max_concurrency=self.rollout.server_concurrency)
+        return EngineClient(self.url, max_concurrency=self.rollout.server_concurrency, api_key=self.api_key)
 
     def weight_sender(self, backend: str = "gloo"):
         """A :class:`~posttrain.core.rollout.weight_sync.WeightSender` over every engine (not the router)."""
         from posttrain.core.rollout.weight_sync import WeightSender
 
-        return WeightSender(self.engine_urls, backend=backend,
+        return WeightSender(self.engine_urls, backend=backend, api_key=self.api_key,
                             ranks_per_engine=self.backend.ranks_per_engine(self.resources))
 
     def release_memory(self, tags: list[str] | None = None) -> None:
         """Every engine frees its GPU memory (``tags``: ``weights``, ``kv_cache``; default both) for a
         colocated trainer; ``resume_memory`` takes it back."""
-        self._all(lambda url: self.backend.release_memory(url, tags))
+        self._all(lambda url: self.backend.release_memory(url, tags, api_key=self.api_key))
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
-        self._all(lambda url: self.backend.resume_memory(url, tags))
+        self._all(lambda url: self.backend.resume_memory(url, tags, api_key=self.api_key))
 
     def memory_stats(self) -> list[dict[str, Any]]:
         """Each engine's ``/get_server_info`` memory figures (local engines report GiB on CUDA; engines
         elsewhere have none, so they are not asked: this runs every step)."""
-        import json
-        import urllib.request
+        from posttrain.core.rollout.weight_sync import post_json
 
         if not self.backend.on_gpu(self.resources):
             return [{} for _ in self.engine_urls]
         out = []
         for url in self.engine_urls:
             try:
-                with urllib.request.urlopen(url + "/get_server_info", timeout=30) as resp:
-                    info = json.loads(resp.read())
-            except (OSError, ValueError):  # a dead engine has no figures; the weight push restarts it
+                info = post_json(url + "/get_server_info", timeout=30, api_key=self.api_key, method="GET")
+            except (OSError, ValueError, RuntimeError):  # a dead engine has no figures; the push restarts it
                 info = {}
             out.append((info.get("internal_states") or [{}])[0].get("memory", {}))
         return out
@@ -156,15 +162,26 @@ class EngineFleet:
         return [s.base_url for s in dead]
 
     def check_and_restart(self) -> list[str]:
-        """Restart engines that died or stopped answering; returns their URLs (re-sync their weights)."""
+        """Restart engines that died or stopped answering (on a fresh port when theirs is taken); returns
+        their URLs, new ones included (re-read ``engine_urls``, re-sync their weights)."""
         restarted = []
-        for s in self.servers:
-            if s.ensure_running():
-                self._dropped.discard(s.base_url)
-                restarted.append(s.base_url)
-                if self.router is not None:
-                    self.router.remove_worker(s.base_url)
-                    self.router.add_worker(s.base_url)
+        for i, s in enumerate(self.servers):
+            old = s.base_url
+            try:
+                if s.alive() or port_free(old):
+                    if not s.ensure_running():
+                        continue
+                else:
+                    raise RuntimeError(f"{old}: port taken while the engine was down")
+            except (RuntimeError, TimeoutError):  # it cannot (or could not) start on its old port
+                s.stop()
+                s = self.servers[i] = self._server(i)
+                s.start(wait=True)
+            self._dropped.discard(old)
+            restarted.append(s.base_url)
+            if self.router is not None:
+                self.router.remove_worker(old)
+                self.router.add_worker(s.base_url)
         return restarted
 
     def stop(self) -> None:

@@ -44,6 +44,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def port_free(url: str) -> bool:
+    """True when nothing listens on ``url``'s host and port (a server may bind it)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: past TIME_WAIT
+        try:
+            s.bind((parts.hostname, parts.port))
+            return True
+        except OSError:
+            return False
+
+
 def http_ok(url: str, timeout: float = 5.0) -> bool:
     """True when GET ``url`` answers 2xx within ``timeout`` seconds."""
     try:

@@ -7,6 +7,14 @@ The command line is ``python -m sglang_router.launch_router --worker-urls URL...
 point it at the local checkpoint directory. Workers are added while it runs with ``POST /workers
 {"url": ...}`` and removed with ``DELETE /workers/{id}`` (ids from ``GET /workers``); it health-checks
 workers and retries failed requests on another worker.
+
+With the run's API key the router runs as ``python -m posttrain.core.rollout.router`` (the same options):
+that entry reads the key from the environment and hands it to sglang-router as ``api_key``, never on a
+command line. sglang-router 0.3.2 then (read from its source and checked against it) requires
+``Authorization: Bearer KEY`` on everything but ``/health*`` (``/generate``, ``/workers``, ...), and
+sends the key to its workers: on their registration probes and with every forwarded request (plus the
+client's own header, so a worker sees the key twice). A worker added at run time gets the key in the
+``POST /workers`` body (``api_key``); without it the router probes that worker unauthenticated.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from posttrain.core.rollout.backend import API_KEY_ENV
 from posttrain.core.rollout.procs import free_port, spawn, stop_process, wait_http_ok
 
 
@@ -28,7 +37,10 @@ class RouterProcess:
 
     def __init__(self, worker_urls: list[str], host: str = "127.0.0.1", port: int | None = None,
                  model_path: str | None = None, policy: str = "round_robin", extra_args: list[str] | tuple = (),
-                 log_path: str | Path | None = None):
+                 log_path: str | Path | None = None, api_key: str | None = None):
+        if any(a.split("=")[0] in ("--api-key", "--router-api-key") for a in extra_args):
+            raise ValueError("rollout.router_args: --api-key is the run's engine key, set by posttrain")
+        self.api_key = api_key
         self.worker_urls = [u.rstrip("/") for u in worker_urls]
         self.host, self.port = host, port or free_port(host)
         self.model_path, self.policy, self.extra_args = model_path, policy, list(extra_args)
@@ -41,7 +53,8 @@ class RouterProcess:
         return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", self.host, "--port", str(self.port),
+        entry = "posttrain.core.rollout.router" if self.api_key else "sglang_router.launch_router"
+        cmd = [sys.executable, "-m", entry, "--host", self.host, "--port", str(self.port),
                "--policy", self.policy, "--log-level", "warn",
                # its metrics exporter binds 0.0.0.0:29000 by default: keep it on loopback, on a free port
                "--prometheus-host", self.host, "--prometheus-port", str(self.prometheus_port)]
@@ -53,7 +66,8 @@ class RouterProcess:
 
     def start(self, timeout_s: float = 120.0) -> RouterProcess:
         """Start the router and wait until every initial worker is registered and healthy."""
-        self.proc = spawn(self.command(), self.log_path, {"RUST_LOG": os.environ.get("RUST_LOG", "warn")})
+        env = {"RUST_LOG": os.environ.get("RUST_LOG", "warn"), **({API_KEY_ENV: self.api_key} if self.api_key else {})}
+        self.proc = spawn(self.command(), self.log_path, env)
         try:
             wait_http_ok(self.url + "/health", timeout_s, self.proc)
             self.wait_workers(len(self.worker_urls), timeout_s)
@@ -62,9 +76,21 @@ class RouterProcess:
             raise
         return self
 
+    def _call(self, method: str, path: str, payload: dict[str, Any] | None = None) -> Any:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        data = json.dumps(payload).encode() if payload is not None else None
+        req = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            body = resp.read()
+        try:
+            return json.loads(body) if body else None
+        except ValueError:  # a plain-text answer
+            return body.decode(errors="replace")
+
     def workers(self) -> list[dict[str, Any]]:
-        with urllib.request.urlopen(self.url + "/workers", timeout=10) as resp:
-            return json.loads(resp.read())["workers"]
+        return self._call("GET", "/workers")["workers"]
 
     def wait_workers(self, n: int, timeout_s: float = 60.0) -> None:
         """Wait until at least ``n`` workers are registered and healthy."""
@@ -78,9 +104,7 @@ class RouterProcess:
     def add_worker(self, url: str, wait_s: float = 60.0) -> None:
         """Register an engine at run time (``POST /workers``) and wait until the router lists it healthy."""
         url = url.rstrip("/")
-        req = urllib.request.Request(self.url + "/workers", data=json.dumps({"url": url}).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
-        urllib.request.urlopen(req, timeout=10).read()
+        self._call("POST", "/workers", {"url": url, **({"api_key": self.api_key} if self.api_key else {})})
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             if any(w["url"] == url and w.get("is_healthy") for w in self.workers()):
@@ -92,8 +116,7 @@ class RouterProcess:
         """Deregister an engine (``DELETE /workers/{id}``)."""
         for w in self.workers():
             if w["url"] == url.rstrip("/"):
-                req = urllib.request.Request(f"{self.url}/workers/{w['id']}", method="DELETE")
-                urllib.request.urlopen(req, timeout=10).read()
+                self._call("DELETE", f"/workers/{w['id']}")
 
     def stop(self) -> None:
         stop_process(self.proc)
@@ -104,3 +127,17 @@ class RouterProcess:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m posttrain.core.rollout.router OPTIONS``: ``sglang_router.launch_router OPTIONS`` with its
+    ``api_key`` read from the environment (``POSTTRAIN_ENGINE_API_KEY``), which is then cleared."""
+    from sglang_router.launch_router import launch_router, parse_router_args
+
+    args = parse_router_args(sys.argv[1:] if argv is None else argv)
+    args.api_key = os.environ.pop(API_KEY_ENV, "") or None
+    launch_router(args)
+
+
+if __name__ == "__main__":
+    main()

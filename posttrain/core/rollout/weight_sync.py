@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable
@@ -186,10 +187,18 @@ def deserialize_named_tensors(data: str | bytes) -> list[tuple[str, Any]]:
     return [(str(n), t) for n, t in named]
 
 
-def post_json(url: str, payload: dict[str, Any] | None = None, timeout: float = 600.0) -> dict[str, Any]:
-    """POST JSON and return the decoded answer; an HTTP error raises ``RuntimeError`` with its body."""
-    data = json.dumps(payload or {}).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """``Authorization: Bearer KEY`` for an engine's (or the router's) API key; nothing without one."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def post_json(url: str, payload: dict[str, Any] | None = None, timeout: float = 600.0,
+              api_key: str | None = None, method: str = "POST") -> dict[str, Any]:
+    """POST (or GET, without a body) JSON and return the decoded answer within ``timeout`` seconds; an
+    HTTP error raises ``RuntimeError`` with its body."""
+    data = json.dumps(payload or {}).encode() if method == "POST" else None
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **auth_headers(api_key)})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             body = resp.read().decode()
@@ -206,7 +215,9 @@ class WeightSender:
 
     def __init__(self, engine_urls: list[str], backend: str = "gloo", master_address: str = "127.0.0.1",
                  master_port: int | None = None, group_name: str = DEFAULT_GROUP, ranks_per_engine: int = 1,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 300.0, api_key: str | None = None):
+        """``timeout_s`` bounds every HTTP call and every collective of a push: an engine that dies
+        mid-push fails it within that time (the loop then restarts the engine and pushes again)."""
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         self.engine_urls = [u.rstrip("/") for u in engine_urls]
@@ -214,6 +225,7 @@ class WeightSender:
         self.master_port = master_port or _free_port(master_address)
         self.ranks_per_engine = ranks_per_engine
         self.timeout_s = timeout_s
+        self.api_key = api_key
         self.group = None
 
     @property
@@ -226,7 +238,7 @@ class WeightSender:
 
         def call(i: int) -> None:
             try:
-                results[i] = post_json(self.engine_urls[i] + path, payloads[i], self.timeout_s)
+                results[i] = post_json(self.engine_urls[i] + path, payloads[i], self.timeout_s, self.api_key)
             except Exception as exc:
                 results[i] = exc
 
@@ -239,8 +251,10 @@ class WeightSender:
                 during()
         except Exception as exc:
             error = exc
+        deadline = time.monotonic() + self.timeout_s  # one bound for all, not one per engine
         for t in threads:
-            t.join(self.timeout_s)
+            t.join(max(0.0, deadline - time.monotonic()))
+        results = [TimeoutError(f"no answer within {self.timeout_s:.0f} s") if r is None else r for r in results]
         failed = [f"{self.engine_urls[i]}{path}: {r}" for i, r in enumerate(results)
                   if isinstance(r, Exception) or not (isinstance(r, dict) and r.get("success", True))]
         if error is not None or failed:

@@ -24,6 +24,8 @@ class ExternalEngines(EngineBackend):
             "cuda", help="where those engines hold their weights: picks NCCL (cuda) or Gloo (cpu) for "
                          "weight_sync: distributed")
         tp: int = option(1, ge=1, help="ranks each engine adds to a distributed weight-update group (its TP size)")
+        api_key_env: str = option("POSTTRAIN_ENGINE_API_KEY", help="environment variable holding the engines' API "
+                                  "key (sent as Authorization: Bearer KEY); the key itself never goes in the config")
 
     def check_config(self, run: Any, plugins: Any) -> list[str]:
         bad = [u for u in self.config.urls if not u.startswith(("http://", "https://"))]
@@ -46,6 +48,11 @@ class ExternalEngines(EngineBackend):
 
     def urls(self) -> list[str]:
         return [u.rstrip("/") for u in self.config.urls]
+
+    def api_key(self) -> str | None:
+        import os
+
+        return os.environ.get(self.config.api_key_env) or None
 
 
 @hookimpl

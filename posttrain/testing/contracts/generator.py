@@ -28,23 +28,23 @@ class GeneratorContract(ComponentContract):
 
     @pytest.fixture(scope="class")
     @classmethod
-    def local_engine_url(cls, tmp_path_factory):
+    def local_engine(cls, tmp_path_factory):
         from posttrain.testing.engine import start_local_engine
         from posttrain.testing.tiny import make_tiny_checkpoint
 
         ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("generator_contract") / "qwen3")
         server = start_local_engine(ckpt, context_length=512)
-        yield server.base_url
+        yield server
         server.stop()
 
-    def test_rolls_out_a_group_through_a_local_engine(self, generator, local_engine_url):
+    def test_rolls_out_a_group_through_a_local_engine(self, generator, local_engine):
         import asyncio
 
         from posttrain.core.rollout.client import EngineClient
         from posttrain.core.types import Sample, SampleStatus, SamplingParams
 
         async def run():
-            async with EngineClient(local_engine_url) as engine:
+            async with EngineClient(local_engine.base_url, api_key=local_engine.api_key) as engine:
                 group = [Sample(prompt="1+1=", group_index=7, index=i) for i in range(2)]
                 return await generator(group, engine, SamplingParams(temperature=1.0, max_new_tokens=16))
 

@@ -173,3 +173,21 @@ def test_nccl_between_trainer_and_engine_on_one_gpu_is_refused_in_one_line(write
     assert "\n" not in error
     load_config(write("c.yaml", GOOD), ["rollout.engine.device=cuda", "rollout.weight_sync=distributed",
                                         "resources.trainer_gpus_per_node=1"], plugins=plugins)  # cuda:1: fine
+
+
+def test_values_an_engine_cannot_run_are_refused_before_start(write, plugins):
+    """The fault probe's --dry-run cases: NaN/inf never pass a float field (1e400 is a string YAML
+    reads, inf once parsed), top_k is -1 or >= 1, a temperature is 0 or >= 1e-5, weights are finite."""
+    bad = ["rewards.0.weight=.nan", "rollout.top_k=0", "rollout.temperature=1e-300", "trainer.lr=1e400",
+           "trainer.entropy_coef=-.inf", "estimator.epsilon=.nan"]
+    with pytest.raises(ConfigError) as err:
+        load_config(write("c.yaml", GOOD), bad, plugins)
+    text = str(err.value)
+    for line in ("rewards.0.weight: expected a finite number", "rollout.top_k: 0 is out of range",
+                 "rollout.temperature: 1e-300 is out of range (0 for greedy, else >= 1e-05)",
+                 "trainer.lr: expected a finite number", "trainer.entropy_coef: expected a finite number",
+                 "estimator.epsilon: expected a finite number"):
+        assert line in text, text
+    assert len(err.value.errors) == len(bad)
+    ok = load_config(write("c.yaml", GOOD), ["rollout.top_k=1", "rollout.temperature=0", "trainer.lr=1e-5"], plugins)
+    assert ok.rollout.top_k == 1 and ok.rollout.temperature == 0.0

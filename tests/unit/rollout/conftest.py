@@ -33,10 +33,21 @@ def hf_model(tiny_ckpt):
 
 
 @pytest.fixture(scope="session")
-def engine_url(tiny_ckpt, tmp_path_factory):
+def engine_server(tiny_ckpt, tmp_path_factory):
     server = start_local_engine(tiny_ckpt, tmp_path_factory.mktemp("logs"))
-    yield server.base_url
+    yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def engine_url(engine_server):
+    return engine_server.base_url
+
+
+@pytest.fixture(scope="session")
+def engine_key(engine_server):
+    """The session engine's API key (every endpoint but /health* needs it)."""
+    return engine_server.api_key
 
 
 class ScriptedEngine:

@@ -31,11 +31,11 @@ class TestMultiTurnContract(GeneratorContract):
         return MultiTurn(tools={"calculator": calculator})
 
 
-async def test_single_turn_fills_tokens_logprobs_mask_and_status(engine_url, hf_model):
+async def test_single_turn_fills_tokens_logprobs_mask_and_status(engine_url, engine_key, hf_model):
     from posttrain.testing.engine import hf_greedy
 
     group = [Sample(prompt="2+2=", group_index=3), Sample(prompt=[{"role": "user", "content": "hi"}], group_index=3)]
-    async with EngineClient(engine_url) as engine:
+    async with EngineClient(engine_url, api_key=engine_key) as engine:
         out = await SingleTurn()(group, engine, SamplingParams(temperature=0.0, max_new_tokens=6,
                                                                extra={"ignore_eos": True}))
     assert len(out) == 2 and all(s.group_index == 3 for s in out)
@@ -90,8 +90,8 @@ async def test_multi_turn_reports_unknown_tools_and_bad_json_to_the_model(script
     assert "malformed tool call" in s.response and "unknown tool 'nope'" in s.response
 
 
-async def test_multi_turn_on_the_real_engine_masks_only_generated_tokens(engine_url):
-    async with EngineClient(engine_url) as engine:
+async def test_multi_turn_on_the_real_engine_masks_only_generated_tokens(engine_url, engine_key):
+    async with EngineClient(engine_url, api_key=engine_key) as engine:
         out = await MultiTurn(tools={"calculator": calculator})(
             [Sample(prompt="hello"), Sample(prompt="1+1")], engine, SamplingParams(max_new_tokens=20))
     for s in out:

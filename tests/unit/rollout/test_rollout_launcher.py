@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from posttrain.core.rollout.backend import API_KEY_ENV
 from posttrain.core.rollout.procs import ManagedServer
 from posttrain.plugins.engines.sglang.launcher import SGLangSpec, sglang_command, sglang_options_from_argv
 from posttrain.plugins.engines.local import local_engine_command
@@ -47,7 +48,7 @@ def test_managed_server_waits_for_readiness_and_restarts_a_dead_server(tiny_ckpt
     port = free_port()
     cmd = local_engine_command(str(tiny_ckpt), port, context_length=128, max_running_requests=2)
     server = ManagedServer(cmd, f"http://127.0.0.1:{port}", log_path=tmp_path / "engine.log",
-                           env={"OMP_NUM_THREADS": "1"}, ready_timeout_s=120)
+                           env={"OMP_NUM_THREADS": "1", API_KEY_ENV: "k"}, ready_timeout_s=120)
     try:
         server.start()
         assert http_ok(server.base_url + "/health_generate")
@@ -72,6 +73,33 @@ def test_engine_serve_rejects_a_directory_without_a_checkpoint(tmp_path):
     out = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "engine", "serve", str(tmp_path)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "no config.json" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_engine_serve_needs_a_key_from_the_environment(tiny_ckpt):
+    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+    out = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "engine", "serve", str(tiny_ckpt)],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 2 and f"set {API_KEY_ENV}" in out.stderr and "--no-api-key" in out.stderr
+
+
+def test_backends_hand_the_key_over_by_environment_never_argv():
+    from posttrain.core.config import ResourcesConfig
+    from posttrain.core.rollout.backend import EngineSlot
+    from posttrain.plugins.engines.local import LocalEngine
+    from posttrain.plugins.engines.sglang import SGLangEngine
+    from posttrain.plugins.engines.sglang.serve import sglang_argv
+
+    slot = EngineSlot(index=0, port=30001, host="127.0.0.1", model_path="/m", seed=0,
+                      resources=ResourcesConfig(), gpus=[0], api_key="k-SECRET")
+    for backend in (LocalEngine(), SGLangEngine()):
+        launch = backend.launch(slot)
+        assert launch.env[API_KEY_ENV] == "k-SECRET"
+        assert not any("SECRET" in arg for arg in launch.command), launch.command
+        assert "k-SECRET" not in repr(slot)
+    sglang = SGLangEngine().launch(slot).command
+    assert sglang[1:3] == ["-m", "posttrain.plugins.engines.sglang.serve"] and "--api-key" not in sglang
+    assert sglang_argv(sglang[3:], "k-SECRET")[-2:] == ["--api-key", "k-SECRET"]  # inside that process only
+    assert sglang_argv(["--port", "1"], None) == ["sglang.launch_server", "--port", "1"]
 
 
 def test_sglang_spec_from_the_run_config():

@@ -55,8 +55,66 @@ def test_full_span_decode_equals_the_tight_span(runner):
     torch.testing.assert_close(tight, full, atol=1e-5, rtol=1e-5)
 
 
-def test_load_weights_rejects_wrong_shapes_and_reports_unknown_names(runner):
-    name, tensor = next(iter(runner.model.state_dict().items()))
-    assert runner.load_weights({"no.such.weight": torch.zeros(1), name: tensor.clone()}) == ["no.such.weight"]
-    with pytest.raises(ValueError, match="does not match"):
-        runner.load_weights({name: torch.zeros(3, 3, 3)})
+def test_load_weights_is_all_or_nothing(runner, tiny_ckpt):
+    """Every name, shape and dtype is checked before the first copy: a bad update changes nothing."""
+    before = runner.weight_checksums()
+    names = list(runner.model.state_dict())
+    good = {n: torch.ones_like(t) for n, t in runner.model.state_dict().items()}
+    for bad, fragment in (({**good, "no.such.weight": torch.zeros(1)}, "unknown weight name 'no.such.weight'"),
+                          ({**good, names[-1]: torch.zeros(3, 3, 3)}, "does not match"),
+                          ({**good, names[-1]: torch.zeros(good[names[-1]].shape, dtype=torch.int64)},
+                           "not a floating-point")):
+        with pytest.raises(ValueError, match=fragment):
+            runner.load_weights(bad)
+        assert runner.weight_checksums() == before
+    with pytest.raises(ValueError, match=f"covers 1 of {len(names)} tensors"):
+        runner.load_weights({names[0]: good[names[0]]}, require_all=True)
+    assert runner.load_weights(good, require_all=True) == len(good)
+    assert runner.weight_checksums() != before
+    from safetensors.torch import load_file
+
+    restore = load_file(str(tiny_ckpt / "model.safetensors"))
+    runner.load_weights(restore, require_all=True)
+    assert runner.weight_checksums() == before
+
+
+def test_tied_weights_are_covered_by_either_name(tmp_path):
+    from posttrain.testing.tiny import make_tiny_checkpoint
+
+    tied = ModelRunner(make_tiny_checkpoint(tmp_path / "tied", tie_word_embeddings=True), max_slots=1, context_length=16)
+    state = tied.model.state_dict()
+    assert len(tied.required_weights()) == len(state) - 1
+    for dropped in ("lm_head.weight", "model.embed_tokens.weight"):
+        assert tied.load_weights({n: t for n, t in state.items() if n != dropped}, require_all=True) == len(state) - 1
+
+
+def test_a_request_that_breaks_a_step_fails_alone(runner):
+    """A request whose own parameters break the batched draw (here a NaN temperature, which the server
+    refuses, handed to the engine directly) ends with an error; the requests beside it go on."""
+    import threading
+
+    from posttrain.plugins.engines.local.engine import LocalEngine
+    from posttrain.plugins.engines.local.sampling import RequestSampling
+
+    engine = LocalEngine(runner, None, [])
+    results, done = {}, threading.Event()
+
+    def submit(name, sampling):
+        def on_done(result):
+            results[name] = result
+            if len(results) == 3:
+                done.set()
+        engine.submit([5, 6, 7], sampling, True, on_done, rid=name)
+
+    try:
+        submit("good_a", RequestSampling(max_new_tokens=6, temperature=1.0, ignore_eos=True))
+        submit("bad", RequestSampling(max_new_tokens=6, temperature=float("nan"), top_k=5, ignore_eos=True))
+        submit("good_b", RequestSampling(max_new_tokens=6, temperature=0.0, ignore_eos=True))
+        assert done.wait(60)
+    finally:
+        engine.shutdown()
+    assert "error" in results["bad"] and results["bad"]["meta_info"]["finish_reason"]["type"] == "abort"
+    for name in ("good_a", "good_b"):
+        assert "error" not in results[name]
+        assert results[name]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+        assert len(results[name]["output_ids"]) == 6

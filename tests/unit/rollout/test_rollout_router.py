@@ -15,16 +15,17 @@ from posttrain.testing.engine import hf_greedy, start_local_engine as start_engi
 
 
 @pytest.mark.slow
-async def test_router_routes_generate_and_survives_a_dead_engine(engine_url, tiny_ckpt, hf_model, tmp_path):
-    victim = start_engine(tiny_ckpt, str(tmp_path))
-    router = RouterProcess([engine_url], model_path=str(tiny_ckpt), log_path=tmp_path / "router.log")
+async def test_router_routes_generate_and_survives_a_dead_engine(engine_url, engine_key, tiny_ckpt, hf_model, tmp_path):
+    victim = start_engine(tiny_ckpt, str(tmp_path), api_key=engine_key)  # the router has one key for all
+    router = RouterProcess([engine_url], model_path=str(tiny_ckpt), log_path=tmp_path / "router.log",
+                           api_key=engine_key)
     try:
         await asyncio.to_thread(router.start, 90)
         await asyncio.to_thread(router.add_worker, victim.base_url)  # registered at run time
         assert {w["url"] for w in router.workers()} == {engine_url, victim.base_url}
 
         greedy = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
-        async with EngineClient(router.url, max_retries=5) as client:
+        async with EngineClient(router.url, max_retries=5, api_key=engine_key) as client:
             out = await client.generate(input_ids=[5, 6, 7], sampling_params=greedy)
             assert set(out) >= {"text", "output_ids", "meta_info"}
             assert set(out["meta_info"]) >= {"id", "finish_reason", "prompt_tokens", "completion_tokens",
@@ -34,7 +35,7 @@ async def test_router_routes_generate_and_survives_a_dead_engine(engine_url, tin
             long = {"temperature": 1.0, "max_new_tokens": 200, "ignore_eos": True}
             tasks = [asyncio.create_task(client.generate(input_ids=[5 + i, 6], sampling_params=long))
                      for i in range(16)]
-            async with EngineClient(victim.base_url) as direct:  # kill it while it holds requests
+            async with EngineClient(victim.base_url, api_key=engine_key) as direct:  # kill it while it holds requests
                 for _ in range(200):
                     state = (await direct.get_server_info())["internal_states"][0]
                     if state["num_requests"] > 0:
@@ -56,6 +57,11 @@ def test_router_command_line():
                       extra_args=["--retry-max-retries", "7"])
     cmd = r.command()
     assert cmd[1:3] == ["-m", "sglang_router.launch_router"]
+    keyed = RouterProcess(["http://127.0.0.1:1"], api_key="s3cret-key").command()
+    assert keyed[1:3] == ["-m", "posttrain.core.rollout.router"]  # reads the key from its environment
+    assert not any("s3cret" in a for a in keyed) and "--api-key" not in keyed
+    with pytest.raises(ValueError, match="--api-key"):
+        RouterProcess([], extra_args=["--api-key", "x"])
     i = cmd.index("--worker-urls")
     assert cmd[i + 1:i + 3] == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     assert cmd[cmd.index("--port") + 1] == "3000" and cmd[cmd.index("--host") + 1] == "127.0.0.1"

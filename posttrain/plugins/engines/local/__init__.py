@@ -69,10 +69,10 @@ class LocalEngine(EngineBackend):
         return super().engine_gpus(resources)
 
     def launch(self, slot: EngineSlot) -> EngineLaunch:
-        from posttrain.core.rollout.backend import gpu_ids
+        from posttrain.core.rollout.backend import API_KEY_ENV, gpu_ids
         from posttrain.core.rollout.fleet import visible_device
 
-        device, env = self.config.device, {}
+        device, env = self.config.device, {API_KEY_ENV: slot.api_key}
         if device == "cuda":
             device = f"cuda:{gpu_ids(slot.resources, slot.index)[0]}"
         if device.startswith("cuda:"):  # the engine sees its GPU alone, as cuda:0, in every thread

@@ -4,6 +4,7 @@ this plugin adds through ``posttrain_register_commands`` like any third-party pl
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import typer
@@ -47,8 +48,12 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
           context_length: int = typer.Option(0, "--context-length", help="tokens per request (prompt + output); 0: the model's max_position_embeddings, at most 4096"),
           cuda_graphs: bool = typer.Option(False, "--cuda-graphs", help="capture the decode step in CUDA graphs (GPU only)"),
           decode_attention: str = typer.Option("auto", "--decode-attention", help="decode attention: auto (triton on a GPU, else sdpa) | sdpa | bmm | triton"),
-          compile: bool = typer.Option(False, "--compile", help="torch.compile the decode step's layer parts (fused norms, rotary, SwiGLU)")) -> None:
-    """Serve MODEL_DIR: /generate, /health_generate, abort/pause, weight updates, /model_info, /server_info."""
+          compile: bool = typer.Option(False, "--compile", help="torch.compile the decode step's layer parts (fused norms, rotary, SwiGLU)"),
+          no_api_key: bool = typer.Option(False, "--no-api-key", help="serve without an API key: any process that reaches the port may load weights (and run code) in the engine")) -> None:
+    """Serve MODEL_DIR: /generate, /health_generate, abort/pause, weight updates, /model_info, /server_info.
+
+    Clients must send ``Authorization: Bearer KEY`` with the key in the environment variable
+    POSTTRAIN_ENGINE_API_KEY (never on the command line, where other users can read it)."""
     if not (model_dir / "config.json").is_file():
         raise UsageError(f"{model_dir}: not a HF checkpoint directory (no config.json)")
     if not any(model_dir.glob("*.safetensors")):
@@ -64,8 +69,14 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
     if device != "cpu" and not device.startswith("cuda"):
         raise UsageError(f"--device: expected cpu or cuda[:N], got {device!r}")
     quiet_http2_probes()
+    from posttrain.core.rollout.backend import API_KEY_ENV
+
+    api_key = os.environ.pop(API_KEY_ENV, "") or None  # popped: nothing this process starts inherits it
+    if api_key is None and not no_api_key:
+        raise UsageError(f"set {API_KEY_ENV} to the API key clients will send (Authorization: Bearer KEY), "
+                         "or pass --no-api-key to serve without one")
     from posttrain.plugins.engines.local.server import serve as run
 
     run(str(model_dir), host=host, port=port, device=device, dtype=dtype,
         max_running_requests=max_running_requests, context_length=context_length or None, cuda_graphs=cuda_graphs,
-        decode_attention=decode_attention, compile=compile)
+        decode_attention=decode_attention, compile=compile, api_key=api_key)

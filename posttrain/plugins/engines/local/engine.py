@@ -87,6 +87,7 @@ class Request:
     slot: int = -1
     finish: dict[str, Any] | None = None
     text_cut: int | None = None  # char offset of a matched stop string (trimmed unless no_stop_trim)
+    error: str | None = None  # this request alone broke a step (the server answers HTTP 400)
     created: float = field(default_factory=time.monotonic)
 
 
@@ -247,10 +248,13 @@ class LocalEngine:
         if not batch:
             return
         t0 = time.perf_counter()
-        logits = self.runner.prefill([r.slot for r in batch], [r.prompt_ids for r in batch])
         for req in batch:
             self._running[req.slot] = req
-        self._advance(batch, *self._sample(batch, logits))
+        try:
+            logits = self.runner.prefill([r.slot for r in batch], [r.prompt_ids for r in batch])
+        except Exception:  # find the request that fails alone
+            batch, logits = self._prefill_each(batch)
+        self._advance(*self._sample_isolated(batch, logits))
         self.stats.prefill_steps += 1
         self.stats.prefill_s += time.perf_counter() - t0
 
@@ -271,9 +275,9 @@ class LocalEngine:
         if len(slots) != nb:  # idle slots below the highest busy one: keep the busy rows only
             logits = logits[torch.tensor(slots, device=device)]
         t1 = time.perf_counter()
-        sampled = self._sample(reqs, logits)
+        sampled = self._sample_isolated(reqs, logits)
         t2 = time.perf_counter()
-        self._advance(reqs, *sampled)
+        self._advance(*sampled)
         self.stats.add_decode(len(reqs), t0, t1, t2, time.perf_counter())
 
     def _sample(self, reqs: list[Request], logits) -> tuple[list[int], list[float]]:
@@ -282,6 +286,51 @@ class LocalEngine:
         from posttrain.plugins.engines.local.sampling import sample_tokens, to_host
 
         return to_host(*sample_tokens(logits, [r.sampling for r in reqs], [len(r.output_ids) for r in reqs]))
+
+    def _sample_isolated(self, reqs: list[Request], logits) -> tuple[list[Request], list[int], list[float]]:
+        """:meth:`_sample` for the batch; when that raises, row by row, so a request whose own parameters
+        break the draw fails alone (its answer is an error) and the others get their tokens.
+        Returns the requests that got a token, their tokens and log-probs."""
+        if not reqs:
+            return [], [], []
+        try:
+            return reqs, *self._sample(reqs, logits)
+        except Exception:
+            if len(reqs) == 1:
+                self._fail(reqs[0], sys.exc_info()[1])
+                return [], [], []
+        kept, tokens, logprobs = [], [], []
+        for i, req in enumerate(reqs):
+            try:
+                tok, lp = self._sample([req], logits[i:i + 1])
+            except Exception as exc:
+                self._fail(req, exc)
+                continue
+            kept.append(req)
+            tokens += tok
+            logprobs += lp
+        return kept, tokens, logprobs
+
+    def _prefill_each(self, batch: list[Request]):
+        """Prefill one request at a time after a batched prefill raised; the ones that fail alone are
+        failed. Returns the others and their logits ``[n, V]``."""
+        import torch
+
+        kept, rows = [], []
+        for req in batch:
+            try:
+                rows.append(self.runner.prefill([req.slot], [req.prompt_ids]))
+                kept.append(req)
+            except Exception as exc:
+                self._fail(req, exc)
+        return kept, (torch.cat(rows) if rows else None)
+
+    def _fail(self, req: Request, exc: BaseException) -> None:
+        """End ``req`` with an error of its own (the server answers it with HTTP 400)."""
+        print(f"engine: request {req.rid} failed alone: {exc!r}", file=sys.stderr, flush=True)
+        req.finish = {"type": "abort", "message": f"engine error: {exc!r}"}
+        req.error = f"request failed in the engine: {exc!r}"
+        self._complete(req)
 
     def _advance(self, reqs: list[Request], tokens: list[int], logprobs: list[float]) -> None:
         """Append each request's new token and log-prob; complete the requests that finish."""
@@ -337,7 +386,10 @@ class LocalEngine:
         if req.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)]
             meta["input_token_logprobs"] = []  # SGLang's default logprob_start_len=-1: an empty input window
+        result = {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+        if req.error is not None:
+            result["error"] = req.error
         try:
-            req.on_done({"text": text, "output_ids": list(req.output_ids), "meta_info": meta})
+            req.on_done(result)
         except Exception:  # the waiter went away (client disconnected): nothing to deliver to
             pass

@@ -178,22 +178,52 @@ class ModelRunner:
         """HF name -> tensor, tied weights listed under every name (``lm_head.weight`` included)."""
         return dict(self.model.state_dict(keep_vars=True))
 
+    def required_weights(self) -> list[list[str]]:
+        """The tensors a full checkpoint must hold: one list per distinct storage, each naming every HF
+        name of it (tied weights: ``lm_head.weight`` and ``model.embed_tokens.weight`` are one entry,
+        covered by either name, since ``save_pretrained`` writes only one of them)."""
+        by_storage: dict[int, list[str]] = {}
+        for name, t in self.named_weights().items():
+            by_storage.setdefault(t.data_ptr(), []).append(name)
+        return list(by_storage.values())
+
     @torch.no_grad()
-    def load_weights(self, named: dict[str, torch.Tensor]) -> list[str]:
-        """Copy tensors into the model by HF name; returns names that matched nothing."""
+    def load_weights(self, named: dict[str, torch.Tensor], require_all: bool = False) -> int:
+        """Copy tensors into the model by HF name, all or nothing: every name, shape and dtype kind is
+        checked before the first copy, so a bad update raises ``ValueError`` and leaves the weights as
+        they were. ``require_all``: ``named`` must cover every tensor of the model (a checkpoint
+        directory). Returns the number of tensors copied."""
         params = self.named_weights()
-        missing = []
+        problems = [f"unknown weight name {n!r}" for n in named if n not in params]
+        problems += [f"{n}: shape {tuple(t.shape)} does not match the model's {tuple(params[n].shape)}"
+                     for n, t in named.items() if n in params and tuple(t.shape) != tuple(params[n].shape)]
+        problems += [f"{n}: dtype {t.dtype} is not a floating-point type" for n, t in named.items()
+                     if n in params and not t.is_floating_point()]
+        if require_all:
+            groups = self.required_weights()
+            missing = [names[0] for names in groups if not any(n in named for n in names)]
+            if missing:
+                problems.append(f"covers {len(groups) - len(missing)} of {len(groups)} tensors of the model; "
+                                f"missing {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+        if problems:
+            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+            raise ValueError("; ".join(problems[:3]) + more + "; no weight was changed")
         for name, tensor in named.items():
-            target = params.get(name)
-            if target is None:
-                missing.append(name)
-                continue
-            if tuple(target.shape) != tuple(tensor.shape):
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the model's {tuple(target.shape)}")
+            target = params[name]
             target.data.copy_(tensor.to(device=target.device, dtype=target.dtype))
         # In-place copies keep every parameter's storage, so captured graphs stay valid. (Dropping them
         # here and capturing again into the same memory pool trips an allocator assertion in PyTorch.)
-        return missing
+        return len(named)
+
+    def weight_checksums(self) -> dict[str, str]:
+        """SHA-256 of every tensor's bytes as the engine holds them (its dtype, row-major), by HF name."""
+        import hashlib
+
+        out = {}
+        for name, t in self.named_weights().items():
+            data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+            out[name] = hashlib.sha256(data.numpy().tobytes()).hexdigest()
+        return out
 
     def reset_graphs(self) -> None:
         """Drop the captured graphs (after weights or the KV cache moved to new storage); later captures

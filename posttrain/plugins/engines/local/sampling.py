@@ -15,8 +15,12 @@ number.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
+
+INT64 = 2**63
+MIN_TEMPERATURE = 1e-5  # below it (but above 0) logits / T overflow float32; 0 means greedy
 
 # SGLang's SamplingParams fields this engine honours, with their defaults. Anything else in a request
 # is rejected with HTTP 400 unless it is in IGNORED_SAMPLING_KEYS (accepted and without effect here).
@@ -66,17 +70,17 @@ def parse_sampling(raw: Any) -> RequestSampling:
     if unknown:
         raise SamplingError(f"sampling_params: unknown field(s) {', '.join(sorted(unknown))}")
     vals = {k: raw.get(k, v) for k, v in SAMPLING_DEFAULTS.items()}
-    for k in ("max_new_tokens", "top_k", "min_new_tokens"):
-        if isinstance(vals[k], bool) or not isinstance(vals[k], int):
-            raise SamplingError(f"sampling_params.{k}: expected an integer, got {vals[k]!r}")
+    for k, low in (("max_new_tokens", 0), ("top_k", -1), ("min_new_tokens", 0)):
+        _integer(k, vals[k], low)
     for k in ("temperature", "top_p", "min_p"):
         if isinstance(vals[k], bool) or not isinstance(vals[k], (int, float)):
             raise SamplingError(f"sampling_params.{k}: expected a number, got {vals[k]!r}")
         vals[k] = float(vals[k])
-    if vals["max_new_tokens"] < 0:
-        raise SamplingError(f"sampling_params.max_new_tokens: must be >= 0, got {vals['max_new_tokens']}")
-    if vals["temperature"] < 0:
-        raise SamplingError(f"sampling_params.temperature: must be >= 0, got {vals['temperature']}")
+        if not math.isfinite(vals[k]):
+            raise SamplingError(f"sampling_params.{k}: must be a finite number, got {vals[k]}")
+    t = vals["temperature"]
+    if t < 0 or 0 < t < MIN_TEMPERATURE:  # logits / 1e-300 overflow to inf, and softmax to NaN
+        raise SamplingError(f"sampling_params.temperature: must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {t}")
     if not 0.0 < vals["top_p"] <= 1.0:
         raise SamplingError(f"sampling_params.top_p: must be in (0, 1], got {vals['top_p']}")
     if vals["top_k"] == 0 or vals["top_k"] < -1:
@@ -85,19 +89,29 @@ def parse_sampling(raw: Any) -> RequestSampling:
         raise SamplingError(f"sampling_params.min_p: must be in [0, 1], got {vals['min_p']}")
     stop = vals["stop"]
     stop = [stop] if isinstance(stop, str) else (stop or [])
-    if not all(isinstance(s, str) and s for s in stop):
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise SamplingError("sampling_params.stop: expected a string or a list of non-empty strings")
     ids = vals["stop_token_ids"] or []
-    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+    if not isinstance(ids, list):
         raise SamplingError("sampling_params.stop_token_ids: expected a list of integers")
-    seed = vals["sampling_seed"]
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise SamplingError(f"sampling_params.sampling_seed: expected an integer, got {seed!r}")
+    for i in ids:
+        _integer("stop_token_ids", i, low=0)
+    if vals["sampling_seed"] is not None:
+        _integer("sampling_seed", vals["sampling_seed"], low=-INT64)
     for k in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
         if not isinstance(vals[k], bool):
             raise SamplingError(f"sampling_params.{k}: expected true or false, got {vals[k]!r}")
     vals["stop"], vals["stop_token_ids"] = list(stop), list(ids)
     return RequestSampling(**vals)
+
+
+def _integer(key: str, value: Any, low: int) -> None:
+    """``value`` is an int in ``[low, 2**63)``: the engine hands ids, seeds and ``top_k`` to int64 tensors,
+    where a larger one overflows inside a decode step."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SamplingError(f"sampling_params.{key}: expected an integer, got {value!r}")
+    if not low <= value < INT64:
+        raise SamplingError(f"sampling_params.{key}: must be in [{low}, 2**63), got {value}")
 
 
 def sample_tokens(logits, params: list[RequestSampling], steps: list[int] | None = None):

@@ -15,12 +15,20 @@ answers as ``sglang.srt.entrypoints.http_server``):
   backend}``, ``POST /update_weights_from_distributed {names, dtypes, shapes, group_name,
   weight_version}``, ``POST /destroy_weights_update_group {group_name}``,
   ``POST /update_weights_from_tensor {serialized_named_tensors, weight_version}`` (colocated; a pickle,
-  as in SGLang: serve on loopback or a trusted network only)
+  as in SGLang), ``GET /weights_checksum`` (see ``weight_routes``)
 - ``POST /release_memory_occupation``, ``POST /resume_memory_occupation`` (GPU: weights and KV cache
   move to host memory and back)
 
-Bad input (malformed JSON, unknown fields, bad sampling values, a prompt as long as the context) is
-answered with HTTP 400 ``{"error": {"message": ...}}`` and the server keeps serving.
+Every endpoint except ``/health*`` needs ``Authorization: Bearer KEY`` with the server's API key
+(SGLang's ``--api-key`` convention; HTTP 401 otherwise): the weight endpoints load files and unpickle
+bodies, so only the run that started the engine may call them. ``rl-cli engine serve`` reads the key
+from the environment (``POSTTRAIN_ENGINE_API_KEY``), never from its command line.
+
+Bad input (malformed JSON, unknown fields, sampling values the engine cannot run, a prompt as long as
+the context) is answered with HTTP 400 ``{"error": {"message": ...}}``, a body over its endpoint's limit
+with 413, and the server keeps serving: a request that breaks a step on its own fails alone (400), the
+others in the batch go on. Prompts are tokenized off the event loop, so ``/health`` stays responsive.
+A client that disconnects aborts its request.
 
 Where we differ from SGLang: a batched ``/generate`` whose one ``sampling_params`` has a ``sampling_seed``
 ``s`` seeds row ``j`` with ``s + j`` (SGLang seeds every row with ``s``, so identical prompts would give
@@ -32,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import hmac
 import json
 import logging
 from pathlib import Path
@@ -41,6 +50,7 @@ from aiohttp import web
 
 from posttrain.plugins.engines.local.memory import MEMORY_TAGS, EngineMemory
 from posttrain.plugins.engines.local.sampling import SamplingError, parse_sampling
+from posttrain.plugins.engines.local.weight_routes import WeightRoutes
 
 log = logging.getLogger("posttrain.engine")
 
@@ -56,8 +66,18 @@ DEFAULT_OK = {"stream": False, "logprob_start_len": -1, "top_logprobs_num": 0, "
               "no_logs": False, "return_bytes": False, "return_entropy": False}
 
 
+SMALL_BODY_LIMIT = 1 << 20  # control endpoints
+GENERATE_BODY_LIMIT = 16 << 20  # a batched /generate of a few hundred long prompts
+WEIGHTS_BODY_LIMIT = 1 << 30  # /update_weights_from_tensor carries CPU tensors by value
+MAX_CHARS_PER_TOKEN = 16  # a text prompt longer than this x the context is refused untokenized
+
+
 class BadRequest(Exception):
-    pass
+    status = 400
+
+
+class TooLarge(BadRequest):
+    status = 413
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -69,7 +89,8 @@ class EngineServer:
 
     def __init__(self, model_dir: str, host: str = "127.0.0.1", port: int = 30000, device: str = "cpu",
                  dtype: str = "auto", max_running_requests: int = 32, context_length: int | None = None,
-                 cuda_graphs: bool = False, decode_attention: str = "auto", compile: bool = False):
+                 cuda_graphs: bool = False, decode_attention: str = "auto", compile: bool = False,
+                 api_key: str | None = None, generate_body_limit: int = GENERATE_BODY_LIMIT):
         from transformers import AutoTokenizer
 
         from posttrain.plugins.engines.local.engine import LocalEngine
@@ -86,7 +107,9 @@ class EngineServer:
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos.append(self.tokenizer.eos_token_id)
         self.engine = LocalEngine(self.runner, self.tokenizer, eos)
-        self.receiver = None
+        self.api_key = api_key
+        self.generate_body_limit = generate_body_limit
+        self.weights = WeightRoutes(self)
         self.memory = EngineMemory(self.runner)
         self.released = False
         self.server_args = {
@@ -99,8 +122,16 @@ class EngineServer:
 
     # -- helpers --------------------------------------------------------------------------------
     @staticmethod
-    async def _json(request: web.Request, required: bool = True) -> dict[str, Any]:
-        raw = await request.read()
+    async def read_json(request: web.Request, required: bool = True, limit: int = SMALL_BODY_LIMIT) -> dict[str, Any]:
+        """The JSON object in the body, read up to ``limit`` bytes (413 beyond: a 1 GiB body to a
+        control endpoint is refused before it is held in memory)."""
+        if request.content_length is not None and request.content_length > limit:
+            raise TooLarge(f"request body: {request.content_length} bytes; {request.path} takes at most {limit}")
+        raw = bytearray()
+        async for chunk in request.content.iter_chunked(1 << 16):
+            raw += chunk
+            if len(raw) > limit:
+                raise TooLarge(f"request body: over {limit} bytes; {request.path} takes at most {limit}")
         if not raw.strip():
             if required:
                 raise BadRequest("request body: expected a JSON object, got nothing")
@@ -122,6 +153,9 @@ class EngineServer:
                 raise BadRequest(f"input_ids: token id {bad[0]} is outside the vocabulary [0, {self.runner.vocab_size})")
             ids = list(input_ids)
         elif isinstance(text, str):
+            if len(text) > MAX_CHARS_PER_TOKEN * self.runner.context_length:
+                raise BadRequest(f"text: {len(text)} characters; at most {MAX_CHARS_PER_TOKEN} x the context length "
+                                 f"({self.runner.context_length} tokens) are tokenized")
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         else:
             raise BadRequest("text: expected a string")
@@ -140,14 +174,17 @@ class EngineServer:
 
         rid = self.engine.submit(ids, sampling, return_logprob, done, rid=rid)
         try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:  # the client went away: free the slot
+            result = await asyncio.shield(fut)
+        except asyncio.CancelledError:  # the client went away (or a sibling failed): free the slot
             self.engine.abort(rid)
             raise
+        if "error" in result:  # this request alone broke an engine step
+            raise BadRequest(result["error"])
+        return result
 
     # -- endpoints ------------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
+        body = await self.read_json(request, limit=self.generate_body_limit)
         unknown = sorted(k for k in body if k not in GENERATE_KEYS and not (k in DEFAULT_OK and body[k] == DEFAULT_OK[k]))
         if unknown:
             raise BadRequest(f"unknown or unsupported field(s): {', '.join(f'{k}={body[k]!r}' for k in unknown)}")
@@ -183,9 +220,16 @@ class EngineServer:
             # prompt differ (sglang-router forwards one sampling_params per request). SGLang would give
             # every row the seed itself.
             params = [dataclasses.replace(p, sampling_seed=p.sampling_seed + j) for j, p in enumerate(params)]
-        prompts = [self._prompt(texts[i] if text is not None else None, ids_list[i] if input_ids is not None else None)
-                   for i in range(n)]
-        outs = await asyncio.gather(*[self._run_one(p, s, return_logprob, r) for p, s, r in zip(prompts, params, rids)])
+        prompts = await asyncio.to_thread(  # tokenizing a long text must not stall the event loop
+            lambda: [self._prompt(texts[i] if text is not None else None,
+                                  ids_list[i] if input_ids is not None else None) for i in range(n)])
+        runs = [asyncio.ensure_future(self._run_one(p, s, return_logprob, r)) for p, s, r in zip(prompts, params, rids)]
+        try:
+            outs = await asyncio.gather(*runs)
+        except BaseException:  # a failed row or a gone client: the other rows stop too
+            for run in runs:
+                run.cancel()
+            raise
         return web.json_response(outs if batched else outs[0])
 
     async def health(self, request: web.Request) -> web.Response:
@@ -209,12 +253,12 @@ class EngineServer:
                                  "running or waiting requests, the operation will not be performed.)\n")
 
     async def abort_request(self, request: web.Request) -> web.Response:
-        body = await self._json(request, required=False)
+        body = await self.read_json(request, required=False)
         self.engine.abort(str(body.get("rid") or ""), bool(body.get("abort_all", False)))
         return web.Response(status=200)
 
     async def pause_generation(self, request: web.Request) -> web.Response:
-        body = await self._json(request, required=False)
+        body = await self.read_json(request, required=False)
         mode = body.get("mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
             raise BadRequest(f"mode: expected abort, retract or in_place, got {mode!r}")
@@ -243,98 +287,6 @@ class EngineServer:
     async def weight_version(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.engine.weight_version})
 
-    def _bump_version(self, version: Any) -> str:
-        self.engine.weight_version = str(version) if version is not None else _next(self.engine.weight_version)
-        return self.engine.weight_version
-
-    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
-        path = body.get("model_path")
-        if not isinstance(path, str):
-            raise BadRequest("model_path: expected a directory path")
-        files = sorted(Path(path).glob("*.safetensors"))
-        if not files:
-            return _error(400, f"model_path: no *.safetensors files in {path}")
-
-        def load() -> dict[str, Any]:
-            from safetensors.torch import load_file
-
-            named = {}
-            for f in files:
-                named.update(load_file(str(f)))
-            return named
-
-        named = await asyncio.to_thread(load)
-        try:
-            missing = await asyncio.to_thread(self.engine.call_in_engine, lambda: self.runner.load_weights(named))
-        except ValueError as exc:
-            return _error(400, str(exc))
-        if body.get("abort_all_requests"):
-            self.engine.abort(abort_all=True)
-        version = self._bump_version(body.get("weight_version"))
-        return web.json_response({"success": True, "num_paused_requests": 0,
-                                  "message": f"Succeeded to update model weights (version {version}); "
-                                             f"{len(named) - len(missing)} tensors loaded, unknown: {missing}"})
-
-    async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        from posttrain.core.rollout.weight_sync import ReceiverGroup
-
-        body = await self._json(request)
-        need = ("master_address", "master_port", "rank_offset", "world_size")
-        missing = [k for k in need if k not in body]
-        if missing:
-            raise BadRequest(f"missing field(s): {', '.join(missing)}")
-        try:
-            self.receiver = await asyncio.to_thread(
-                ReceiverGroup.open, body["master_address"], int(body["master_port"]), int(body["rank_offset"]),
-                int(body["world_size"]), body.get("group_name", "weight_update_group"), body.get("backend", "nccl"),
-                self.device)
-        except Exception as exc:
-            return _error(400, f"init_weights_update_group failed: {exc}")
-        return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
-
-    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
-        if self.receiver is None:
-            return _error(400, "no weight update group: call /init_weights_update_group first")
-        try:
-            named = await asyncio.to_thread(self.receiver.receive, body["names"], body["dtypes"], body["shapes"])
-            missing = await asyncio.to_thread(self.engine.call_in_engine, lambda: self.runner.load_weights(named))
-        except (KeyError, ValueError, TypeError) as exc:
-            return _error(400, f"update_weights_from_distributed: {exc!r}")
-        if missing:
-            return _error(400, f"unknown weight name(s): {', '.join(missing)}")
-        version = self._bump_version(body.get("weight_version"))
-        return web.json_response({"success": True, "message": f"Succeeded to update weights (version {version})."})
-
-    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
-        """SGLang's colocated path: ``serialized_named_tensors`` holds one serialized list per TP rank."""
-        from posttrain.core.rollout.weight_sync import deserialize_named_tensors
-
-        body = await self._json(request)
-        data = body.get("serialized_named_tensors")
-        if not isinstance(data, list) or not data or not isinstance(data[0], str):
-            raise BadRequest("serialized_named_tensors: expected a list of serialized strings (one per TP rank)")
-        if body.get("load_format") not in (None, "direct"):
-            raise BadRequest(f"load_format: {body['load_format']!r} is not supported (only the default)")
-        try:
-            named = await asyncio.to_thread(deserialize_named_tensors, data[0])
-            missing = await asyncio.to_thread(self.engine.call_in_engine, lambda: self.runner.load_weights(dict(named)))
-        except Exception as exc:
-            return _error(400, f"update_weights_from_tensor: {exc!r}")
-        if missing:
-            return _error(400, f"unknown weight name(s): {', '.join(missing)}")
-        version = self._bump_version(body.get("weight_version"))
-        return web.json_response({"success": True, "message": f"Succeeded to update weights (version {version})."})
-
-    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        from posttrain.core.rollout.weight_sync import close_group
-
-        if self.receiver is not None:
-            close_group(self.receiver.group)
-        self.receiver = None
-        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
-
     async def release_memory(self, request: web.Request) -> web.Response:
         """SGLang's ``/release_memory_occupation``: ``tags`` (``weights``, ``kv_cache``; default both).
         Weights go to pinned host memory, the KV cache is dropped; the engine must be idle."""
@@ -352,7 +304,7 @@ class EngineServer:
         return web.json_response({"success": True, "message": f"resumed {', '.join(sorted(tags))}"})
 
     async def _tags(self, request: web.Request) -> set[str]:
-        body = await self._json(request, required=False)
+        body = await self.read_json(request, required=False)
         tags = body.get("tags") or list(MEMORY_TAGS)
         if not isinstance(tags, list) or not set(tags) <= set(MEMORY_TAGS):
             raise BadRequest(f"tags: expected a list of {', '.join(MEMORY_TAGS)}, got {tags!r}")
@@ -360,13 +312,26 @@ class EngineServer:
 
     def app(self) -> web.Application:
         @web.middleware
+        async def auth(request: web.Request, handler):
+            # SGLang's rule: /health* answers anyone; everything else needs the key. Every Authorization
+            # header must carry it (sglang-router sends its worker key and the client's header both).
+            if self.api_key is not None and not request.path.startswith("/health"):
+                given = request.headers.getall("Authorization", [])
+                want = f"Bearer {self.api_key}".encode()
+                if not given or not all(hmac.compare_digest(g.encode(), want) for g in given):
+                    return _error(401, "Unauthorized: this engine needs Authorization: Bearer <its API key>")
+            return await handler(request)
+
+        @web.middleware
         async def errors(request: web.Request, handler):
             try:
-                return await handler(request)
+                if request.path == "/generate":  # cancelled when its client disconnects: aborts its requests
+                    return await handler(request)
+                return await asyncio.shield(handler(request))  # a weight update finishes once started
             except BadRequest as exc:
-                return _error(400, str(exc))
+                return _error(exc.status, str(exc))
 
-        app = web.Application(middlewares=[errors], client_max_size=1 << 30)
+        app = web.Application(middlewares=[auth, errors], client_max_size=WEIGHTS_BODY_LIMIT)
         r = app.router
         r.add_post("/generate", self.generate)
         for path, fn in (("/health", self.health), ("/health_generate", self.health_generate),
@@ -377,20 +342,12 @@ class EngineServer:
             r.add_post(path, fn)
         for path, fn in (("/abort_request", self.abort_request), ("/pause_generation", self.pause_generation),
                          ("/continue_generation", self.continue_generation),
-                         ("/update_weights_from_disk", self.update_weights_from_disk),
-                         ("/init_weights_update_group", self.init_weights_update_group),
-                         ("/update_weights_from_distributed", self.update_weights_from_distributed),
-                         ("/update_weights_from_tensor", self.update_weights_from_tensor),
-                         ("/destroy_weights_update_group", self.destroy_weights_update_group),
                          ("/release_memory_occupation", self.release_memory),
                          ("/resume_memory_occupation", self.resume_memory)):
             r.add_post(path, fn)
+        self.weights.add_to(r)
         app.on_shutdown.append(lambda _: asyncio.to_thread(self.engine.shutdown))
         return app
-
-
-def _next(version: str) -> str:
-    return str(int(version) + 1) if version.isdigit() else "1"
 
 
 def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, **kwargs: Any) -> None:
@@ -398,5 +355,7 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, **kwargs: 
     server = EngineServer(model_dir, host=host, port=port, **kwargs)
     gc.collect()
     gc.freeze()  # the model and its modules leave the collector: no long gen-2 pauses between requests
-    print(f"posttrain engine serving {server.model_dir} on http://{host}:{port}", flush=True)
-    web.run_app(server.app(), host=host, port=port, print=None, access_log=None)
+    print(f"posttrain engine serving {server.model_dir} on http://{host}:{port}"
+          f"{'' if server.api_key else ' WITHOUT an API key (any local process may load weights into it)'}",
+          flush=True)
+    web.run_app(server.app(), host=host, port=port, print=None, access_log=None, handler_cancellation=True)

@@ -45,13 +45,36 @@ class SGLangEngine(EngineBackend):
     def ranks_per_engine(self, resources: Any) -> int:
         return resources.gpus_per_engine
 
+    def check_weights(self, url: str, api_key: str | None, buckets: Any, every: int = 8,
+                      rows: int = 100) -> str | None:
+        """SGLang has no per-tensor checksum: every ``every``-th tensor (the first included) is read back
+        with ``POST /get_weights_by_name {name, truncate_size}`` (its first ``rows`` rows, as float32
+        lists, TP shards gathered by SGLang) and compared exactly with the pushed tensor's rows."""
+        from posttrain.core.rollout.weight_sync import post_json
+
+        index = 0
+        for bucket in buckets:
+            for name, tensor in bucket:
+                index += 1
+                if (index - 1) % every:
+                    continue
+                got = post_json(url + "/get_weights_by_name", {"name": name, "truncate_size": rows}, api_key=api_key)
+                want = tensor.detach().float().cpu()[:rows].tolist()
+                if got != want:
+                    return f"tensor {name}: its first {rows} rows differ from what was pushed"
+        return None
+
     def launch(self, slot: EngineSlot) -> EngineLaunch:
+        from posttrain.core.rollout.backend import API_KEY_ENV
         from posttrain.plugins.engines.sglang.launcher import sglang_command, sglang_spec_from_config
 
         spec = sglang_spec_from_config(self.config, slot.resources, slot.model_path, slot.port,
                                        engine_index=slot.index, seed=slot.seed)
         spec.host = slot.host
-        return EngineLaunch(sglang_command(spec))
+        cmd = sglang_command(spec)
+        if slot.api_key:  # the key goes by environment; the wrapper hands it to SGLang as --api-key
+            cmd[cmd.index("sglang.launch_server")] = "posttrain.plugins.engines.sglang.serve"
+        return EngineLaunch(cmd, {API_KEY_ENV: slot.api_key} if slot.api_key else {})
 
 
 @hookimpl

@@ -26,7 +26,7 @@ from typing import Any
 
 # options posttrain sets itself; the pass-through may not shadow them
 RESERVED = frozenset({"model_path", "host", "port", "tp_size", "dp_size", "mem_fraction_static", "enable_memory_saver",
-                      "random_seed", "base_gpu_id"})
+                      "random_seed", "base_gpu_id", "api_key"})
 
 
 @dataclass
