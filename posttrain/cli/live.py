@@ -16,8 +16,9 @@ PHASES = ("generate", "log_probs", "train", "sync")
 
 
 class LiveDisplay:
-    def __init__(self, total_steps: int, console: Console):
+    def __init__(self, total_steps: int, console: Console, columns: Any = None):
         self.total, self.console = total_steps, console
+        self.columns = list(columns or COLUMNS)  # (label, metric key, format): the run mode's own
         self.start = time.perf_counter()
         self.rows: list[tuple[int, dict[str, Any]]] = []
         self.live = Live(self._table(), console=console, refresh_per_second=4) if console.is_terminal else None
@@ -45,15 +46,15 @@ class LiveDisplay:
 
     def _line(self, step: int, m: dict[str, Any]) -> str:
         parts = [f"step {step + 1}/{self.total}"]
-        parts += [f"{name} {fmt.format(m[key])}" for name, key, fmt in COLUMNS if m.get(key) is not None]
+        parts += [f"{name} {fmt.format(m[key])}" for name, key, fmt in self.columns if m.get(key) is not None]
         phases = " ".join(f"{p} {m[f'perf/time_{p}']:.2f}s" for p in PHASES if f"perf/time_{p}" in m)
         return "  ".join(parts) + (f"  [{phases}]" if phases else "") + f"  eta {self._eta(step)}"
 
     def _table(self) -> Table:
-        table = Table("step", *[c[0] for c in COLUMNS], *[f"{p} s" for p in PHASES], "eta",
+        table = Table("step", *[c[0] for c in self.columns], *[f"{p} s" for p in PHASES], "eta",
                       title="posttrain", box=None, pad_edge=False)
         for step, m in self.rows[-15:]:
-            cells = [fmt.format(m[key]) if m.get(key) is not None else "" for _, key, fmt in COLUMNS]
+            cells = [fmt.format(m[key]) if m.get(key) is not None else "" for _, key, fmt in self.columns]
             phases = [f"{m[f'perf/time_{p}']:.2f}" if f"perf/time_{p}" in m else "" for p in PHASES]
             table.add_row(f"{step + 1}/{self.total}", *cells, *phases, self._eta(step))
         return table

@@ -34,16 +34,18 @@ def run(config: Path = typer.Argument(None, help="run config (YAML); optional wi
     overrides = list(overrides or [])
     if config is None and resume is None:
         raise UsageError("give a CONFIG to run, or --resume RUN_DIR")
-    if smoke:
-        overrides.append("rollout.num_rollouts=2")
     if resume is not None:
         run = RunDirectory(resume)
         cfg = load_config(None, overrides, plugins, data=run.read_config())
+        if smoke:  # two steps, in the mode's own terms
+            cfg = load_config(None, overrides + list(cfg.mode.cls.smoke_overrides), plugins, data=run.read_config())
         run.base_dir = Path(config).parent if config else Path(".")
     else:
         dataset, data_errors = inspect_config_data(config, overrides) if dry_run else (None, [])
         try:
             cfg = load_config(config, overrides, plugins)
+            if smoke:
+                cfg = load_config(config, overrides + list(cfg.mode.cls.smoke_overrides), plugins)
         except ConfigError as exc:
             raise ConfigError(exc.errors + data_errors, exc.source) from None
         if data_errors:
@@ -66,11 +68,11 @@ def run(config: Path = typer.Argument(None, help="run config (YAML); optional wi
         run.write_config(cfg.to_dict(), plugins)
 
     from posttrain.cli.live import LiveDisplay
-    from posttrain.core.loop import train
 
+    mode = cfg.mode.create(plugins)
     console.print(f"run directory: {run.path}")
-    with LiveDisplay(cfg.rollout.num_rollouts, console) as display:
-        asyncio.run(train(cfg, plugins, run, resume=resume is not None, on_step=display.update))
+    with LiveDisplay(mode.total_steps(cfg), console, columns=mode.columns) as display:
+        asyncio.run(mode.run(cfg, plugins, run, resume=resume is not None, on_step=display.update))
     from posttrain.cli.plot_cmd import write_curves
     from posttrain.core.metrics import read_metrics
 

@@ -14,7 +14,7 @@ with every problem found, each with its dotted path. Nothing starts before this 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -273,11 +273,14 @@ class RunConfig:
     """The whole run. Component sections hold a :class:`Component`; the others plain dataclasses."""
 
     seed: int = 0
+    mode: Any = component("modes", default=True, help="what the run does: the RL loop (the default), supervised "
+                          "fine-tuning, ...; see `rl-cli plugins list --kind mode`")
     model: Any = component("models", optional=True, help="model spec and checkpoint")
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     generator: Any = component("generators", optional=True, help="turns prompt groups into samples")
-    estimator: Any = component("estimators", help="advantage estimator")
+    estimator: Any = component("estimators", optional=True, help="advantage estimator (the mode says whether "
+                               "it is required)")
     loss: Any = component("losses", optional=True, help="policy loss")
     correction: Any = component("corrections", optional=True, help="rollout/training mismatch correction")
     rewards: Any = component("rewards", many=True, help="weighted reward functions")
@@ -290,7 +293,10 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def validate(self) -> list[str]:
-        errors = batch_identity(self.rollout, self.trainer)
+        mode = self.mode.cls
+        errors = [f"{key}: required key is missing" for key in mode.required if getattr(self, key) is None]
+        if mode.generates:
+            errors += batch_identity(self.rollout, self.trainer)
         r, colocate = self.rollout, self.resources.colocate
         if colocate and r.mode == "async":
             errors.append("rollout.mode: async overlaps generation with training, which needs their own GPUs "
@@ -310,16 +316,16 @@ class RunConfig:
     def backend_errors(self, plugins: Any) -> list[str]:
         """What the selected engine and trainer backends find wrong with this run (``check()``)."""
         errors = []
-        for section in (self.rollout.engine, self.trainer.backend):
+        for section in (self.mode, self.rollout.engine, self.trainer.backend):
             if section is not None:
                 errors += section.create(plugins).check(self, plugins)
         return errors
 
     def missing_for_training(self) -> list[str]:
         """Sections a config may leave out while it is validated piecemeal, but a run needs."""
-        return [f"{key}: required to train (see `rl-cli plugins list --kind {KINDS[kind]}`)"
-                for key, kind in (("model", "models"), ("generator", "generators"), ("loss", "losses"))
-                if getattr(self, key) is None]
+        kinds = {f.name: f.metadata.get("component") for f in fields(self)}
+        return [f"{key}: required to train (see `rl-cli plugins list --kind {KINDS[kinds[key]]}`)"
+                for key in self.mode.cls.needed_to_train if getattr(self, key) is None]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (YAML-able), with components flattened back to ``{name, ...config}``."""
@@ -358,14 +364,21 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     errors += errs
     if config is not None:
         errors += config.backend_errors(plugins)
-    elif isinstance(raw, dict):  # still report the batch identity if its sections are valid
-        rollout, e1 = build(RolloutConfig, raw.get("rollout"), "rollout", context=plugins)
+    elif isinstance(raw, dict) and _generates(raw, plugins):  # still report the batch identity if its
+        rollout, e1 = build(RolloutConfig, raw.get("rollout"), "rollout", context=plugins)  # sections are valid
         trainer, e2 = build(TrainerConfig, raw.get("trainer"), "trainer", context=plugins)
         if not (e1 or e2):
             errors += batch_identity(rollout, trainer)
     if errors:
         raise ConfigError(errors, source)
     return config
+
+
+def _generates(raw: dict[str, Any], plugins: Any) -> bool:
+    """Whether the (possibly invalid) config's mode generates with engines (True when it is invalid too)."""
+    parse = next(f for f in fields(RunConfig) if f.name == "mode").metadata["parse"]
+    mode, errors = parse(raw.get("mode", {}), "mode", plugins)
+    return errors != [] or mode is None or mode.cls.generates
 
 
 # keys that moved into a backend's section: an old config gets the new name, not "unknown key"

@@ -27,7 +27,7 @@ class TrainerRole:
         self.spec = cfg.model.create(plugins)
         self.loss = cfg.loss.create(plugins)
         self.correction = cfg.correction.create(plugins) if cfg.correction else None
-        estimator = plugins.estimators[cfg.estimator.name]
+        estimator = plugins.estimators[cfg.estimator.name] if cfg.estimator is not None else None
         self.backend = cfg.trainer.backend.create(plugins)
         self.engine_backend = cfg.rollout.engine.create(plugins)
         self.policy = self.backend.build(self.spec, cfg, role="actor", seed=cfg.seed)
