@@ -269,6 +269,21 @@ class EvalConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """A teacher for on-policy distillation (estimators with ``needs_teacher``): a second engine fleet that
+    scores the student's samples (``posttrain.core.rollout.teacher``). Its tokenizer must be the student's."""
+
+    path: str | None = option(None, help="HF checkpoint the teacher engines serve (not needed for external URLs)")
+    engine: Any = component("engines", default=True, help="the teacher's engine backend: {name: local, device: "
+                            "cuda:1}, or {name: external, urls: [...]} for running servers")
+    num_engines: int = option(1, ge=1, help="teacher engines (behind their own router)")
+    use_router: bool = option(True, help="route the teacher's /generate through its own sglang-router")
+    server_concurrency: int = option(512, ge=1, help="teacher requests in flight")
+    tokenizer: str | None = option(None, help="the teacher's tokenizer directory (default: path; external "
+                                              "engines: the tokenizer_path their /get_model_info reports)")
+
+
+@dataclass
 class RunConfig:
     """The whole run. Component sections hold a :class:`Component`; the others plain dataclasses."""
 
@@ -291,10 +306,12 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    teacher: TeacherConfig | None = option(None, help="a teacher fleet for on-policy distillation")
 
     def validate(self) -> list[str]:
         mode = self.mode.cls
         errors = [f"{key}: required key is missing" for key in mode.required if getattr(self, key) is None]
+        errors += self._teacher_errors()
         if mode.generates:
             errors += batch_identity(self.rollout, self.trainer)
         r, colocate = self.rollout, self.resources.colocate
@@ -313,12 +330,26 @@ class RunConfig:
                           "(not in this version); use 1")
         return errors
 
+    def _teacher_errors(self) -> list[str]:
+        wants = self.estimator is not None and getattr(self.estimator.cls, "needs_teacher", False)
+        if wants and self.teacher is None:
+            return [f"teacher: required by estimator {self.estimator.name!r} (a teacher: section with its "
+                    f"checkpoint path, or engine: {{name: external, urls: [...]}})"]
+        if self.teacher is not None and not wants:
+            return ["teacher: set, but the estimator does not use one (estimators with needs_teacher do)"]
+        if self.teacher is not None and self.teacher.path is None and self.teacher.engine.create().urls() is None:
+            return ["teacher.path: required: the checkpoint the teacher engines serve"]
+        return []
+
     def backend_errors(self, plugins: Any) -> list[str]:
         """What the selected engine and trainer backends find wrong with this run (``check()``)."""
         errors = []
         for section in (self.mode, self.rollout.engine, self.trainer.backend):
             if section is not None:
                 errors += section.create(plugins).check(self, plugins)
+        if self.teacher is not None:  # the same backend checks, under the teacher's key
+            errors += [e.replace("rollout.engine", "teacher.engine", 1)
+                       for e in self.teacher.engine.create(plugins).check(self, plugins) if e.startswith("rollout.engine")]
         return errors
 
     def missing_for_training(self) -> list[str]:
@@ -473,6 +504,8 @@ def _resolve_files(raw: dict[str, Any], base: Path) -> list[str]:
     entries = [(data, "data.path")] if isinstance(data, dict) else []
     evals = raw.get("eval", {}).get("datasets") if isinstance(raw.get("eval"), dict) else None
     entries += [(d, f"eval.datasets.{i}.path") for i, d in enumerate(evals or []) if isinstance(d, dict)]
+    if isinstance(raw.get("teacher"), dict):
+        entries.append((raw["teacher"], "teacher.path"))
     for section, where in entries:
         path = section.get("path")
         if not isinstance(path, str) or "://" in path:

@@ -100,7 +100,7 @@ def coerce(value: Any, tp: Any, path: str, context: Any = None) -> tuple[Any, li
             return None, []
         first: list[str] = []
         for arg in (a for a in args if a is not type(None)):
-            out, errs = coerce(value, arg, path)
+            out, errs = coerce(value, arg, path, context)
             if not errs:
                 return out, []
             first = first or errs

@@ -82,8 +82,10 @@ class Request:
     sampling: RequestSampling
     return_logprob: bool
     on_done: Callable[[dict[str, Any]], None]
+    logprob_start_len: int = -1  # >= 0 with return_logprob: log-probs of the prompt's tokens from there on
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[float] | None = None
     slot: int = -1
     finish: dict[str, Any] | None = None
     text_cut: int | None = None  # char offset of a matched stop string (trimmed unless no_stop_trim)
@@ -116,9 +118,12 @@ class LocalEngine:
 
     # -- public, any thread ---------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], sampling: RequestSampling, return_logprob: bool,
-               on_done: Callable[[dict[str, Any]], None], rid: str | None = None) -> str:
+               on_done: Callable[[dict[str, Any]], None], rid: str | None = None, logprob_start_len: int = -1) -> str:
+        """Queue a request; ``on_done`` gets SGLang's answer. ``logprob_start_len >= 0`` (with
+        ``return_logprob``) also scores the prompt's tokens from that position (``input_token_logprobs``);
+        with ``max_new_tokens: 0`` that is all the request does (a teacher scoring a sample)."""
         rid = rid or uuid.uuid4().hex
-        req = Request(rid, list(prompt_ids), sampling, return_logprob, on_done)
+        req = Request(rid, list(prompt_ids), sampling, return_logprob, on_done, logprob_start_len)
         self._inbox.put(req)
         self._wake.set()
         return rid
@@ -236,7 +241,7 @@ class LocalEngine:
                 req.finish = {"type": "abort", "message": f"prompt of {len(req.prompt_ids)} tokens exceeds the context"}
                 self._complete(req)
                 continue
-            if req.sampling.max_new_tokens == 0:
+            if req.sampling.max_new_tokens == 0 and not self._scores_input(req):
                 req.finish = {"type": "length", "length": 0}
                 self._complete(req)
                 continue
@@ -247,12 +252,30 @@ class LocalEngine:
         if not batch:
             return
         t0 = time.perf_counter()
-        logits = self.runner.prefill([r.slot for r in batch], [r.prompt_ids for r in batch])
-        for req in batch:
-            self._running[req.slot] = req
-        self._advance(batch, *self._sample(batch, logits))
+        starts = [r.logprob_start_len if self._scores_input(r) else None for r in batch]
+        logits, scored = self.runner.prefill_scored([r.slot for r in batch], [r.prompt_ids for r in batch], starts)
+        generating, rows = [], []
+        for row, (req, input_logprobs) in enumerate(zip(batch, scored)):
+            req.input_logprobs = input_logprobs
+            if req.sampling.max_new_tokens == 0:  # scored only: done after the prefill
+                req.finish = {"type": "length", "length": 0}
+                self._complete(req)
+            else:
+                self._running[req.slot] = req
+                generating.append(req)
+                rows.append(row)
+        if len(generating) < len(batch):
+            import torch
+
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        if generating:
+            self._advance(generating, *self._sample(generating, logits))
         self.stats.prefill_steps += 1
         self.stats.prefill_s += time.perf_counter() - t0
+
+    @staticmethod
+    def _scores_input(req: Request) -> bool:
+        return req.return_logprob and req.logprob_start_len >= 0
 
     def _decode(self) -> None:
         import torch
@@ -336,8 +359,18 @@ class LocalEngine:
         }
         if req.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)]
-            meta["input_token_logprobs"] = []  # SGLang's default logprob_start_len=-1: an empty input window
+            meta["input_token_logprobs"] = self._input_logprobs(req)
         try:
             req.on_done({"text": text, "output_ids": list(req.output_ids), "meta_info": meta})
         except Exception:  # the waiter went away (client disconnected): nothing to deliver to
             pass
+
+    @staticmethod
+    def _input_logprobs(req: Request) -> list[list[Any]]:
+        """SGLang's ``input_token_logprobs``: ``[logprob, token_id, None]`` for each prompt token from
+        ``logprob_start_len`` on, the first with logprob None (SGLang computes none for it); empty for the
+        default ``-1`` (or an aborted request that never ran its prefill)."""
+        if req.logprob_start_len < 0 or req.input_logprobs is None:
+            return []
+        ids = req.prompt_ids[req.logprob_start_len:]
+        return [[None, ids[0], None]] + [[lp, t, None] for lp, t in zip(req.input_logprobs, ids[1:])]
