@@ -33,6 +33,9 @@ class Teacher:
         start = sample.prompt_length - 1  # SGLang gives the first scored token no value: start one early
         out = await self.client.generate(input_ids=list(sample.tokens), sampling_params={"max_new_tokens": 0},
                                          return_logprob=True, logprob_start_len=start)
+        finish = out["meta_info"].get("finish_reason") or {}
+        if finish.get("type") == "abort":
+            raise RuntimeError(f"teacher: the request was aborted: {finish.get('message', '')}")
         entries = out["meta_info"].get("input_token_logprobs") or []
         response = sample.tokens[sample.prompt_length:]
         if [int(e[1]) for e in entries[1:]] != response:

@@ -23,10 +23,11 @@ def _forward_logprobs(hf_model, ids):
 
 
 async def test_teacher_query_equals_the_forward_pass(engine_url, hf_model):
+    samples = SAMPLES * 5  # more than the engine's 8 slots: scoring-only prefills, then the waiting ones
     async with EngineClient(engine_url) as engine:  # all at once: they share prefill batches
         outs = await asyncio.gather(*[engine.generate(input_ids=ids, sampling_params=SCORE, logprob_start_len=0)
-                                      for ids in SAMPLES])
-    for ids, out in zip(SAMPLES, outs):
+                                      for ids in samples])
+    for ids, out in zip(samples, outs):
         entries = out["meta_info"]["input_token_logprobs"]
         assert [t for _, t, _ in entries] == ids and entries[0][0] is None  # SGLang: no value for the first
         assert [lp for lp, _, _ in entries[1:]] == pytest.approx(_forward_logprobs(hf_model, ids), abs=1e-5)

@@ -264,11 +264,11 @@ class LocalEngine:
                 self._running[req.slot] = req
                 generating.append(req)
                 rows.append(row)
-        if len(generating) < len(batch):
-            import torch
-
-            logits = logits[torch.tensor(rows, device=logits.device)]
         if generating:
+            if len(generating) < len(batch):
+                import torch
+
+                logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
             self._advance(generating, *self._sample(generating, logits))
         self.stats.prefill_steps += 1
         self.stats.prefill_s += time.perf_counter() - t0
