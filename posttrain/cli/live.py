@@ -49,8 +49,9 @@ class LiveDisplay:
     """
 
     def __init__(self, total_steps: int, console: Console, first_step: int = 0,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, columns: Any = None):
         self.total, self.console, self.clock = total_steps, console, clock
+        self.columns = list(columns or COLUMNS)  # (label, metric key, format): the run mode's own
         self.start = clock()
         self.phase_name, self.phase_start = "loading libraries", self.start
         self.step_start: float | None = None  # when the step now running began
@@ -105,7 +106,7 @@ class LiveDisplay:
     # ---- rendering
     def line(self, step: int, m: dict[str, Any]) -> str:
         parts = [f"step {step + 1}/{self.total}"]
-        parts += [f"{name} {fmt.format(m[key])}" for name, key, fmt in COLUMNS if m.get(key) is not None]
+        parts += [f"{name} {fmt.format(m[key])}" for name, key, fmt in self.columns if m.get(key) is not None]
         phases = " ".join(f"{p} {m[f'perf/time_{p}']:.2f}s" for p in PHASES if f"perf/time_{p}" in m)
         return "  ".join(parts) + (f"  ({phases})" if phases else "") + f"  eta {self.eta(step)}"
 
@@ -119,12 +120,12 @@ class LiveDisplay:
 
     def _table(self, with_phases: bool) -> Table:
         phases = PHASES if with_phases else ()
-        table = Table("step", *[c[0] for c in COLUMNS], *[p.replace("_", " ") for p in phases],
+        table = Table("step", *[c[0] for c in self.columns], *[p.replace("_", " ") for p in phases],
                       box=None, pad_edge=False)
         for col in table.columns[1:]:
             col.justify = "right"
         for step, m in self.rows[-ROWS_SHOWN:]:
-            cells = [fmt.format(m[key]) if m.get(key) is not None else "" for _, key, fmt in COLUMNS]
+            cells = [fmt.format(m[key]) if m.get(key) is not None else "" for _, key, fmt in self.columns]
             cells += [f"{m[f'perf/time_{p}']:.2f}" if f"perf/time_{p}" in m else "" for p in phases]
             table.add_row(f"{step + 1}/{self.total}", *cells)
         return table

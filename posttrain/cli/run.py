@@ -57,10 +57,10 @@ def run(config: Path = typer.Argument(None, help="run config (YAML); optional wi
     overrides = list(overrides or [])
     if config is not None and "=" in config.name and not config.exists():  # `--resume DIR key=value`
         config, overrides = None, [str(config), *overrides]
-    if smoke:
-        overrides.append("rollout.num_rollouts=2")
     plan = plan_run(config, run_dir, resume, resume_or_start)
     cfg, findings = check(plan, overrides, plugins, scan_data=dry_run)
+    if smoke:  # two steps, in the run mode's own terms
+        cfg, findings = check(plan, overrides + list(cfg.mode.cls.smoke_overrides), plugins, scan_data=dry_run)
     console.print(plugins.header())
     for note in findings.notes:
         err_console.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
@@ -90,21 +90,22 @@ def run(config: Path = typer.Argument(None, help="run config (YAML); optional wi
                       markup=False)
     elif plan.start_over:
         console.print(f"no checkpoint in {run.path}: starting it over from step 1", soft_wrap=True, markup=False)
-    display = LiveDisplay(cfg.rollout.num_rollouts, console, first_step=plan.resume_step + 1)
+    mode = cfg.mode.create(plugins)
+    total = mode.total_steps(cfg)
+    display = LiveDisplay(total, console, first_step=plan.resume_step + 1, columns=mode.columns)
     try:
         with display:
             start_training(cfg, plugins, run, resume=plan.checkpoint is not None or plan.start_over,
                            on_step=display.update, on_phase=display.phase)
     except KeyboardInterrupt:
-        interrupted(run, display.next_step, cfg.rollout.num_rollouts)
+        interrupted(run, display.next_step, total)
     _finish(run)
 
 
 def start_training(cfg: Any, plugins: Any, run: Any, **kwargs: Any) -> None:
-    """The loop, in its own event loop (a seam: CLI tests replace it)."""
-    from posttrain.core.loop import train
-
-    asyncio.run(train(cfg, plugins, run, **kwargs))
+    """The run mode's loop (``mode:``, the RL loop by default), in its own event loop (a seam: CLI tests
+    replace it)."""
+    asyncio.run(cfg.mode.create(plugins).run(cfg, plugins, run, **kwargs))
 
 
 def plan_run(config: Path | None, run_dir: Path | None, resume: Path | None, resume_or_start: Path | None) -> Plan:

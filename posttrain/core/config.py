@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -307,15 +307,33 @@ class EvalConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """A teacher for on-policy distillation (estimators with ``needs_teacher``): a second engine fleet that
+    scores the student's samples (``posttrain.core.rollout.teacher``). Its tokenizer must be the student's."""
+
+    path: str | None = option(None, help="HF checkpoint the teacher engines serve (not needed for external URLs)")
+    engine: Any = component("engines", default=True, help="the teacher's engine backend: {name: local, device: "
+                            "cuda:1}, or {name: external, urls: [...]} for running servers")
+    num_engines: int = option(1, ge=1, help="teacher engines (behind their own router)")
+    use_router: bool = option(True, help="route the teacher's /generate through its own sglang-router")
+    server_concurrency: int = option(512, ge=1, help="teacher requests in flight")
+    tokenizer: str | None = option(None, help="the teacher's tokenizer directory (default: path; external "
+                                              "engines: the tokenizer_path their /get_model_info reports)")
+
+
+@dataclass
 class RunConfig:
     """The whole run. Component sections hold a :class:`Component`; the others plain dataclasses."""
 
     seed: int = 0
+    mode: Any = component("modes", default=True, help="what the run does: the RL loop (the default), supervised "
+                          "fine-tuning, ...; see `rl-cli plugins list --kind mode`")
     model: Any = component("models", optional=True, help="model spec and checkpoint")
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     generator: Any = component("generators", optional=True, help="turns prompt groups into samples")
-    estimator: Any = component("estimators", help="advantage estimator")
+    estimator: Any = component("estimators", optional=True, help="advantage estimator (the mode says whether "
+                               "it is required)")
     loss: Any = component("losses", optional=True, help="policy loss")
     correction: Any = component("corrections", optional=True, help="rollout/training mismatch correction")
     rewards: Any = component("rewards", many=True, help="weighted reward functions")
@@ -326,9 +344,14 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    teacher: TeacherConfig | None = option(None, help="a teacher fleet for on-policy distillation")
 
     def validate(self) -> list[str]:
-        errors = batch_identity(self.rollout, self.trainer)
+        mode = self.mode.cls
+        errors = [f"{key}: required key is missing" for key in mode.required if getattr(self, key) is None]
+        errors += self._teacher_errors()
+        if mode.generates:
+            errors += batch_identity(self.rollout, self.trainer)
         r, colocate = self.rollout, self.resources.colocate
         if colocate and r.mode == "async":
             errors.append("rollout.mode: async overlaps generation with training, which needs their own GPUs "
@@ -365,14 +388,31 @@ class RunConfig:
     def component_errors(self, plugins: Any) -> list[str]:
         """What selected components find wrong with this run: those whose class defines
         ``check_config(run, plugins) -> ["key: reason", ...]`` (backends, generators with tools) are asked."""
-        return [e for c in self.components() if callable(getattr(c.cls, "check_config", None))
-                for e in c.cls(c.config).check_config(self, plugins)]
+        errors = [e for c in self.components() if callable(getattr(c.cls, "check_config", None))
+                  for e in c.cls(c.config).check_config(self, plugins)]
+        if self.teacher is not None:  # the engine backend's checks, under the teacher's key
+            errors += [e.replace("rollout.engine", "teacher.engine", 1)
+                       for e in self.teacher.engine.create(plugins).check_config(self, plugins)
+                       if e.startswith("rollout.engine")]
+        return errors
+
+    def _teacher_errors(self) -> list[str]:
+        wants = self.estimator is not None and getattr(self.estimator.cls, "needs_teacher", False)
+        if wants and self.teacher is None:
+            return [f"teacher: required by estimator {self.estimator.name!r} (a teacher: section with its "
+                    f"checkpoint path, or engine: {{name: external, urls: [...]}})"]
+        if self.teacher is not None and not wants:
+            return ["teacher: set, but the estimator does not use one (estimators with needs_teacher do)"]
+        if self.teacher is not None and self.teacher.path is None and self.teacher.engine.create().urls() is None:
+            return ["teacher.path: required: the checkpoint the teacher engines serve"]
+        return []
+
 
     def missing_for_training(self) -> list[str]:
         """Sections a config may leave out while it is validated piecemeal, but a run needs."""
-        return [f"{key}: required to train (see `rl-cli plugins list --kind {KINDS[kind]}`)"
-                for key, kind in (("model", "models"), ("generator", "generators"), ("loss", "losses"))
-                if getattr(self, key) is None]
+        kinds = {f.name: f.metadata.get("component") for f in fields(self)}
+        return [f"{key}: required to train (see `rl-cli plugins list --kind {KINDS[kinds[key]]}`)"
+                for key in self.mode.cls.needed_to_train if getattr(self, key) is None]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (YAML-able), with components flattened back to ``{name, ...config}``."""
@@ -422,14 +462,21 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     errors += errs
     if config is not None:
         errors += config.component_errors(plugins)
-    elif isinstance(raw, dict):  # still report the batch identity if its sections are valid
-        rollout, e1 = build(RolloutConfig, raw.get("rollout"), "rollout", context=plugins)
+    elif isinstance(raw, dict) and _generates(raw, plugins):  # still report the batch identity if its
+        rollout, e1 = build(RolloutConfig, raw.get("rollout"), "rollout", context=plugins)  # sections are valid
         trainer, e2 = build(TrainerConfig, raw.get("trainer"), "trainer", context=plugins)
         if not (e1 or e2):
             errors += batch_identity(rollout, trainer)
     if errors:
         raise ConfigError(errors, source)
     return config
+
+
+def _generates(raw: dict[str, Any], plugins: Any) -> bool:
+    """Whether the (possibly invalid) config's mode generates with engines (True when it is invalid too)."""
+    parse = next(f for f in fields(RunConfig) if f.name == "mode").metadata["parse"]
+    mode, errors = parse(raw.get("mode", {}), "mode", plugins)
+    return errors != [] or mode is None or mode.cls.generates
 
 
 # keys that moved into a backend's section: an old config gets the new name, not "unknown key"
@@ -533,6 +580,8 @@ def _resolve_files(raw: dict[str, Any], base: Path) -> list[str]:
     entries = [(data, "data.path")] if isinstance(data, dict) else []
     evals = raw.get("eval", {}).get("datasets") if isinstance(raw.get("eval"), dict) else None
     entries += [(d, f"eval.datasets.{i}.path") for i, d in enumerate(evals or []) if isinstance(d, dict)]
+    if isinstance(raw.get("teacher"), dict):
+        entries.append((raw["teacher"], "teacher.path"))
     for section, where in entries:
         path = section.get("path")
         if not isinstance(path, str) or "://" in path:

@@ -1,13 +1,18 @@
 """What an estimator may ask the loop for beyond rewards, declared on the estimator class.
 
 - ``needs_critic = True``: critic values ``[B, T]`` (the trainer backend builds a critic role).
+- ``needs_teacher = True``: the teacher's log-probs of every response token, ``metadata["teacher_log_probs"]``
+  ``[B, T]`` (aligned like ``response_mask``), from the run's ``teacher:`` fleet
+  (``posttrain.core.rollout.teacher``); the policy's own are ``AdvantageBatch.log_probs``.
+- ``metrics``: a ``dict[str, float]`` an estimator may fill in ``advantages()``; logged as ``estimator/<key>``.
 - ``baseline_sampling = {...}``: sampling overrides for one extra sample per prompt (ReMax:
   ``{"temperature": 0.0}``, the greedy response). The loop generates it with the run's generator, scores
   it with the run's rewards, and hands its reward to the estimator as ``metadata["baseline_rewards"]``
   (``[B]``, the baseline of each sample's prompt). Baseline samples are never trained on.
 
-The loop calls :func:`add_baseline` per group and :func:`estimator_metadata` per batch, so a new
-estimator that declares these gets them without a loop change.
+The loop calls :func:`add_baseline` (and the teacher's scoring) per group, :func:`estimator_metadata` per
+batch and :func:`estimator_metrics` per step, so a new estimator that declares these gets them without
+a loop change.
 """
 
 from __future__ import annotations
@@ -40,9 +45,23 @@ async def add_baseline(group: list[Sample], estimator: Any, generator: Any, engi
 
 
 def estimator_metadata(samples: list[Sample]) -> dict[str, Any]:
-    """``AdvantageBatch.metadata`` for ``samples``: ``baseline_rewards`` ``[B]`` when every sample has one."""
+    """``AdvantageBatch.metadata`` for ``samples``: ``baseline_rewards`` ``[B]`` and ``teacher_log_probs``
+    ``[B, T]`` (``T`` the batch's padded length, response columns only) when every sample has them."""
     import torch
 
+    from posttrain.core.rollout.teacher import TEACHER_KEY
+
+    out: dict[str, Any] = {}
     if samples and all(BASELINE_KEY in s.metadata for s in samples):
-        return {"baseline_rewards": torch.tensor([s.metadata[BASELINE_KEY] for s in samples])}
-    return {}
+        out["baseline_rewards"] = torch.tensor([s.metadata[BASELINE_KEY] for s in samples])
+    if samples and all(TEACHER_KEY in s.metadata for s in samples):
+        teacher = torch.zeros(len(samples), max(len(s.tokens) for s in samples))
+        for i, s in enumerate(samples):
+            teacher[i, s.prompt_length:len(s.tokens)] = torch.tensor(s.metadata[TEACHER_KEY])
+        out[TEACHER_KEY] = teacher
+    return out
+
+
+def estimator_metrics(estimator: Any) -> dict[str, float]:
+    """What the estimator reported about its last ``advantages()`` call, as ``estimator/<key>``."""
+    return {f"estimator/{k}": float(v) for k, v in (getattr(estimator, "metrics", None) or {}).items()}

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.core.actors.engines import EngineRole
+from posttrain.core.actors.teacher import TeacherRole
 from posttrain.core.actors.trainer import TrainerRole
 
 
@@ -22,6 +23,9 @@ class LocalExecutor:
 
     def engines(self, model_path: str, log_dir: Path) -> EngineRole:
         return EngineRole(self.cfg.to_dict(), model_path, str(log_dir), self.load_args)
+
+    def teacher(self, log_dir: Path) -> TeacherRole:
+        return TeacherRole(self.cfg.to_dict(), str(log_dir), self.load_args)
 
     def close(self) -> None:
         pass
@@ -55,6 +59,10 @@ class RayExecutor:
     def engines(self, model_path: str, log_dir: Path) -> _RemoteHandle:
         return self._actor(EngineRole, self.cfg.to_dict(), model_path, str(log_dir), self.load_args,
                            num_gpus=self.cfg.resources.rollout_gpus)
+
+    def teacher(self, log_dir: Path) -> _RemoteHandle:
+        """The teacher's fleet in an actor of its own (GPU engines name their device: ``cuda:N``)."""
+        return self._actor(TeacherRole, self.cfg.to_dict(), str(log_dir), self.load_args)
 
     def close(self) -> None:
         import ray

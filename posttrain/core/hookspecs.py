@@ -208,6 +208,23 @@ def posttrain_register_trainers(registry: Registry) -> None:
 
 
 @hookspec
+def posttrain_register_modes(registry: Registry) -> None:
+    """Add run modes: what ``rl-cli run`` does with a config (RL, SFT, ...).
+
+    :param registry: the mode registry; call ``registry.add(ModeClass)``.
+
+    A mode subclasses ``posttrain.core.run_mode.RunMode`` and is constructed as ``Mode(Mode.Config(...))``
+    from the run config's ``mode`` section (``mode: sft`` or ``{name: sft, ...}``; left out: the mode
+    registered with ``is_default = True``, the RL loop). It declares which sections a run needs and
+    whether it generates with engines (so the rollout batch identity applies), and runs the whole
+    run: ``await mode.run(cfg, plugins, run_dir, resume=..., on_step=...)``. Built-ins: ``rl`` (the loop of
+    ``posttrain.core.loop``) and ``sft`` (labelled data, no engines).
+
+    Fires once per process inside ``load_plugins()``. Use in ``--plugin`` files: yes.
+    """
+
+
+@hookspec
 def posttrain_register_commands(app: typer.Typer) -> None:
     """Add sub-commands to ``rl-cli``.
 

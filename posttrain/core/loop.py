@@ -25,7 +25,7 @@ from typing import Any
 from posttrain.core import batching
 from posttrain.core.buffer import DataBuffer, collect_groups
 from posttrain.core.data import load_prompts
-from posttrain.core.estimator_inputs import add_baseline, estimator_metadata
+from posttrain.core.estimator_inputs import add_baseline, estimator_metadata, estimator_metrics
 from posttrain.core.evaluation import evaluate
 from posttrain.core.executors import EXECUTORS
 from posttrain.core.losses import kl_penalty_rewards
@@ -33,6 +33,7 @@ from posttrain.core.metrics import MetricsWriter, PhaseTimer, memory_metrics
 from posttrain.core.rewards import RewardRunner, reward_metrics
 from posttrain.core.rollout.client import EngineClient
 from posttrain.core.rollout.supervise import push_weights, watching
+from posttrain.core.rollout.teacher import add_teacher_log_probs, open_teacher
 from posttrain.core.types import AdvantageBatch
 
 log = logging.getLogger("posttrain.loop")
@@ -63,6 +64,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         trainer.connect_engines(engine_urls, api_key=key)
         engine = await stack.enter_async_context(EngineClient(url, max_concurrency=cfg.rollout.server_concurrency,
                                                               api_key=key))
+        teacher = await stack.enter_async_context(open_teacher(cfg, executor, init_dir, run.logs))  # or None
 
         # -- data, rewards, algorithm
         from transformers import AutoTokenizer
@@ -103,6 +105,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
             group = await generator(group, engine, sampling)
             await rewards.score_groups([group])
             await add_baseline(group, estimator, generator, engine, sampling, rewards)  # estimators that ask
+            await add_teacher_log_probs(group, teacher)
             return group
 
         def generate():
@@ -166,7 +169,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
                              if cfg.trainer.kl_in_reward_coef > 0 else None)
             batch.advantages, batch.returns = estimator.advantages(AdvantageBatch(
                 rewards=reward, group_index=group_index, response_mask=batch.response_mask, values=values,
-                token_rewards=token_rewards, metadata=estimator_metadata(samples)))
+                token_rewards=token_rewards, log_probs=batch.old_log_probs, metadata=estimator_metadata(samples)))
             batch.old_values = values
             with timer("train"):
                 train_metrics = await asyncio.to_thread(trainer.train, batch)
@@ -189,7 +192,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
             phases, step_time = timer.pop(), time.perf_counter() - t0
             tokens = sum(s.response_length for s in samples)
             last = {**batching.rollout_metrics(samples, version - 1), **batching.dropped_metrics(groups),
-                    **reward_metrics(groups),
+                    **reward_metrics(groups), **estimator_metrics(estimator),
                     **sampling_metrics, **step_metrics, **{f"train/{k}": v for k, v in train_metrics.items()},
                     **phases, "perf/step_time": step_time, "perf/engine_restarts": float(len(restarted)),
                     "perf/weight_push_s": push_s, **memory_metrics(trainer, engines),

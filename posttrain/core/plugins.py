@@ -55,6 +55,7 @@ class Plugins:
     tools: Registry
     engines: Registry
     trainers: Registry
+    modes: Registry
     infos: dict[str, PluginInfo] = field(default_factory=dict)  # plugin name -> provenance
     failures: list[LoadFailure] = field(default_factory=list)
     disabled: list[str] = field(default_factory=list)

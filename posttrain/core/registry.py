@@ -22,6 +22,7 @@ KINDS: dict[str, str] = {
     "tools": "tool",
     "engines": "engine",
     "trainers": "trainer",
+    "modes": "mode",
 }
 
 

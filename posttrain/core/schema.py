@@ -68,6 +68,11 @@ def build(cls: type, data: Any, where: str, context: Any = None) -> tuple[Any, l
                     kwargs[name] = value
             elif f.metadata.get("required") or (f.default is _NO and f.default_factory is _NO):
                 errors.append(f"{path}: required key is missing")
+            elif dataclasses.is_dataclass(hints[name]) and not parse:  # a section left out: built from {},
+                value, errs = build(hints[name], {}, path, context)   # so its own defaulted components resolve
+                errors += errs
+                if not errs:
+                    kwargs[name] = value
             continue
         value, errs = parse(data[name], path, context) if parse else coerce(data[name], hints[name], path, context)
         errs = errs or _bounds(value, f.metadata, path)
@@ -97,7 +102,7 @@ def coerce(value: Any, tp: Any, path: str, context: Any = None) -> tuple[Any, li
             return None, []
         first: list[str] = []
         for arg in (a for a in args if a is not type(None)):
-            out, errs = coerce(value, arg, path)
+            out, errs = coerce(value, arg, path, context)
             if not errs:
                 return out, []
             first = first or errs

@@ -124,7 +124,10 @@ class AdvantageBatch:
     - ``response_mask``: ``[B, T]`` float, 1.0 on response tokens that train, 0.0 elsewhere.
     - ``values``: ``[B, T]`` critic values (estimators with ``needs_critic = True``), else None.
     - ``token_rewards``: ``[B, T]`` optional dense per-token rewards added to the outcome reward.
-    - ``metadata``: per-batch extras some estimators need (e.g. ``baseline_rewards`` ``[B]`` for ReMax).
+    - ``log_probs``: ``[B, T]`` the policy's log-probs of the sampled tokens (the trainer's, before the
+      update), for estimators that compare the policy with another model (on-policy distillation).
+    - ``metadata``: per-batch extras some estimators need (e.g. ``baseline_rewards`` ``[B]`` for ReMax,
+      ``teacher_log_probs`` ``[B, T]`` for distillation; see ``posttrain.core.estimator_inputs``).
     """
 
     rewards: torch.Tensor
@@ -132,4 +135,5 @@ class AdvantageBatch:
     response_mask: torch.Tensor
     values: torch.Tensor | None = None
     token_rewards: torch.Tensor | None = None
+    log_probs: torch.Tensor | None = None
     metadata: dict[str, Any] = field(default_factory=dict)

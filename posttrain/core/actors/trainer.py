@@ -29,7 +29,7 @@ class TrainerRole:
         self.spec = cfg.model.create(plugins)
         self.loss = cfg.loss.create(plugins)
         self.correction = cfg.correction.create(plugins) if cfg.correction else None
-        estimator = plugins.estimators[cfg.estimator.name]
+        estimator = plugins.estimators[cfg.estimator.name] if cfg.estimator is not None else None
         if cfg.trainer.deterministic is None:  # seeded sampling asks for a run that repeats: GPU kernels too
             cfg.trainer = dataclasses.replace(cfg.trainer, deterministic=cfg.rollout.seed_sampling)
         self.backend = cfg.trainer.backend.create(plugins)

@@ -31,6 +31,11 @@ class Qwen3Spec(DenseGPTSpec):
                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                         rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
                         torch_dtype="float32"),
+        # half of tiny's width (hidden 32, 2 heads): the student of the CPU distillation example
+        "tiny-small": _preset(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
+                              rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+                              torch_dtype="float32"),
         "qwen3-0.6B": _preset(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                               num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
         "qwen3-1.7B": _preset(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,

@@ -10,7 +10,9 @@ from posttrain.testing.contracts.common import ComponentContract
 def make_batch(b: int = 12, g: int = 4, t: int = 7, seed: int = 0, critic: bool = False):
     """A synthetic ``AdvantageBatch``: ``b // g`` groups with non-contiguous ids and right padding.
 
-    ``metadata["baseline_rewards"]`` (``[B]``) is filled for estimators with a per-sample baseline (ReMax).
+    ``metadata["baseline_rewards"]`` (``[B]``) is filled for estimators with a per-sample baseline (ReMax),
+    ``log_probs`` and ``metadata["teacher_log_probs"]`` (``[B, T]``, negative) for those that compare the
+    policy with a teacher (on-policy distillation).
     """
     import torch
 
@@ -21,8 +23,11 @@ def make_batch(b: int = 12, g: int = 4, t: int = 7, seed: int = 0, critic: bool 
     lengths = torch.randint(1, t + 1, (b,), generator=gen)
     mask = (torch.arange(t)[None, :] < lengths[:, None]).float()
     values = torch.randn(b, t, generator=gen) * mask if critic else None
+    log_probs = -torch.rand(b, t, generator=gen) * 3 * mask
+    teacher = -torch.rand(b, t, generator=gen) * 3 * mask
     return AdvantageBatch(rewards=torch.randn(b, generator=gen), group_index=group_index, response_mask=mask,
-                          values=values, metadata={"baseline_rewards": torch.randn(b, generator=gen)})
+                          values=values, log_probs=log_probs,
+                          metadata={"baseline_rewards": torch.randn(b, generator=gen), "teacher_log_probs": teacher})
 
 
 def _permuted(batch, perm):
@@ -92,13 +97,15 @@ class EstimatorContract(ComponentContract):
         torch.testing.assert_close(adv_s, adv, atol=1e-4, rtol=1e-4)
 
     def test_padding_garbage_does_not_leak(self, estimator):
-        """NaN in ``values``/``token_rewards`` outside the mask (padding) must not reach the output."""
+        """NaN in ``values``/``token_rewards``/log-probs outside the mask (padding) must not reach the output."""
         import torch
 
         batch = self._batch(estimator)
         outside = batch.response_mask == 0
         assert outside.any()
         batch.token_rewards = torch.where(outside, float("nan"), 0.1)
+        batch.log_probs = torch.where(outside, float("nan"), batch.log_probs)
+        batch.metadata["teacher_log_probs"] = torch.where(outside, float("nan"), batch.metadata["teacher_log_probs"])
         if batch.values is not None:
             batch.values = torch.where(outside, float("nan"), batch.values)
         adv, ret = estimator.advantages(batch)

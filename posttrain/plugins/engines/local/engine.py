@@ -82,8 +82,10 @@ class Request:
     sampling: RequestSampling
     return_logprob: bool
     on_done: Callable[[dict[str, Any]], None]
+    logprob_start_len: int = -1  # >= 0 with return_logprob: log-probs of the prompt's tokens from there on
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[float] | None = None
     slot: int = -1
     finish: dict[str, Any] | None = None
     text_cut: int | None = None  # char offset of a matched stop string (trimmed unless no_stop_trim)
@@ -117,9 +119,12 @@ class LocalEngine:
 
     # -- public, any thread ---------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], sampling: RequestSampling, return_logprob: bool,
-               on_done: Callable[[dict[str, Any]], None], rid: str | None = None) -> str:
+               on_done: Callable[[dict[str, Any]], None], rid: str | None = None, logprob_start_len: int = -1) -> str:
+        """Queue a request; ``on_done`` gets SGLang's answer. ``logprob_start_len >= 0`` (with
+        ``return_logprob``) also scores the prompt's tokens from that position (``input_token_logprobs``);
+        with ``max_new_tokens: 0`` that is all the request does (a teacher scoring a sample)."""
         rid = rid or uuid.uuid4().hex
-        req = Request(rid, list(prompt_ids), sampling, return_logprob, on_done)
+        req = Request(rid, list(prompt_ids), sampling, return_logprob, on_done, logprob_start_len)
         self._inbox.put(req)
         self._wake.set()
         return rid
@@ -237,7 +242,7 @@ class LocalEngine:
                 req.finish = {"type": "abort", "message": f"prompt of {len(req.prompt_ids)} tokens exceeds the context"}
                 self._complete(req)
                 continue
-            if req.sampling.max_new_tokens == 0:
+            if req.sampling.max_new_tokens == 0 and not self._scores_input(req):
                 req.finish = {"type": "length", "length": 0}
                 self._complete(req)
                 continue
@@ -248,15 +253,33 @@ class LocalEngine:
         if not batch:
             return
         t0 = time.perf_counter()
-        for req in batch:
-            self._running[req.slot] = req
+        starts = [r.logprob_start_len if self._scores_input(r) else None for r in batch]
         try:
-            logits = self.runner.prefill([r.slot for r in batch], [r.prompt_ids for r in batch])
+            logits, scored = self.runner.prefill_scored([r.slot for r in batch], [r.prompt_ids for r in batch], starts)
         except Exception:  # find the request that fails alone
-            batch, logits = self._prefill_each(batch)
-        self._advance(*self._sample_isolated(batch, logits))
+            batch, logits, scored = self._prefill_each(batch, starts)
+        generating, rows = [], []
+        for row, (req, input_logprobs) in enumerate(zip(batch, scored)):
+            req.input_logprobs = input_logprobs
+            if req.sampling.max_new_tokens == 0:  # scored only: done after the prefill
+                req.finish = {"type": "length", "length": 0}
+                self._complete(req)
+            else:
+                self._running[req.slot] = req
+                generating.append(req)
+                rows.append(row)
+        if generating:
+            if len(generating) < len(batch):
+                import torch
+
+                logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+            self._advance(*self._sample_isolated(generating, logits))
         self.stats.prefill_steps += 1
         self.stats.prefill_s += time.perf_counter() - t0
+
+    @staticmethod
+    def _scores_input(req: Request) -> bool:
+        return req.return_logprob and req.logprob_start_len >= 0
 
     def _decode(self) -> None:
         import torch
@@ -311,19 +334,22 @@ class LocalEngine:
             logprobs += lp
         return kept, tokens, logprobs
 
-    def _prefill_each(self, batch: list[Request]):
+    def _prefill_each(self, batch: list[Request], starts: list[int | None]):
         """Prefill one request at a time after a batched prefill raised; the ones that fail alone are
-        failed. Returns the others and their logits ``[n, V]``."""
+        failed. Returns the others, their logits ``[n, V]`` and their input log-probs."""
         import torch
 
-        kept, rows = [], []
-        for req in batch:
+        kept, rows, scored = [], [], []
+        for req, start in zip(batch, starts):
             try:
-                rows.append(self.runner.prefill([req.slot], [req.prompt_ids]))
-                kept.append(req)
+                logits, [lps] = self.runner.prefill_scored([req.slot], [req.prompt_ids], [start])
             except Exception as exc:
                 self._fail(req, exc)
-        return kept, (torch.cat(rows) if rows else None)
+                continue
+            kept.append(req)
+            rows.append(logits)
+            scored.append(lps)
+        return kept, (torch.cat(rows) if rows else None), scored
 
     def _fail(self, req: Request, exc: BaseException) -> None:
         """End ``req`` with an error of its own (the server answers it with HTTP 400)."""
@@ -385,7 +411,7 @@ class LocalEngine:
         }
         if req.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)]
-            meta["input_token_logprobs"] = []  # SGLang's default logprob_start_len=-1: an empty input window
+            meta["input_token_logprobs"] = self._input_logprobs(req)
         result = {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
         if req.error is not None:
             result["error"] = req.error
@@ -393,3 +419,13 @@ class LocalEngine:
             req.on_done(result)
         except Exception:  # the waiter went away (client disconnected): nothing to deliver to
             pass
+
+    @staticmethod
+    def _input_logprobs(req: Request) -> list[list[Any]]:
+        """SGLang's ``input_token_logprobs``: ``[logprob, token_id, None]`` for each prompt token from
+        ``logprob_start_len`` on, the first with logprob None (SGLang computes none for it); empty for the
+        default ``-1`` (or an aborted request that never ran its prefill)."""
+        if req.logprob_start_len < 0 or req.input_logprobs is None:
+            return []
+        ids = req.prompt_ids[req.logprob_start_len:]
+        return [[None, ids[0], None]] + [[lp, t, None] for lp, t in zip(req.input_logprobs, ids[1:])]

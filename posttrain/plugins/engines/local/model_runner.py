@@ -233,11 +233,22 @@ class ModelRunner:
             self._graph_pool = torch.cuda.graph_pool_handle()
 
     # -- forward passes -------------------------------------------------------------------------
-    @torch.no_grad()
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
         """Run ``prompts`` into ``slots``; return the next-token logits ``[n, V]`` (float32).
 
         Always eager: prompt shapes vary too much for static compiled graphs."""
+        return self.prefill_scored(slots, prompts, [None] * len(prompts))[0]
+
+    @torch.no_grad()
+    def prefill_scored(self, slots: list[int], prompts: list[list[int]], starts: list[int | None]
+                       ) -> tuple[torch.Tensor, list[list[float] | None]]:
+        """:meth:`prefill`, plus the log-probs of each prompt's own tokens from position ``starts[i]`` on.
+
+        For prompt ``ids`` with ``s = starts[i]`` (None: nothing asked), the list holds
+        ``log p(ids[t] | ids[:t])`` for ``t = s + 1 .. len(ids) - 1`` (``len(ids) - 1 - s`` floats): the
+        log-softmax of the raw logits (no temperature), float32, computed from the prefill's own hidden
+        states in chunks of rows (a vocabulary of 150k over a long prompt would not fit at once).
+        SGLang's ``input_token_logprobs`` is ``[None] + this`` (its first entry has no value)."""
         n = len(prompts)
         lens = torch.tensor([len(p) for p in prompts], device=self.device)
         width = int(lens.max())
@@ -255,7 +266,18 @@ class ModelRunner:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
             h = _finish_layer(layer, h, o)
         last = h[torch.arange(n, device=self.device), lens - 1]
-        return self.model.lm_head(self.model.model.norm(last)).float()
+        scored = [None if s is None else self._token_logprobs(h[i, s:len(p) - 1], p[s + 1:])
+                  for i, (p, s) in enumerate(zip(prompts, starts))]
+        return self.model.lm_head(self.model.model.norm(last)).float(), scored
+
+    def _token_logprobs(self, hidden: torch.Tensor, targets: list[int], rows: int = 1024) -> list[float]:
+        """``log_softmax(lm_head(norm(hidden)))[targets]`` for ``hidden [m, H]``, ``rows`` at a time."""
+        out = []
+        ids = torch.tensor(targets, dtype=torch.long, device=self.device)
+        for at in range(0, len(targets), rows):
+            logits = self.model.lm_head(self.model.model.norm(hidden[at:at + rows])).float()
+            out.append(logits.log_softmax(-1).gather(-1, ids[at:at + rows, None]).squeeze(-1))
+        return torch.cat(out).tolist() if out else []
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, max_position: int | None = None) -> torch.Tensor:

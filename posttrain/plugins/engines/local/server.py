@@ -5,7 +5,10 @@ answers as ``sglang.srt.entrypoints.http_server``):
 
 - ``POST /generate`` ``{text | input_ids, sampling_params, return_logprob, rid}`` (single or batched)
   -> ``{text, output_ids, meta_info: {id, finish_reason, prompt_tokens, completion_tokens,
-  cached_tokens, weight_version, output_token_logprobs: [[logprob, token_id, null], ...]}}``
+  cached_tokens, weight_version, output_token_logprobs: [[logprob, token_id, null], ...]}}``; with
+  ``return_logprob`` and ``logprob_start_len: s >= 0`` also ``input_token_logprobs``: one
+  ``[logprob, token_id, null]`` per prompt token from position ``s`` on, the first with logprob null,
+  as SGLang answers (``max_new_tokens: 0`` only scores: a teacher's log-probs of a student's sample)
 - ``GET /health``, ``GET /health_generate`` (runs a one-token generation), ``GET|POST /flush_cache``
 - ``POST /abort_request {rid, abort_all}``, ``POST /pause_generation {mode}``, ``POST /continue_generation``
 - ``GET /model_info`` (``/get_model_info``), ``GET /server_info`` (``/get_server_info``),
@@ -56,8 +59,8 @@ log = logging.getLogger("posttrain.engine")
 
 # GenerateReqInput fields: honoured here, or accepted when they carry their default (a router or client
 # may send them explicitly). Anything else is a 400.
-GENERATE_KEYS = {"text", "input_ids", "sampling_params", "return_logprob", "rid"}
-DEFAULT_OK = {"stream": False, "logprob_start_len": -1, "top_logprobs_num": 0, "return_text_in_logprobs": False,
+GENERATE_KEYS = {"text", "input_ids", "sampling_params", "return_logprob", "rid", "logprob_start_len"}
+DEFAULT_OK = {"stream": False, "top_logprobs_num": 0, "return_text_in_logprobs": False,
               "lora_path": None, "image_data": None, "audio_data": None, "video_data": None,
               "custom_logit_processor": None, "return_hidden_states": False, "bootstrap_host": None,
               "bootstrap_port": None, "bootstrap_room": None, "token_ids_logprob": None, "input_embeds": None,
@@ -165,14 +168,28 @@ class EngineServer:
             raise BadRequest(f"the prompt has {len(ids)} tokens; the context length is {self.runner.context_length}")
         return ids
 
-    async def _run_one(self, ids: list[int], sampling, return_logprob: bool, rid: str | None) -> dict[str, Any]:
+    @staticmethod
+    def _logprob_starts(value: Any, prompts: list[list[int]]) -> list[int]:
+        """``logprob_start_len`` (one int, or one per prompt of a batch) checked against each prompt:
+        ``-1`` (the default: no input log-probs) or ``0 <= s < len(prompt)``, as SGLang requires."""
+        values = value if isinstance(value, list) else [value] * len(prompts)
+        if len(values) != len(prompts):
+            raise BadRequest(f"logprob_start_len: {len(values)} values for {len(prompts)} prompts")
+        for v, ids in zip(values, prompts):
+            if isinstance(v, bool) or not isinstance(v, int) or not -1 <= v < len(ids):
+                raise BadRequest(f"logprob_start_len: expected -1 or an integer in [0, {len(ids)}) "
+                                 f"(the prompt length), got {v!r}")
+        return values
+
+    async def _run_one(self, ids: list[int], sampling, return_logprob: bool, rid: str | None,
+                       logprob_start_len: int = -1) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
         def done(result: dict[str, Any]) -> None:
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
 
-        rid = self.engine.submit(ids, sampling, return_logprob, done, rid=rid)
+        rid = self.engine.submit(ids, sampling, return_logprob, done, rid=rid, logprob_start_len=logprob_start_len)
         try:
             result = await asyncio.shield(fut)
         except asyncio.CancelledError:  # the client went away (or a sibling failed): free the slot
@@ -223,7 +240,9 @@ class EngineServer:
         prompts = await asyncio.to_thread(  # tokenizing a long text must not stall the event loop
             lambda: [self._prompt(texts[i] if text is not None else None,
                                   ids_list[i] if input_ids is not None else None) for i in range(n)])
-        runs = [asyncio.ensure_future(self._run_one(p, s, return_logprob, r)) for p, s, r in zip(prompts, params, rids)]
+        starts = self._logprob_starts(body.get("logprob_start_len", -1), prompts)
+        runs = [asyncio.ensure_future(self._run_one(p, s, return_logprob, r, start))
+                for p, s, r, start in zip(prompts, params, rids, starts)]
         try:
             outs = await asyncio.gather(*runs)
         except BaseException:  # a failed row or a gone client: the other rows stop too

@@ -1,0 +1,42 @@
+"""The teacher role: the engines of ``teacher.engine`` serving ``teacher.path`` and their own router (an
+``EngineFleet`` like the student's), for estimators that score samples with a teacher (on-policy
+distillation). Its logs go to ``RUN_DIR/logs/teacher/``."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+
+class TeacherRole:
+    """Starts the teacher's fleet from the resolved run config; the loop asks it for the URL to query."""
+
+    def __init__(self, config: dict[str, Any], log_dir: str, load_args: dict[str, list[str]] | None = None):
+        from posttrain.core.config import load_config
+        from posttrain.core.plugins import load_plugins
+        from posttrain.core.rollout.fleet import EngineFleet
+
+        plugins = load_plugins(**(load_args or {}))
+        cfg = load_config(None, data=config, plugins=plugins)
+        t = cfg.teacher
+        rollout = dataclasses.replace(cfg.rollout, use_router=t.use_router, router_args=[],
+                                      server_concurrency=t.server_concurrency)
+        # never colocated with the trainer: the teacher keeps its weights; GPU engines name their device
+        resources = dataclasses.replace(cfg.resources, num_engines=t.num_engines, colocate=False)
+        self.fleet = EngineFleet(rollout, resources, t.engine.create(plugins), t.path or "",
+                                 log_dir=Path(log_dir) / "teacher", seed=cfg.seed).start()
+
+    def url(self) -> str:
+        """Where the teacher's ``/generate`` goes: its router, or its only engine."""
+        return self.fleet.url
+
+    def api_key(self) -> str:
+        """The teacher fleet's own API key (its engines and router require it)."""
+        return self.fleet.api_key
+
+    def check_and_restart(self) -> list[str]:
+        return self.fleet.check_and_restart()
+
+    def close(self) -> None:
+        self.fleet.stop()

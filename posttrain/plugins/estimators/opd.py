@@ -1,0 +1,84 @@
+"""On-policy distillation: each sampled token's advantage is the negative reverse KL to a teacher."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from posttrain import hookimpl, option
+from posttrain.core.types import AdvantageBatch
+
+
+class OnPolicyDistillation:
+    """On-policy distillation (Agarwal et al., 2024; Qwen3; Thinking Machines): ``A_t = -(logp_t - logq_t)``.
+
+    Per response token ``t`` of sample ``i``, with ``logp`` the student's log-prob of its own sampled token
+    (``batch.log_probs``, the trainer's before the update) and ``logq`` the teacher's log-prob of the same
+    token (``batch.metadata["teacher_log_probs"]``, from the run's ``teacher:`` fleet)::
+
+        A_it = -kl_coef * (logp_it - logq_it) + reward_weight * (r_i - mean_g) / (std_g + epsilon)
+
+    ``logp - logq`` is the per-token (single-sample) estimate of the reverse KL ``KL(student || teacher)``
+    on the student's own samples, so a policy-gradient loss (``ppo_clip``, ``reinforce``) with these
+    advantages descends the reverse KL: mode-seeking, token-level credit, no reward model. The optional
+    second term mixes in the task reward as GRPO does (group-standardized, Bessel-corrected std; a group
+    of one keeps its raw reward); ``reward_weight: 0`` (the default) distills only. Where we differ
+    from slime (which subtracts ``opd_kl_coef * (logp - logq)`` from another estimator's advantages) and
+    verl: the reward term is GRPO's, built in; no discounting over later tokens (each token's own KL,
+    as Thinking Machines' recipe). ``metrics``: ``reverse_kl`` (token mean of ``logp - logq``),
+    ``teacher_log_prob`` and ``student_log_prob`` (token means), logged as ``estimator/...``.
+
+    Shapes: ``log_probs``, ``metadata["teacher_log_probs"]``, ``response_mask``: ``[B, T]``; ``rewards``,
+    ``group_index``: ``[B]`` -> advantages = returns ``[B, T]``, 0 where the mask is 0.
+    """
+
+    name = "opd"
+    needs_critic = False
+    needs_teacher = True  # the loop scores every sample with the teacher (posttrain.core.rollout.teacher)
+    group_baseline = True  # the reward term is group-standardized; the KL term ignores rewards
+
+    @dataclass
+    class Config:
+        kl_coef: float = option(1.0, ge=0.0, help="weight of the distillation term -(logp_student - logp_teacher)")
+        reward_weight: float = option(0.0, ge=0.0, help="weight of the task reward's GRPO advantage (0: distill only)")
+        normalize_std: bool = option(True, help="the reward term divides by the group std")
+        epsilon: float = option(1e-6, gt=0.0, help="added to the group std before dividing")
+
+    def __init__(self, config: Config | None = None):
+        self.config = config or self.Config()
+        self.metrics: dict[str, float] = {}
+
+    def advantages(self, batch: AdvantageBatch):
+        import torch
+
+        from posttrain.core.group_stats import group_mean_std, sequence_scores
+        from posttrain.core.losses import masked_mean
+
+        c = self.config
+        rewards = sequence_scores(batch)
+        teacher = batch.metadata.get("teacher_log_probs")
+        if batch.log_probs is None or teacher is None:
+            raise ValueError("opd needs AdvantageBatch.log_probs (the student's) and metadata['teacher_log_probs'] "
+                             "([B, T]); a run gets them with a teacher: section")
+        mask = batch.response_mask
+        for key, tensor in (("log_probs", batch.log_probs), ("teacher_log_probs", teacher)):
+            if tensor.shape != mask.shape:
+                raise ValueError(f"opd: {key} has shape {tuple(tensor.shape)}, response_mask {tuple(mask.shape)}")
+        on = mask > 0  # padding may hold anything: only masked tokens count
+        reverse_kl = torch.where(on, batch.log_probs.float() - teacher.float(), 0.0)
+        advantages = -c.kl_coef * reverse_kl
+        if c.reward_weight:
+            mean, std = group_mean_std(rewards, batch.group_index)
+            scores = rewards - mean
+            if c.normalize_std:
+                scores = scores / (std + c.epsilon)
+            advantages = advantages + c.reward_weight * scores.unsqueeze(-1)
+        advantages = torch.where(on, advantages, 0.0)
+        self.metrics = {"reverse_kl": float(masked_mean(reverse_kl, mask)),
+                        "teacher_log_prob": float(masked_mean(torch.where(on, teacher.float(), 0.0), mask)),
+                        "student_log_prob": float(masked_mean(torch.where(on, batch.log_probs.float(), 0.0), mask))}
+        return advantages, advantages.clone()
+
+
+@hookimpl
+def posttrain_register_estimators(registry):
+    registry.add(OnPolicyDistillation)
