@@ -41,7 +41,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
     async with AsyncExitStack() as stack:
         stack.callback(executor.close)
         # -- roles: the trainer builds the model; engines start from its weights as an HF checkpoint
-        trainer = executor.trainer()
+        trainer = executor.trainer(run.logs)  # one rank in this process, or a group of ranks
         init_dir = trainer.save_hf(str(run.path / "hf-init"))
         engines = executor.engines(init_dir, run.logs)
         stack.callback(engines.close)

@@ -41,8 +41,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0) -> None:
-    """torch.distributed from the torchrun environment (or a one-process group) + Megatron parallel state."""
+def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0, cp: int = 1) -> None:
+    """torch.distributed from the torchrun (or trainer group) environment, else a one-process group, +
+    Megatron parallel state: TP x CP x DP x PP, rank order ``tp-cp-ep-dp-pp`` (TP fastest)."""
     from megatron.core import parallel_state
 
     cpu_shims.install()
@@ -56,14 +57,15 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0) -> None:
                                 rank=rank, world_size=world)
     if parallel_state.model_parallel_is_initialized():
         have = (parallel_state.get_tensor_model_parallel_world_size(),
-                parallel_state.get_pipeline_model_parallel_world_size())
-        if have != (tp, pp):
-            raise UsageError(f"model parallelism already initialized as tp={have[0]} pp={have[1]}, "
-                             f"asked for tp={tp} pp={pp}")
+                parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_context_parallel_world_size())
+        if have != (tp, pp, cp):
+            raise UsageError(f"model parallelism already initialized as tp={have[0]} pp={have[1]} cp={have[2]}, "
+                             f"asked for tp={tp} pp={pp} cp={cp}")
     else:
-        if dist.get_world_size() % (tp * pp):
-            raise UsageError(f"world size {dist.get_world_size()} is not a multiple of tp*pp={tp * pp}")
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        if dist.get_world_size() % (tp * pp * cp):
+            raise UsageError(f"world size {dist.get_world_size()} is not a multiple of tp*pp*cp={tp * pp * cp}")
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                 context_parallel_size=cp)
     cpu_shims.init_rng(seed)
 
 
@@ -127,7 +129,13 @@ def core_attention_for(kind: str) -> Any:
 
 def build_gpt(spec: Any, hf: dict[str, Any], *, dtype: str = "float32", attention: str = "auto",
               transformer_overrides: dict[str, Any] | None = None, init_weights: bool = True) -> Any:
-    """A ``GPTModel`` holding this rank's TP shards, on the current device. ``tp`` comes from parallel state."""
+    """A ``GPTModel`` holding this rank's TP shards, on the current device. ``tp`` comes from parallel state.
+
+    ``init_weights``: random weights from the current torch RNG state, the same full tensors in every
+    layout: at TP=PP=1 Megatron's own initialization draws them; otherwise :func:`_single_rank_weights`
+    draws the TP=PP=1 model's weights and this rank takes its shards, so a run at DP=2 x TP=2 or PP=2
+    starts where the one-rank run starts.
+    """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
 
@@ -135,27 +143,79 @@ def build_gpt(spec: Any, hf: dict[str, Any], *, dtype: str = "float32", attentio
 
     _, tp = tp_info()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
+    cp = parallel_state.get_context_parallel_world_size()
     if hf["num_hidden_layers"] % pp:
         raise UsageError(f"pp={pp} does not divide the {hf['num_hidden_layers']} layers")
     torch_dtype = DTYPES[dtype]
     kwargs = spec.transformer_config(hf)
-    kwargs.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, params_dtype=torch_dtype,
-                  pipeline_dtype=torch_dtype,
+    kwargs.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+                  params_dtype=torch_dtype, pipeline_dtype=torch_dtype,
                   bf16=torch_dtype == torch.bfloat16, fp16=torch_dtype == torch.float16,
                   use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=init_weights)
     if pp > 1:  # packed micro-batches differ in length: stages exchange shapes before activations
         kwargs.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
                       batch_p2p_comm=torch.cuda.is_available())  # gloo: plain isend/irecv
     kwargs.update(transformer_overrides or {})
+    layer_spec = spec.layer_spec(hf, core_attention_for(attention))
+    full = None
+    if init_weights and tp * pp * cp > 1:
+        full = _single_rank_weights(spec, hf, layer_spec, kwargs)
+        kwargs["perform_initialization"] = False
     config = TransformerConfig(**kwargs)
-    model = GPTModel(config=config, transformer_layer_spec=spec.layer_spec(hf, core_attention_for(attention)),
+    model = GPTModel(config=config, transformer_layer_spec=layer_spec,
                      vocab_size=spec.padded_vocab_size(hf, tp), **spec.gpt_model_kwargs(hf),
                      pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage())
     mark_tp_params(model)
+    if full is not None:
+        _copy_full_weights(model, spec, hf, full)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model.to(torch_dtype)
+
+
+def _single_rank_weights(spec: Any, hf: dict[str, Any], layer_spec: Any, kwargs: dict[str, Any]
+                         ) -> dict[str, torch.Tensor]:
+    """The weights Megatron's CPU initialization gives the whole model at TP=PP=CP=1 (a throwaway
+    ``GPTModel`` on one-rank process groups, built on the CPU from the current RNG state), by global name.
+    Every rank draws the same (they share the seed), as Megatron's own CPU initialization draws full
+    tensors on every TP rank before taking its shard."""
+    from dataclasses import fields
+
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer import TransformerConfig
+
+    global _SOLO
+    if _SOLO is None:  # collective: every rank makes every one-rank group
+        _SOLO = dist.new_subgroups(group_size=1, backend="gloo")[0]
+    groups = ProcessGroupCollection(**{f.name: [_SOLO] if f.name == "hcp" else _SOLO
+                                       for f in fields(ProcessGroupCollection)})
+    single = dict(kwargs, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
+                  use_cpu_initialization=True, perform_initialization=True, variable_seq_lengths=False,
+                  batch_p2p_comm=False)
+    model = GPTModel(config=TransformerConfig(**single), transformer_layer_spec=layer_spec,
+                     vocab_size=spec.padded_vocab_size(hf, 1), **spec.gpt_model_kwargs(hf),
+                     pre_process=True, post_process=True, pg_collection=groups)
+    mark_tp_params(model)
+    return {name: p.detach() for name, p in megatron_params(model).items()}
+
+
+_SOLO = None
+
+
+def _copy_full_weights(model: Any, spec: Any, hf: dict[str, Any], full: dict[str, torch.Tensor]) -> None:
+    """This rank's shards of ``full`` (global names, TP=1 layout) into ``model``; vocabulary rows padded
+    for TP beyond the real vocabulary are zero, as :func:`load_hf` makes them."""
+    rank, tp = tp_info()
+    with torch.no_grad():
+        for name, param in megatron_params(model).items():
+            source = full["embedding.word_embeddings.weight" if _tied_copy(spec, hf, name) else name]
+            if name in VOCAB_PARAMS:
+                rows = param.shape[0] * tp
+                source = source[: min(rows, int(hf["vocab_size"]))]
+                source = torch.cat([source, source.new_zeros(rows - source.shape[0], *source.shape[1:])])
+            param.copy_(shard(name, param, source, rank, tp))
 
 
 def mark_tp_params(model: Any) -> None:
