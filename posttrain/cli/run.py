@@ -34,6 +34,9 @@ def run(config: Path = typer.Argument(None, help="run config (YAML); optional wi
     overrides = list(overrides or [])
     if config is None and resume is None:
         raise UsageError("give a CONFIG to run, or --resume RUN_DIR")
+    if resume is not None and config is not None and "=" in config.name and not config.is_file():
+        overrides.insert(0, str(config))  # `--resume RUN_DIR key=value`: an override, not a config file
+        config = None
     if smoke:
         overrides.append("rollout.num_rollouts=2")
     if resume is not None:

@@ -231,7 +231,9 @@ class LocalRanks(_Ranks):
         if not self.broken:
             self._send(list(self.conns), ("__exit__", (), {}))
         for proc in self.procs:
-            stop_process(proc, grace_s=0.1 if self.broken else 10.0)
+            if self.broken and proc.poll() is None:  # may be stuck in a collective with the dead rank
+                os.killpg(proc.pid, signal.SIGKILL)
+            stop_process(proc, grace_s=10.0)
         for conn in self.conns.values():
             conn.close()
         self.closed = True
@@ -240,11 +242,14 @@ class LocalRanks(_Ranks):
 class RankActor:
     """A trainer rank as a Ray actor; its output goes to ``log_path`` (on its node)."""
 
-    def __init__(self, log_path: str):
+    def __init__(self, rank: int, log_path: str):
+        import ray
+
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
+        print(f"trainer rank {rank} on Ray node {ray.get_runtime_context().get_node_id()}", flush=True)
         self.role = None
 
     def rendezvous(self) -> tuple[str, int]:
@@ -277,7 +282,7 @@ class RayRanks(_Ranks):
         self.actors = [ray.remote(RankActor).options(
             num_cpus=1, num_gpus=gpus_per_rank,
             scheduling_strategy=InGroup(placement_group, placement_group_bundle_index=r // procs_per_node),
-        ).remote(self.logs[r]) for r in range(world)]
+        ).remote(r, self.logs[r]) for r in range(world)]
         self.refs: dict[int, Any] = {}
         self._gone: dict[int, str] = {}
         try:
