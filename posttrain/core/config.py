@@ -248,14 +248,37 @@ class ResourcesConfig:
 
     executor: Literal["local", "ray"] = option("local", help="local processes, or Ray actors")
     ray_address: str | None = option(None, help="an existing Ray cluster; default starts a local one")
-    trainer_nodes: int = option(1, ge=1)
+    trainer_nodes: int = option(1, ge=1, help="nodes of the trainer group (more than 1 needs executor: ray)")
     trainer_gpus_per_node: int = option(
         0, ge=0, help="GPUs of the trainer (it trains on CUDA whenever CUDA is there); engines on `cuda` start "
                       "after them unless colocated")
+    trainer_procs_per_node: int | None = option(
+        None, ge=1, help="trainer ranks per node (one process each); default: trainer_gpus_per_node on GPUs, 1 "
+                         "on CPU. World size = trainer_nodes x this; DP = world / (TP x PP x CP)")
     rollout_gpus: int = option(0, ge=0)
     gpus_per_engine: int = option(1, ge=1)
     num_engines: int = option(1, ge=1)
     colocate: bool = option(False, help="trainer and engines share GPUs (engine memory released while training)")
+
+    @property
+    def procs_per_node(self) -> int:
+        """Trainer ranks per node, the default resolved."""
+        return self.trainer_procs_per_node or max(1, self.trainer_gpus_per_node)
+
+    @property
+    def trainer_world_size(self) -> int:
+        """Ranks of the trainer group: ``trainer_nodes x procs_per_node``."""
+        return self.trainer_nodes * self.procs_per_node
+
+    def validate(self) -> list[str]:
+        errors = []
+        if self.trainer_nodes > 1 and self.executor != "ray":
+            errors.append(f"trainer_nodes: {self.trainer_nodes} nodes need resources.executor: ray "
+                          f"(the local executor runs on this machine only)")
+        if self.trainer_gpus_per_node and self.procs_per_node > self.trainer_gpus_per_node:
+            errors.append(f"trainer_procs_per_node: {self.procs_per_node} ranks per node but "
+                          f"trainer_gpus_per_node is {self.trainer_gpus_per_node} (one rank per GPU)")
+        return errors
 
 
 @dataclass
@@ -368,9 +391,6 @@ class RunConfig:
             errors.append(f"rollout.weight_sync: distributed (NCCL) cannot join two processes on one GPU, and the "
                           f"trainer and an engine share cuda:{shared[0]}; use tensor (CUDA IPC), disk or auto, or "
                           f"put the engines on other GPUs (resources.trainer_gpus_per_node, rollout.engine)")
-        if self.resources.trainer_nodes > 1:
-            errors.append("resources.trainer_nodes: a trainer on several nodes needs the trainer group "
-                          "(not in this version); use 1")
         return errors
 
     def weight_sync_mode(self) -> str:

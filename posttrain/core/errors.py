@@ -25,6 +25,13 @@ class ConfigError(UsageError):
         super().__init__(head + ":\n" + "\n".join(f"  {e}" for e in self.errors))
 
 
+class RunFailed(UsageError):
+    """The run cannot go on (a trainer rank died): not a user mistake, but reported the same way, one line
+    naming what failed and where its log is, exit code 1; ``rl-cli run --resume`` continues the run."""
+
+    exit_code = 1
+
+
 class PluginError(UsageError):
     """A plugin could not be loaded or registered (duplicate name, import failure, bad hook)."""
 

@@ -1,6 +1,8 @@
-"""Where the roles run. ``local``: the trainer in this process and engine servers as child processes
-(fastest start, easiest to debug). ``ray``: the same role classes as Ray actors, each rebuilding its plugin
-manager from the installed entry points. The loop talks to both through the same methods."""
+"""Where the roles run. ``local``: the trainer in this process (or, as a group of ranks, in child
+processes) and engine servers as child processes (fastest start, easiest to debug). ``ray``: the same role
+classes as Ray actors, each rebuilding its plugin manager from the installed entry points; a trainer group
+is one actor per rank on a placement group (a bundle per node, several nodes through
+``resources.ray_address``). The loop talks to all of them through the same methods."""
 
 from __future__ import annotations
 
@@ -9,17 +11,25 @@ from typing import Any
 
 from posttrain.core.actors.engines import EngineRole
 from posttrain.core.actors.teacher import TeacherRole
+from posttrain.core.errors import UsageError
 from posttrain.core.actors.trainer import TrainerRole
+from posttrain.core.actors.trainer_group import LocalRanks, RayRanks, TrainerGroup
 
 
 class LocalExecutor:
-    """Roles as plain objects in this process (the engines' servers are still their own processes)."""
+    """Roles as plain objects in this process (the engines' servers are still their own processes); a
+    trainer of several ranks as child processes (:class:`~posttrain.core.actors.trainer_group.LocalRanks`)."""
 
     def __init__(self, cfg: Any, **load_args: list[str]):
         self.cfg, self.load_args = cfg, load_args  # load_plugins() arguments: every role rebuilds the same set
 
-    def trainer(self) -> TrainerRole:
-        return TrainerRole(self.cfg.to_dict(), self.load_args)
+    def trainer(self, log_dir: str | Path = "logs") -> TrainerRole | TrainerGroup:
+        r = self.cfg.resources
+        if r.trainer_world_size == 1:  # in this process: no start-up or pickling cost
+            return TrainerRole(self.cfg.to_dict(), self.load_args)
+        self._ranks = LocalRanks(r.trainer_world_size, r.procs_per_node, self.cfg.to_dict(), self.load_args,
+                                 log_dir)
+        return TrainerGroup(self._ranks)
 
     def engines(self, model_path: str, log_dir: Path) -> EngineRole:
         return EngineRole(self.cfg.to_dict(), model_path, str(log_dir), self.load_args)
@@ -28,7 +38,8 @@ class LocalExecutor:
         return TeacherRole(self.cfg.to_dict(), str(log_dir), self.load_args)
 
     def close(self) -> None:
-        pass
+        if getattr(self, "_ranks", None) is not None:  # also when the run failed before the loop could close it
+            self._ranks.close()
 
 
 class RayExecutor:
@@ -40,25 +51,61 @@ class RayExecutor:
 
         self.cfg, self.load_args = cfg, load_args
         r = cfg.resources
-        if not ray.is_initialized():
-            ray.init(address=r.ray_address, include_dashboard=False, log_to_driver=False,
-                     configure_logging=False, **({} if r.ray_address else {"num_cpus": max(2, _cpus())}))
+        if not ray.is_initialized():  # a local instance needs a CPU per rank and one for the engine role
+            ray.init(address=r.ray_address, include_dashboard=False, log_to_driver=False, configure_logging=False,
+                     **({} if r.ray_address else {"num_cpus": max(2, _cpus(), r.trainer_world_size + 1)}))
         self._actors: list[Any] = []
+        self._groups: list[Any] = []  # placement groups
+        self._trainer_group = None
 
-    def _actor(self, cls: type, *args: Any, num_gpus: float = 0) -> _RemoteHandle:
+    def _actor(self, cls: type, *args: Any, num_gpus: float = 0, strategy: Any = None) -> _RemoteHandle:
         import ray
 
-        actor = ray.remote(cls).options(num_cpus=1, num_gpus=num_gpus, max_concurrency=2).remote(*args)
+        options = {"scheduling_strategy": strategy} if strategy is not None else {}
+        actor = ray.remote(cls).options(num_cpus=1, num_gpus=num_gpus, max_concurrency=2, **options).remote(*args)
         self._actors.append(actor)
         return _RemoteHandle(actor)
 
-    def trainer(self) -> _RemoteHandle:
+    def _placement(self, bundles: list[dict[str, float]], strategy: str, what: str, timeout_s: float = 120.0) -> Any:
+        import ray
+        from ray.util.placement_group import placement_group
+
+        group = placement_group(bundles, strategy=strategy)
+        self._groups.append(group)
+        ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+        if not ready:
+            raise UsageError(f"resources: the Ray cluster has no room for the {what} ({strategy} over {bundles}) "
+                             f"after {timeout_s:.0f} s; it has {ray.available_resources()}")
+        return group
+
+    def trainer(self, log_dir: str | Path = "logs") -> _RemoteHandle | TrainerGroup:
         r = self.cfg.resources
-        return self._actor(TrainerRole, self.cfg.to_dict(), self.load_args, num_gpus=r.trainer_gpus_per_node)
+        if r.trainer_world_size == 1:
+            return self._actor(TrainerRole, self.cfg.to_dict(), self.load_args, num_gpus=r.trainer_gpus_per_node)
+        gpus = 1 if r.trainer_gpus_per_node else 0
+        bundles = [{"CPU": float(r.procs_per_node), **({"GPU": float(r.procs_per_node)} if gpus else {})}
+                   for _ in range(r.trainer_nodes)]
+        if r.colocate:  # the engine role's actor shares node 0's bundle
+            bundles[0]["CPU"] += 1
+        self._trainer_group = self._placement(bundles, "STRICT_SPREAD" if r.trainer_nodes > 1 else "PACK",
+                                              "trainer's placement group")
+        ranks = RayRanks(r.trainer_world_size, r.procs_per_node, self.cfg.to_dict(), self.load_args, log_dir,
+                         self._trainer_group, gpus_per_rank=gpus)
+        self._actors += ranks.actors
+        return TrainerGroup(ranks)
 
     def engines(self, model_path: str, log_dir: Path) -> _RemoteHandle:
+        r = self.cfg.resources
+        strategy = None
+        if self._trainer_group is not None:  # a trainer group: the engines get their own bundle (or node 0's)
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            group = self._trainer_group if r.colocate else self._placement(
+                [{"CPU": 1.0, **({"GPU": float(r.rollout_gpus)} if r.rollout_gpus else {})}], "PACK",
+                "engines' placement group")
+            strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
         return self._actor(EngineRole, self.cfg.to_dict(), model_path, str(log_dir), self.load_args,
-                           num_gpus=self.cfg.resources.rollout_gpus)
+                           num_gpus=0 if r.colocate and strategy is not None else r.rollout_gpus, strategy=strategy)
 
     def teacher(self, log_dir: Path) -> _RemoteHandle:
         """The teacher's fleet in an actor of its own (GPU engines name their device: ``cuda:N``)."""
@@ -66,10 +113,14 @@ class RayExecutor:
 
     def close(self) -> None:
         import ray
+        from ray.util.placement_group import remove_placement_group
 
         for actor in self._actors:
             ray.kill(actor)
         self._actors.clear()
+        for group in self._groups:
+            remove_placement_group(group)
+        self._groups.clear()
         ray.shutdown()
 
 

@@ -50,7 +50,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         stack.callback(executor.close)
         # -- roles: the trainer builds the model; engines start from its weights as an HF checkpoint
         phase("model")
-        trainer = executor.trainer()
+        trainer = executor.trainer(run.logs)  # one rank in this process, or a group of ranks
         init_dir = trainer.save_hf(str(run.path / "hf-init"))
         ckpt = run.latest_checkpoint() if resume else None
         if ckpt is not None:  # another model's checkpoint is refused before any engine starts

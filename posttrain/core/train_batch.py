@@ -68,6 +68,16 @@ class TrainBatch:
                 kw[f.name] = v[start:end, :width]
         return replace(self, **kw)
 
+    def take(self, index: list[int]) -> "TrainBatch":
+        """Samples ``index`` (rows, in that order), trimmed to their longest length: a data-parallel share."""
+        rows = torch.as_tensor(index, dtype=torch.long)
+        width = int(self.lengths[rows].max())
+        kw = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            kw[f.name] = None if v is None else v[rows] if f.name == "lengths" else v[rows, :width]
+        return replace(self, **kw)
+
     def to(self, device: Any) -> "TrainBatch":
         return replace(self, **{f.name: (getattr(self, f.name).to(device) if getattr(self, f.name) is not None
                                          else None) for f in fields(self)})

@@ -1,6 +1,8 @@
 """The trainer role: the policy (and critic, for estimators that need one) built by the selected trainer
 backend, its loss, and the trainer side of weight sync. Lives in the driver (local executor) or in a Ray
-actor (ray executor)."""
+actor (ray executor) when the trainer is one rank; in each rank of a
+:class:`~posttrain.core.actors.trainer_group.TrainerGroup` otherwise, where every rank runs every call
+(the backend's collectives need them all) and global rank 0 alone talks to the engines."""
 
 from __future__ import annotations
 
@@ -39,6 +41,10 @@ class TrainerRole:
                        if getattr(estimator, "needs_critic", False) else None)
         self.sender = None
         self.api_key: str | None = None
+        import torch.distributed as dist
+
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.replica = getattr(self.policy, "dp_rank", 0)  # data-parallel replica: replicas hold the same weights
 
     # ---------------------------------------------------------------- forward passes
     def log_probs(self, batch: Any, weights: str | None = None, with_entropy: bool = False) -> Any:
@@ -74,8 +80,13 @@ class TrainerRole:
 
     # ---------------------------------------------------------------- weights out
     def save_hf(self, out_dir: str) -> str:
-        """An HF checkpoint of the current policy (engines start from it), tokenizer included."""
+        """An HF checkpoint of the current policy (engines start from it), tokenizer included. In a group,
+        data-parallel replica 0 gathers the shards (a collective over its ranks) and rank 0 writes."""
+        if self.replica != 0:  # the other replicas hold the same weights
+            return str(out_dir)
         self.policy.save_hf(out_dir)
+        if self.rank != 0:
+            return str(out_dir)
         tokenizer = self.spec.config.tokenizer
         if tokenizer == "char" and not (Path(out_dir) / "tokenizer.json").exists():
             from posttrain.testing.tiny import make_tokenizer
@@ -95,6 +106,8 @@ class TrainerRole:
         from posttrain.core.rollout.weight_sync import WeightSender
 
         self.api_key = api_key or self.api_key
+        if self.rank != 0:  # one sender: global rank 0 (the other ranks help gather the shards)
+            return
         if self.sender is not None:
             self._leave_group()
         if backend is None:
@@ -113,34 +126,60 @@ class TrainerRole:
     def push_weights(self, version: int, disk_dir: str | None = None) -> float:
         """New weights to the engines under their HF names, by ``rollout.weight_sync``: ``distributed``
         broadcasts buckets over the group, ``tensor`` hands colocated engines CUDA IPC handles bucket by
-        bucket, ``disk`` writes an HF checkpoint to ``disk_dir`` that the engines load. Seconds taken."""
+        bucket, ``disk`` writes an HF checkpoint to ``disk_dir`` that the engines load. Seconds taken.
+
+        In a group, the ranks of data-parallel replica 0 gather each bucket from their TP shards and PP
+        stages (``export_hf``, one bucket in memory at a time) and rank 0 sends it.
+        """
         import time
 
         start = time.perf_counter()
+        if self.replica != 0:
+            return 0.0
         bucket = int(self.cfg.rollout.weight_bucket_mb * (1 << 20))
         mode = self.weight_sync
         if mode == "disk":
             self.save_hf(disk_dir)
-            self.sender.update_from_disk(disk_dir, version=version)
-        elif mode == "tensor":
-            for named in self.policy.export_hf(bucket):  # every bucket sets the same version (idempotent)
-                self.sender.update_from_tensors(named, version=version)
+            if self.rank == 0:
+                self.sender.update_from_disk(disk_dir, version=version)
+        elif mode == "tensor":  # every bucket sets the same version (idempotent)
+            self._each_bucket(self.policy.export_hf(bucket),
+                              lambda named: self.sender.update_from_tensors(named, version=version))
         else:
-            self.sender.send(self.policy.export_hf(bucket), version=version)
+            self._each_bucket(self.policy.export_hf(bucket), lambda named: self.sender.send([named], version=version))
         if self.cfg.rollout.check_weights:
             self.check_weights(version)
         return time.perf_counter() - start
 
     def check_weights(self, version: int) -> None:
         """``rollout.check_weights``: every engine must hold what was just pushed; raises
-        :class:`~posttrain.core.rollout.weight_check.WeightMismatch` naming the first differing tensor."""
+        :class:`~posttrain.core.rollout.weight_check.WeightMismatch` naming the first differing tensor. In a
+        group every rank of replica 0 gathers the weights (a collective: the whole model once, a test
+        setting), rank 0 compares."""
         from posttrain.core.rollout.weight_check import WeightMismatch
 
         bucket = int(self.cfg.rollout.weight_bucket_mb * (1 << 20))
+        buckets = list(self.policy.export_hf(bucket))
+        if self.rank != 0:
+            return
         for url in self.sender.engine_urls:
-            problem = self.engine_backend.check_weights(url, self.api_key, self.policy.export_hf(bucket))
+            problem = self.engine_backend.check_weights(url, self.api_key, iter(buckets))
             if problem is not None:
                 raise WeightMismatch(f"rollout.check_weights: engine {url} after push {version}: {problem}")
+
+    def _each_bucket(self, buckets: Any, send: Any) -> None:
+        """``send(bucket)`` on rank 0 for every bucket. Every rank walks every bucket even after a failed
+        send, because gathering a bucket is a collective over the ranks holding its shards: a rank that
+        stopped early would leave the others waiting. The first failure is raised at the end."""
+        error = None
+        for named in buckets:
+            if self.rank == 0 and error is None:
+                try:
+                    send(named)
+                except RuntimeError as exc:
+                    error = exc
+        if error is not None:
+            raise error
 
     def release_memory(self) -> None:
         """Return cached, unused GPU memory to the driver (colocated engines resume into it)."""

@@ -191,3 +191,36 @@ def test_values_an_engine_cannot_run_are_refused_before_start(write, plugins):
     assert len(err.value.errors) == len(bad)
     ok = load_config(write("c.yaml", GOOD), ["rollout.top_k=1", "rollout.temperature=0", "trainer.lr=1e-5"], plugins)
     assert ok.rollout.top_k == 1 and ok.rollout.temperature == 0.0
+
+
+def test_trainer_world_size_from_nodes_and_procs(write, plugins):
+    cfg = load_config(write("c.yaml", GOOD), ["resources.executor=ray", "resources.trainer_nodes=2",
+                                              "resources.trainer_procs_per_node=3", "trainer.backend.tp=3"], plugins)
+    assert cfg.resources.trainer_world_size == 6
+    assert load_config(write("c.yaml", GOOD), plugins=plugins).resources.trainer_world_size == 1  # CPU default
+    gpus = load_config(write("c.yaml", GOOD), ["resources.trainer_gpus_per_node=4"], plugins)
+    assert gpus.resources.trainer_world_size == 4  # a rank per GPU
+
+
+def test_trainer_group_layout_mistakes_name_their_keys(write, plugins):
+    """The backend's layout mistakes at once, before anything starts: world % (tp*pp*cp), CP on CPU, PP
+    without packing; and the resources' own: several nodes without Ray, more ranks than GPUs."""
+    with pytest.raises(ConfigError) as info:
+        load_config(write("c.yaml", GOOD), ["resources.trainer_procs_per_node=3", "trainer.backend.tp=2",
+                                            "trainer.backend.pp=2", "trainer.backend.sequence_packing=false",
+                                            "trainer.backend.cp=2"], plugins)
+    errors = info.value.errors
+    assert "trainer.backend: world size 3 (resources.trainer_nodes 1 x resources.trainer_procs_per_node 3) is not " \
+           "a multiple of trainer.backend.tp x pp x cp = 2 x 2 x 2 = 8" in errors
+    assert any(e.startswith("trainer.backend.cp: context parallelism runs on GPUs only") for e in errors)
+    assert any(e.startswith("trainer.backend.pp: pipeline parallelism (2 stages) needs "
+                            "trainer.backend.sequence_packing: true") for e in errors)
+    assert len(errors) == 3, errors
+    with pytest.raises(ConfigError) as info:
+        load_config(write("c.yaml", GOOD), ["resources.trainer_nodes=2", "resources.trainer_gpus_per_node=1",
+                                            "resources.trainer_procs_per_node=2"], plugins)
+    assert [e.split(":")[0] for e in info.value.errors] == ["resources.trainer_nodes", "resources.trainer_procs_per_node"]
+    assert "2 nodes need resources.executor: ray" in info.value.errors[0]
+    assert "2 ranks per node but trainer_gpus_per_node is 1" in info.value.errors[1]
+    with pytest.raises(ConfigError, match="trainer.global_batch_size: 8 samples cannot be split over 16"):
+        load_config(write("c.yaml", GOOD), ["resources.trainer_procs_per_node=16"], plugins)

@@ -65,8 +65,9 @@ def test_model_parallel_equals_tp1(tiny_ckpts, tmp_path, megatron_tp1, mode):
 
 @pytest.mark.slow
 def test_data_parallel_step_equals_the_full_batch_step(tiny_ckpts, tmp_path, megatron_tp1):
-    """Two DP ranks with half the batch each take the same step as one process with all of it
-    (the loss is normalized by the global token count, gradients summed over DP)."""
+    """Two DP ranks, each given the whole batch and taking its share (balanced by tokens), compute the same
+    log-probs and take the same step as one process (the loss is normalized by the global token count,
+    gradients summed over DP, metrics reduced over DP)."""
     hf_dir = tiny_ckpts("qwen3")
     _torchrun(str(hf_dir), str(tmp_path / "dp.pt"), str(tmp_path / "unused"), "dp")
     dp = torch.load(tmp_path / "dp.pt")
@@ -74,6 +75,7 @@ def test_data_parallel_step_equals_the_full_batch_step(tiny_ckpts, tmp_path, meg
                                                                        global_batch_size=4))
     batch = tp_batch()
     batch.old_log_probs = trainer.log_probs(batch)[0]
+    assert (dp["lp"] - batch.old_log_probs).abs().max() < 1e-6, "shares' log-probs gathered in sample order"
     metrics = trainer.train_step(batch, local_loss)
     assert dp["loss"] == pytest.approx(metrics["loss"], abs=1e-6)
     assert dp["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4)

@@ -3,7 +3,8 @@
 usage: tp_worker.py HF_DIR OUT_FILE CKPT_DIR [dp|pp|kept]
        tp_worker.py - OUT_FILE - init-tp|init-pp|init-pp-tied
 
-With ``pp``: TP=1, PP=2 (one layer per stage) instead of TP=2. With ``kept``: TP=2 with ``log_probs_recompute=False``. With ``dp``: TP=1 and data parallelism over the two processes instead, each rank taking half the batch.
+With ``pp``: TP=1, PP=2 (one layer per stage) instead of TP=2. With ``kept``: TP=2 with ``log_probs_recompute=False``. With ``dp``: TP=1 and data parallelism over the two processes instead, each rank given the whole batch
+and taking its share (balanced by tokens).
 With ``init-*``: no checkpoint; the weights seeded initialization draws (seed 3) at TP=2 or PP=2 (tied
 embeddings with ``-tied``), exported as HF tensors (``last_stage_output`` is the last stage's tied copy).
 """
@@ -57,17 +58,15 @@ def data_parallel(hf_dir: str, out_file: str) -> None:
     from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
     from train_helpers import local_loss, spec_for, tp_batch, trainer_configs
 
-    trainer = MegatronTrainer(spec_for("qwen3", hf_dir),
-                              **trainer_configs(lr=1e-3, micro_batch_size=1, global_batch_size=2))
-    rank = dist.get_rank()
-    batch = tp_batch().select(2 * rank, 2 * rank + 2)
-    batch.old_log_probs = trainer.log_probs(batch)[0]
-    metrics = trainer.train_step(batch, local_loss)
+    trainer = MegatronTrainer(spec_for("qwen3", hf_dir), **trainer_configs(lr=1e-3, micro_batch_size=1,
+                                                                           global_batch_size=4))
+    batch = tp_batch()  # every rank gets the whole batch and takes its replica's share
+    batch.old_log_probs = trainer.log_probs(batch)[0]  # gathered back: [4, T] on every rank
+    metrics = trainer.train_step(batch, local_loss)  # reduced over DP: the whole step's
     exported = {k: v.clone() for bucket in trainer.export_hf(1 << 20) for k, v in bucket}
-    losses = [None, None]
-    dist.all_gather_object(losses, metrics["loss"])
-    if rank == 0:
-        torch.save({"params": exported, "loss": sum(losses), "grad_norm": metrics["grad_norm"]}, out_file)
+    if dist.get_rank() == 0:
+        torch.save({"params": exported, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+                    "lp": batch.old_log_probs}, out_file)
     dist.barrier()
     dist.destroy_process_group()
 

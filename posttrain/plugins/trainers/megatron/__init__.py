@@ -36,6 +36,7 @@ class MegatronBackend(TrainerBackend):
     class Config:
         tp: int = option(1, ge=1, help="tensor-parallel size")
         pp: int = option(1, ge=1, help="pipeline-parallel size (needs sequence_packing; actor only)")
+        cp: int = option(1, ge=1, help="context-parallel size (GPUs with Transformer Engine only)")
         attention: Literal["auto", "sdpa", "local", "te"] = option(
             "auto", help="core attention: auto = TE if installed on GPU, else SDPA")
         compile: bool = option(False, help="torch.compile each transformer layer (fuses norms, SwiGLU, rotary)")
@@ -62,11 +63,33 @@ class MegatronBackend(TrainerBackend):
             return []
 
     def check_config(self, run: Any, plugins: Any) -> list[str]:
+        errors = []
         spec = plugins.models.get(run.model.name) if run.model else None
         if spec is not None and not hasattr(spec, "transformer_config"):
-            return [f"trainer.backend: model {run.model.name!r} has no Megatron mapping (a DenseGPTSpec or "
-                    f"a spec with transformer_config/layer_spec)"]
-        return []
+            errors.append(f"trainer.backend: model {run.model.name!r} has no Megatron mapping (a DenseGPTSpec or "
+                          f"a spec with transformer_config/layer_spec)")
+        c, r = self.config, run.resources
+        world, model_parallel = r.trainer_world_size, c.tp * c.pp * c.cp
+        if world % model_parallel:
+            errors.append(f"trainer.backend: world size {world} (resources.trainer_nodes {r.trainer_nodes} x "
+                          f"resources.trainer_procs_per_node {r.procs_per_node}) is not a multiple of "
+                          f"trainer.backend.tp x pp x cp = {c.tp} x {c.pp} x {c.cp} = {model_parallel}")
+        elif run.trainer.global_batch_size < world // model_parallel:
+            errors.append(f"trainer.global_batch_size: {run.trainer.global_batch_size} samples cannot be split "
+                          f"over {world // model_parallel} data-parallel ranks")
+        if c.pp > 1 and not c.sequence_packing:
+            errors.append(f"trainer.backend.pp: pipeline parallelism ({c.pp} stages) needs "
+                          f"trainer.backend.sequence_packing: true")
+        if c.pp > 1 and c.attention == "local":
+            errors.append("trainer.backend.pp: pipeline parallelism needs a packed-sequence attention "
+                          "(trainer.backend.attention: auto, sdpa or te), not local")
+        if c.cp > 1 and not r.trainer_gpus_per_node:
+            errors.append("trainer.backend.cp: context parallelism runs on GPUs only "
+                          "(resources.trainer_gpus_per_node is 0)")
+        elif c.cp > 1:
+            errors.append("trainer.backend.cp: context parallelism needs Transformer Engine's attention and "
+                          "CP-split batches, which this trainer does not do yet; use tp and pp")
+        return errors
 
     def build(self, spec: Any, run: Any, role: str = "actor", seed: int = 0) -> Any:
         from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer

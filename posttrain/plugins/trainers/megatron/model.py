@@ -41,8 +41,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0) -> None:
-    """torch.distributed from the torchrun environment (or a one-process group) + Megatron parallel state."""
+def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0, cp: int = 1) -> None:
+    """torch.distributed from the torchrun (or trainer group) environment, else a one-process group, +
+    Megatron parallel state: TP x CP x DP x PP, rank order ``tp-cp-ep-dp-pp`` (TP fastest)."""
     from megatron.core import parallel_state
 
     cpu_shims.install()
@@ -56,14 +57,15 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0) -> None:
                                 rank=rank, world_size=world)
     if parallel_state.model_parallel_is_initialized():
         have = (parallel_state.get_tensor_model_parallel_world_size(),
-                parallel_state.get_pipeline_model_parallel_world_size())
-        if have != (tp, pp):
-            raise UsageError(f"model parallelism already initialized as tp={have[0]} pp={have[1]}, "
-                             f"asked for tp={tp} pp={pp}")
+                parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_context_parallel_world_size())
+        if have != (tp, pp, cp):
+            raise UsageError(f"model parallelism already initialized as tp={have[0]} pp={have[1]} cp={have[2]}, "
+                             f"asked for tp={tp} pp={pp} cp={cp}")
     else:
-        if dist.get_world_size() % (tp * pp):
-            raise UsageError(f"world size {dist.get_world_size()} is not a multiple of tp*pp={tp * pp}")
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        if dist.get_world_size() % (tp * pp * cp):
+            raise UsageError(f"world size {dist.get_world_size()} is not a multiple of tp*pp*cp={tp * pp * cp}")
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                 context_parallel_size=cp)
     cpu_shims.init_rng(seed)
 
 
@@ -136,20 +138,22 @@ def build_gpt(spec: Any, hf: dict[str, Any], *, dtype: str = "float32", attentio
 
     _, tp = tp_info()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
+    cp = parallel_state.get_context_parallel_world_size()
     if hf["num_hidden_layers"] % pp:
         raise UsageError(f"pp={pp} does not divide the {hf['num_hidden_layers']} layers")
     torch_dtype = DTYPES[dtype]
     kwargs = spec.transformer_config(hf)
-    kwargs.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, params_dtype=torch_dtype,
-                  pipeline_dtype=torch_dtype,
+    kwargs.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+                  params_dtype=torch_dtype, pipeline_dtype=torch_dtype,
                   bf16=torch_dtype == torch.bfloat16, fp16=torch_dtype == torch.float16,
                   use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=False)
     if pp > 1:  # packed micro-batches differ in length: stages exchange shapes before activations
         kwargs.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
                       batch_p2p_comm=torch.cuda.is_available())  # gloo: plain isend/irecv
     kwargs.update(transformer_overrides or {})
+    layer_spec = spec.layer_spec(hf, core_attention_for(attention))
     config = TransformerConfig(**kwargs)
-    model = GPTModel(config=config, transformer_layer_spec=spec.layer_spec(hf, core_attention_for(attention)),
+    model = GPTModel(config=config, transformer_layer_spec=layer_spec,
                      vocab_size=spec.padded_vocab_size(hf, tp), **spec.gpt_model_kwargs(hf),
                      pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage())

@@ -16,8 +16,9 @@ in the loss's own mode with the same global counts.
 
 Parallelism: TP shards inside every layer; PP (``trainer.backend.pp``) splits the layers into stages run by
 Megatron's 1F1B schedule (packed micro-batches; results are broadcast from the last stage, so every
-rank returns the same tensors); ranks beyond ``tp * pp`` are data-parallel (each rank passes its own
-share of the samples; losses are normalized by the global token count, gradients summed over DP).
+rank returns the same tensors); ranks beyond ``tp * pp`` are data-parallel: every rank is passed the
+whole batch and takes its replica's share, balanced by token count (:mod:`.data_parallel`); losses are
+normalized by the global token count, gradients summed over DP, results gathered back in sample order.
 
 On CPU: a torch AdamW (fp32 master weights for bf16/fp16 parameters) and our own grad clipping. On GPU: Megatron's DDP and
 (distributed) optimizer. The reference policy is a CPU copy of the initial weights, swapped in for
@@ -37,7 +38,7 @@ import torch.distributed as dist
 from posttrain.core.errors import UsageError
 from posttrain.core.losses import total_loss
 from posttrain.core.trainer_backend import lr_at
-from posttrain.plugins.trainers.megatron import checkpoint, grads, pipeline
+from posttrain.plugins.trainers.megatron import checkpoint, data_parallel, grads, pipeline
 from posttrain.plugins.trainers.megatron import model as M
 from posttrain.core.train_batch import TrainBatch, pack
 from posttrain.plugins.trainers.megatron.logprobs import vocab_parallel_log_probs
@@ -71,7 +72,7 @@ class MegatronTrainer:
 
             use_deterministic_kernels()
             overrides["transformer"].setdefault("deterministic_mode", True)
-        M.init_parallel(self.backend.tp, self.backend.pp, seed=seed)
+        M.init_parallel(self.backend.tp, self.backend.pp, seed=seed, cp=self.backend.cp)
         self.tp_rank, self.tp_size = M.tp_info()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         has_ckpt = bool(spec.config.path) and load_weights
@@ -130,6 +131,11 @@ class MegatronTrainer:
                              if any(p.dtype != torch.float32 for p in params) else None)
             self.optimizer = torch.optim.AdamW(self._masters or params, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2),
                                                eps=c.adam_eps, weight_decay=c.weight_decay)
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel replica (replicas hold the same weights)."""
+        return data_parallel.dp_rank_size()[0]
 
     @property
     def gpt(self) -> Any:
@@ -209,28 +215,29 @@ class MegatronTrainer:
         """``(log_probs [B, T], entropy [B, T] | None)`` (fp32, CPU), 0 at column 0 and past each length.
 
         ``weights="ref"`` (or any :meth:`snapshot` tag) computes them with those weights swapped in.
+        With DP, each replica computes its share and every rank returns the whole batch's.
         """
+        batch, index = data_parallel.share(whole := batch)
+        width = batch.tokens.shape[1]
         with self._weights(weights):
             self.model.eval()
             if M.pp_size() > 1:
                 results = pipeline.run(self, batch, train=False, with_entropy=with_entropy)
-                width = batch.tokens.shape[1]
-                lp = torch.cat([_pad(r["lp"], width) for r in results])
-                return lp, (torch.cat([_pad(r["ent"], width) for r in results]) if with_entropy else None)
-            lps, ents = [], []
-            width = batch.tokens.shape[1]
-            for mb in self._micro_batches(batch):
-                lp, ent = self._micro_log_probs(mb, with_entropy)
-                lps.append(_pad(lp, width))
-                ents.append(_pad(ent, width) if ent is not None else None)
-        return torch.cat(lps).cpu(), (torch.cat(ents).cpu() if with_entropy else None)
+                lps, ents = [r["lp"] for r in results], [r["ent"] for r in results]
+            else:
+                lps, ents = zip(*(self._micro_log_probs(mb, with_entropy) for mb in self._micro_batches(batch)))
+        lp = torch.cat([_pad(t, width) for t in lps]).cpu()
+        ent = torch.cat([_pad(t, width) for t in ents]).cpu() if with_entropy else None
+        return data_parallel.gather((lp, ent), index, whole)
 
     @torch.no_grad()
     def values(self, batch: TrainBatch) -> torch.Tensor:
-        """Critic values ``[B, T]`` (fp32, CPU) for ``role="critic"``."""
+        """Critic values ``[B, T]`` (fp32, CPU) for ``role="critic"`` (DP: as :meth:`log_probs`)."""
         self.model.eval()
-        width = batch.tokens.shape[1]
-        return torch.cat([_pad(self._micro_values(mb), width) for mb in self._micro_batches(batch)]).cpu()
+        part, index = data_parallel.share(batch)
+        width = part.tokens.shape[1]
+        values = torch.cat([_pad(self._micro_values(mb), width) for mb in self._micro_batches(part)]).cpu()
+        return data_parallel.gather((values,), index, batch)[0]
 
     # ------------------------------------------------------------------ weights snapshots (reference policy)
     def snapshot(self, tag: str) -> None:
@@ -276,6 +283,7 @@ class MegatronTrainer:
         from megatron.core import parallel_state
 
         c = self.config
+        batch, _ = data_parallel.share(batch)
         self.model.train()
         lr = lr_at(self.step, c)
         for group in self.optimizer.param_groups:
@@ -314,6 +322,7 @@ class MegatronTrainer:
                 totals[k] = totals.get(k, 0.0) + float(v) * (1.0 if k in SUMMED else len(mb) / len(batch))
         grad_norm = self._optimizer_step()
         self.step += 1
+        totals = data_parallel.reduce_metrics(totals, len(batch), global_seqs, SUMMED)
         totals.update(grad_norm=grad_norm, lr=lr)
         return totals
 
