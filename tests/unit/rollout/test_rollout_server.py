@@ -143,6 +143,7 @@ def _post_raw(url: str, body: bytes) -> tuple[int, dict]:
     (json.dumps({"input_ids": list(range(1, 100)) * 3}).encode(), "context length"),
     (json.dumps({"input_ids": [1, 100000]}).encode(), "outside the vocabulary"),
     (json.dumps({"text": "a", "input_ids": [1]}).encode(), "exactly one"),
+    (json.dumps({"input_ids": [1], "return_routed_experts": True}).encode(), "no MoE layers"),
 ])
 def test_bad_input_is_a_400_and_the_server_keeps_serving(engine_url, body, fragment):
     status, answer = _post_raw(engine_url, body)

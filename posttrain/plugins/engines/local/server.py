@@ -3,9 +3,11 @@
 ``rl-cli engine serve MODEL_DIR --port P`` runs :func:`serve`. Endpoints (same paths, bodies and
 answers as ``sglang.srt.entrypoints.http_server``):
 
-- ``POST /generate`` ``{text | input_ids, sampling_params, return_logprob, rid}`` (single or batched)
-  -> ``{text, output_ids, meta_info: {id, finish_reason, prompt_tokens, completion_tokens,
-  cached_tokens, weight_version, output_token_logprobs: [[logprob, token_id, null], ...]}}``
+- ``POST /generate`` ``{text | input_ids, sampling_params, return_logprob, rid, return_routed_experts}``
+  (single or batched) -> ``{text, output_ids, meta_info: {id, finish_reason, prompt_tokens,
+  completion_tokens, cached_tokens, weight_version, output_token_logprobs: [[logprob, token_id, null], ...],
+  routed_experts}}`` (``routed_experts``: MoE models, base64 int32 ``[prompt + output - 1, layers, top_k]``,
+  see ``engine.encode_routed_experts``)
 - ``GET /health``, ``GET /health_generate`` (runs a one-token generation), ``GET|POST /flush_cache``
 - ``POST /abort_request {rid, abort_all}``, ``POST /pause_generation {mode}``, ``POST /continue_generation``
 - ``GET /model_info`` (``/get_model_info``), ``GET /server_info`` (``/get_server_info``),
@@ -24,7 +26,9 @@ answered with HTTP 400 ``{"error": {"message": ...}}`` and the server keeps serv
 
 Where we differ from SGLang: a batched ``/generate`` whose one ``sampling_params`` has a ``sampling_seed``
 ``s`` seeds row ``j`` with ``s + j`` (SGLang seeds every row with ``s``, so identical prompts would give
-identical samples). Seeded runs send a group of samples as one request this way.
+identical samples). Seeded runs send a group of samples as one request this way. SGLang answers
+``return_routed_experts`` only when started with ``--enable-return-routed-experts``; this server always
+does for a MoE model (and answers 400 for a dense one).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ log = logging.getLogger("posttrain.engine")
 
 # GenerateReqInput fields: honoured here, or accepted when they carry their default (a router or client
 # may send them explicitly). Anything else is a 400.
-GENERATE_KEYS = {"text", "input_ids", "sampling_params", "return_logprob", "rid"}
+GENERATE_KEYS = {"text", "input_ids", "sampling_params", "return_logprob", "rid", "return_routed_experts"}
 DEFAULT_OK = {"stream": False, "logprob_start_len": -1, "top_logprobs_num": 0, "return_text_in_logprobs": False,
               "lora_path": None, "image_data": None, "audio_data": None, "video_data": None,
               "custom_logit_processor": None, "return_hidden_states": False, "bootstrap_host": None,
@@ -131,14 +135,15 @@ class EngineServer:
             raise BadRequest(f"the prompt has {len(ids)} tokens; the context length is {self.runner.context_length}")
         return ids
 
-    async def _run_one(self, ids: list[int], sampling, return_logprob: bool, rid: str | None) -> dict[str, Any]:
+    async def _run_one(self, ids: list[int], sampling, return_logprob: bool, rid: str | None,
+                       return_routed_experts: bool = False) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
         def done(result: dict[str, Any]) -> None:
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
 
-        rid = self.engine.submit(ids, sampling, return_logprob, done, rid=rid)
+        rid = self.engine.submit(ids, sampling, return_logprob, done, rid=rid, return_routed_experts=return_routed_experts)
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:  # the client went away: free the slot
@@ -171,6 +176,11 @@ class EngineServer:
         return_logprob = body.get("return_logprob", False)
         if not isinstance(return_logprob, bool):
             raise BadRequest("return_logprob: expected true or false")
+        routed = body.get("return_routed_experts", False)
+        if not isinstance(routed, bool):
+            raise BadRequest("return_routed_experts: expected true or false")
+        if routed and not self.runner.moe_top_k:
+            raise BadRequest("return_routed_experts: the model has no MoE layers")
         if self.released:
             raise BadRequest(f"engine memory is released ({', '.join(sorted(self.memory.released))}): "
                              "POST /resume_memory_occupation first")
@@ -185,7 +195,8 @@ class EngineServer:
             params = [dataclasses.replace(p, sampling_seed=p.sampling_seed + j) for j, p in enumerate(params)]
         prompts = [self._prompt(texts[i] if text is not None else None, ids_list[i] if input_ids is not None else None)
                    for i in range(n)]
-        outs = await asyncio.gather(*[self._run_one(p, s, return_logprob, r) for p, s, r in zip(prompts, params, rids)])
+        outs = await asyncio.gather(*[self._run_one(p, s, return_logprob, r, routed)
+                                      for p, s, r in zip(prompts, params, rids)])
         return web.json_response(outs if batched else outs[0])
 
     async def health(self, request: web.Request) -> web.Response:
