@@ -17,7 +17,11 @@ in the loss's own mode with the same global counts.
 Parallelism: TP shards inside every layer; PP (``trainer.backend.pp``) splits the layers into stages run by
 Megatron's 1F1B schedule (packed micro-batches; results are broadcast from the last stage, so every
 rank returns the same tensors); ranks beyond ``tp * pp`` are data-parallel (each rank passes its own
-share of the samples; losses are normalized by the global token count, gradients summed over DP).
+share of the samples; losses are normalized by the global token count, gradients summed over DP). MoE
+models (:mod:`~posttrain.plugins.trainers.megatron.moe`): EP (``trainer.backend.ep``) splits the experts
+over ``ep`` of the data-parallel ranks (their gradients summed over the expert-data-parallel ranks only);
+``trainer.backend.routing_replay`` routes with ``batch.routed_experts``; ``train_step`` adds
+``moe_aux_loss`` and ``moe_load_imbalance/layer_<l>``.
 
 On CPU: a torch AdamW (fp32 master weights for bf16/fp16 parameters) and our own grad clipping. On GPU: Megatron's DDP and
 (distributed) optimizer. The reference policy is a CPU copy of the initial weights, swapped in for
@@ -41,6 +45,7 @@ from posttrain.plugins.trainers.megatron import checkpoint, grads
 from posttrain.plugins.trainers.megatron import model as M
 from posttrain.core.train_batch import TrainBatch, pack
 from posttrain.plugins.trainers.megatron.logprobs import vocab_parallel_log_probs
+from posttrain.plugins.trainers.megatron.moe import MoERuntime, moe_overrides
 from posttrain.plugins.trainers.megatron.optim import use_fused_adam
 
 
@@ -61,12 +66,12 @@ class MegatronTrainer:
 
         self.spec, self.config = spec, config or TrainerConfig()
         self.backend = backend or MegatronBackend.Config()
-        self.role = role
+        self.role, self._packed = role, self.backend.sequence_packing and self.backend.attention != "local"
         self.max_response_len = max_response_len
         self.hf = spec.hf_config()
         self.dtype = spec.config.dtype
-        overrides = M.split_megatron_overrides(self.backend.megatron)
-        M.init_parallel(self.backend.tp, self.backend.pp, seed=seed)
+        overrides = M.split_megatron_overrides({**self.backend.megatron, **moe_overrides(self.backend)})
+        M.init_parallel(self.backend.tp, self.backend.pp, seed=seed, ep=self.backend.ep)
         self.tp_rank, self.tp_size = M.tp_info()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         has_ckpt = bool(spec.config.path) and load_weights
@@ -74,6 +79,7 @@ class MegatronTrainer:
                                  transformer_overrides=overrides["transformer"], init_weights=not has_ckpt)
         if has_ckpt:
             M.load_hf(self.model, spec, self.hf, spec.config.path)
+        self.moe = MoERuntime(self.model, self.backend.routing_replay, self._packed, self.device)
         if self.backend.compile:  # before DDP wrapping; graph breaks (packed cu_seqlens) are fine
             for layer in self.model.decoder.layers:
                 layer.forward = torch.compile(layer.forward)
@@ -157,7 +163,7 @@ class MegatronTrainer:
         tokens, lengths = mb.tokens.to(self.device), mb.lengths.to(self.device)
         width = tokens.shape[1]
         with self._hidden_only():
-            if self.backend.sequence_packing and self.backend.attention != "local":
+            if self._packed:
                 from megatron.core.packed_seq_params import PackedSeqParams
 
                 p = pack(tokens, lengths)
@@ -214,7 +220,8 @@ class MegatronTrainer:
             lps, ents = [], []
             width = batch.tokens.shape[1]
             for mb in self._micro_batches(batch):
-                lp, ent = self._micro_log_probs(mb, with_entropy)
+                with self.moe.replaying(mb):
+                    lp, ent = self._micro_log_probs(mb, with_entropy)
                 lps.append(_pad(lp, width))
                 ents.append(_pad(ent, width) if ent is not None else None)
         return torch.cat(lps).cpu(), (torch.cat(ents).cpu() if with_entropy else None)
@@ -251,15 +258,6 @@ class MegatronTrainer:
                     p.copy_(current[n])
 
     # ------------------------------------------------------------------ training
-    def _dp_sum(self, value: float) -> float:
-        from megatron.core import parallel_state
-
-        if parallel_state.get_data_parallel_world_size() == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
-        return float(t.item())
-
     def train_step(self, batch: TrainBatch, loss_fn: Callable[..., Any] | None = None, **loss_kwargs: Any,
                    ) -> dict[str, float]:
         """One optimizer step over ``batch`` (micro-batches of ``micro_batch_size``); returns mean metrics.
@@ -276,12 +274,12 @@ class MegatronTrainer:
             group["lr"] = lr
         if self.megatron_optimizer:
             self.model.zero_grad_buffer()
-        else:
-            for p in self._params():
-                p.grad = None
+        for p in ([] if self.megatron_optimizer else self._params()):
+            p.grad = None
         self.optimizer.zero_grad()
-        global_tokens = self._dp_sum(float(batch.response_mask.sum()))
-        global_seqs = self._dp_sum(float(len(batch)))
+        self.moe.start_stats()
+        global_tokens = grads.dp_sum(float(batch.response_mask.sum()), self.device)
+        global_seqs = grads.dp_sum(float(len(batch)), self.device)
         dp = parallel_state.get_data_parallel_world_size()
         # Megatron's DDP averages gradients over DP; the loss is already normalized by global counts.
         scale = dp if self.megatron_optimizer else 1.0
@@ -298,17 +296,18 @@ class MegatronTrainer:
                     totals[k] = totals.get(k, 0.0) + float(v) * (1.0 if k in SUMMED else size / len(batch))
         for mb in ([] if M.pp_size() > 1 else self._micro_batches(batch)):
             mb = mb.to(self.device)
-            if self.role == "critic":
-                loss, metrics = self._value_loss(mb, global_tokens)
-            else:
-                loss, metrics = self._policy_loss(mb, loss_fn, global_tokens, global_seqs, loss_kwargs)
-            (loss * scale).backward()
+            with self.moe.replaying(mb):  # MoE: the engine's experts, forward and backward (R3)
+                if self.role == "critic":
+                    loss, metrics = value_loss(self._micro_values(mb), mb, c.value_clip, global_tokens)
+                else:
+                    loss, metrics = self._policy_loss(mb, loss_fn, global_tokens, global_seqs, loss_kwargs)
+                (loss * scale).backward()
             totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())  # micro-batch losses sum to the batch's
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + float(v) * (1.0 if k in SUMMED else len(mb) / len(batch))
         grad_norm = self._optimizer_step()
         self.step += 1
-        totals.update(grad_norm=grad_norm, lr=lr)
+        totals.update(grad_norm=grad_norm, lr=lr, **self.moe.stats())
         return totals
 
     def _pipeline(self, batch: TrainBatch, *, train: bool, with_entropy: bool = False, loss_fn=None,
@@ -330,6 +329,8 @@ class MegatronTrainer:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator).to(self.device)
+            if self.moe.replay and mb.routed_experts is not None:  # cleared after the schedule
+                self.moe.set_targets(mb)
             p = pack(mb.tokens, mb.lengths)
             psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=p.cu_seqlens, cu_seqlens_kv=p.cu_seqlens,
                                   max_seqlen_q=p.max_len, max_seqlen_kv=p.max_len)
@@ -357,6 +358,7 @@ class MegatronTrainer:
             forward_step_func=forward_step, data_iterator=iter(micro), model=[self.model],
             num_microbatches=count, seq_length=max(int(mb.lengths.sum()) for mb in micro), micro_batch_size=1,
             forward_only=not train)
+        self.moe.clear()
         group = parallel_state.get_pipeline_model_parallel_group()
         box = [list(results) if parallel_state.is_pipeline_last_stage() else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, M.pp_size() - 1), group=group)
@@ -391,16 +393,6 @@ class MegatronTrainer:
         metrics.update({SUMMED_METRICS.get(k, k): v for k, v in terms.items() if k in SUMMED_METRICS})
         return loss, metrics
 
-    def _value_loss(self, mb: TrainBatch, global_tokens: float):
-        values = self._micro_values(mb)
-        returns, mask = mb.returns, mb.response_mask
-        loss_tok = (values - returns) ** 2
-        if self.config.value_clip and mb.old_values is not None:
-            clipped = mb.old_values + (values - mb.old_values).clamp(-self.config.value_clip, self.config.value_clip)
-            loss_tok = torch.maximum(loss_tok, (clipped - returns) ** 2)
-        loss = 0.5 * (loss_tok * mask).sum() / global_tokens
-        return loss, {"value_loss": float(loss.detach()) * global_tokens / max(1.0, float(mask.sum()))}
-
     def _optimizer_step(self) -> float:
         if self.megatron_optimizer:
             from megatron.core.distributed import finalize_model_grads
@@ -412,6 +404,7 @@ class MegatronTrainer:
                 self.head_optimizer.zero_grad()
             return float(grad_norm or 0.0)
         params = self._params()
+        self.moe.after_step()
         grads.dp_all_reduce(params)
         grads.tp_sum_partial(self.gpt, self.tp_size)
         grads.sum_tied_embedding(self.gpt, self.spec.tied(self.hf))
@@ -449,6 +442,18 @@ class MegatronTrainer:
     def load(self, ckpt_dir: str | Path) -> None:
         """Restore what :meth:`save` wrote (same spec; TP may differ for the model weights)."""
         checkpoint.load(self, ckpt_dir)
+
+
+def value_loss(values: torch.Tensor, mb: TrainBatch, value_clip: float, global_tokens: float):
+    """Critic loss ``0.5 * max((V - R)^2, (V_clip - R)^2)`` summed over ``mb``'s response tokens, over the
+    batch's ``global_tokens``; ``values`` ``[b, T]``. Returns ``(loss, {"value_loss": micro-batch token mean})``."""
+    returns, mask = mb.returns, mb.response_mask
+    loss_tok = (values - returns) ** 2
+    if value_clip and mb.old_values is not None:
+        clipped = mb.old_values + (values - mb.old_values).clamp(-value_clip, value_clip)
+        loss_tok = torch.maximum(loss_tok, (clipped - returns) ** 2)
+    loss = 0.5 * (loss_tok * mask).sum() / global_tokens
+    return loss, {"value_loss": float(loss.detach()) * global_tokens / max(1.0, float(mask.sum()))}
 
 
 def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
