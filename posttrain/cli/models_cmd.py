@@ -1,7 +1,7 @@
 """``rl-cli models``: model-spec families and presets, checkpoint conversion, conversion verification.
 
-``--tp N`` (N > 1) re-launches the command under ``torchrun --nproc_per_node N`` (gloo on CPU, NCCL on
-GPUs); rank 0 reports.
+``--tp N`` / ``--ep M`` (more than one rank) re-launch the command under ``torchrun --nproc_per_node N*M``
+(gloo on CPU, NCCL on GPUs; the M data-parallel replicas hold M expert shards); rank 0 reports.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ app = typer.Typer(help="Model specs: list families and presets, convert and veri
 
 SpecOption = typer.Option(None, "--spec", help="model spec name (default: chosen by config.json's model_type)")
 TPOption = typer.Option(1, "--tp", min=1, help="tensor-parallel size (N > 1 runs N processes)")
+EPOption = typer.Option(1, "--ep", min=1, help="expert-parallel size of MoE specs (runs tp*ep processes)")
 
 
 def _spec(plugins, name: str | None, hf_dir: str | None, dtype: str, path: str | None = None):
@@ -49,10 +50,10 @@ def _spec(plugins, name: str | None, hf_dir: str | None, dtype: str, path: str |
     return cls(cls.Config(path=path, dtype=dtype))
 
 
-def _relaunch(tp: int, result_file: str) -> int:
-    """Run this very command under torchrun with ``tp`` processes; rank 0 writes ``result_file``."""
+def _relaunch(ranks: int, result_file: str) -> int:
+    """Run this very command under torchrun with ``ranks`` processes; rank 0 writes ``result_file``."""
     argv = [a for a in sys.argv[1:]]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(tp), "--master_port",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
            str(_free_port()), "-m", "posttrain.cli.main", *argv, "--result-file", result_file]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -78,7 +79,8 @@ def _in_torchrun() -> bool:
 @app.command("list")
 def list_(as_json: bool = typer.Option(False, "--json", help="print JSON rows instead of a table"),
           plugin: list[str] = PluginFiles, disable: list[str] = Disabled) -> None:
-    """Model-spec families (with the HF model_type each accepts) and their preset shapes."""
+    """Model-spec families (with the HF model_type each accepts) and their preset shapes (MoE: FFN is
+    experts x width / experts per token, PARAMS total / active per token)."""
     from posttrain.core.model_spec import presets_table
 
     plugins = load(plugin, disable)
@@ -92,10 +94,17 @@ def list_(as_json: bool = typer.Option(False, "--json", help="print JSON rows in
         return
     table = Table("FAMILY", "HF MODEL_TYPE", "PRESET", "LAYERS", "HIDDEN", "HEADS/KV", "FFN", "VOCAB", "PARAMS",
                   box=None, pad_edge=False)
-    for r in rows:
+    for r in rows:  # MoE: FFN is experts x width / top-k, PARAMS total / active
+        ffn = r["experts"].replace(" top-", "/") if r["experts"] else str(r["ffn"])
+        params = _human(r["params"]) + (f"/{_human(r['active_params'])}" if r["experts"] else "")
         table.add_row(r["family"], r["model_types"], r["preset"], str(r["layers"]), str(r["hidden"]),
-                      f"{r['heads']}/{r['kv_heads']}", str(r["ffn"]), str(r["vocab"]), _human(r["params"]))
-    console.print(table)
+                      f"{r['heads']}/{r['kv_heads']}", ffn, str(r["vocab"]), params)
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    # rich gives a pipe 80 columns: print the table at its natural width rather than cut names and sizes
+    natural = Measurement.get(console, console.options.update(max_width=1000), table).maximum
+    Console(highlight=False, width=max(console.width, natural)).print(table)
 
 
 def _human(n: int) -> str:
@@ -107,7 +116,7 @@ def _human(n: int) -> str:
 
 @app.command()
 def verify(hf_dir: str = typer.Argument(..., help="HF checkpoint directory"), tp: int = TPOption,
-           spec: str = SpecOption, tolerance: float = typer.Option(1e-4, "--tolerance", help="max |logit diff|"),
+           ep: int = EPOption, spec: str = SpecOption, tolerance: float = typer.Option(1e-4, "--tolerance", help="max |logit diff|"),
            dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16"),
            attention: str = typer.Option("auto", "--attention", help="core attention: auto | sdpa | local | te"),
            seq_len: int = typer.Option(16, "--seq-len", min=2),
@@ -116,20 +125,22 @@ def verify(hf_dir: str = typer.Argument(..., help="HF checkpoint directory"), tp
     """Load HF_DIR into Megatron, compare logits with transformers on the same tokens: PASS or FAIL (exit 1)."""
     if not Path(hf_dir, "config.json").is_file():
         raise UsageError(f"{hf_dir}: not an HF checkpoint directory (no config.json)")
-    if tp > 1 and not _in_torchrun():
+    if tp * ep > 1 and not _in_torchrun():
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "result.json"
-            rc = _relaunch(tp, str(out))
+            rc = _relaunch(tp * ep, str(out))
             if not out.is_file():
-                raise UsageError(f"verify under torchrun (tp={tp}) failed with exit code {rc}; "
-                                 f"run it with `torchrun --nproc_per_node {tp} -m posttrain.cli.main ...` to see why")
-            _report(json.loads(out.read_text()), tp)
+                raise UsageError(f"verify under torchrun (tp={tp} ep={ep}) failed with exit code {rc}; run it with "
+                                 f"`torchrun --nproc_per_node {tp * ep} -m posttrain.cli.main ...` to see why")
+            _report(json.loads(out.read_text()), tp, ep)
         return
     from posttrain.plugins.trainers.megatron.convert import verify_checkpoint
     from posttrain.plugins.trainers.megatron.model import init_parallel
 
     model_spec = _spec(load(plugin, disable), spec, hf_dir, dtype, path=hf_dir)
-    init_parallel(tp, 1)
+    if ep > 1 and not hasattr(model_spec, "num_experts"):
+        raise UsageError(f"--ep {ep}: spec {model_spec.name!r} has no experts")
+    init_parallel(tp, 1, ep=ep)
     result = verify_checkpoint(model_spec, hf_dir, tolerance=tolerance, seq_len=seq_len, attention=attention)
     result["spec"] = model_spec.name
     import torch.distributed as dist
@@ -139,12 +150,12 @@ def verify(hf_dir: str = typer.Argument(..., help="HF checkpoint directory"), tp
     if result_file:
         Path(result_file).write_text(json.dumps(result))
         return
-    _report(result, tp)
+    _report(result, tp, ep)
 
 
-def _report(result: dict, tp: int) -> None:
+def _report(result: dict, tp: int, ep: int = 1) -> None:
     verdict = "[bold green]PASS[/]" if result["passed"] else "[bold red]FAIL[/]"
-    console.print(f"spec {result['spec']}  tp={tp}  max |logit diff| = {result['max_abs_diff']:.3e}  "
+    console.print(f"spec {result['spec']}  tp={tp}{f'  ep={ep}' if ep > 1 else ''}  max |logit diff| = {result['max_abs_diff']:.3e}  "
                   f"(tolerance {result['tolerance']:.0e})  HF->Megatron->HF: "
                   f"{'exact' if result['round_trip_exact'] else 'MISMATCH ' + ', '.join(result['round_trip_mismatches'][:3])}"
                   f"  {verdict}")

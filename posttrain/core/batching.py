@@ -38,9 +38,21 @@ def to_batch(samples: list[Sample]) -> tuple[TrainBatch, torch.Tensor, torch.Ten
             batch.response_mask[i, start:end] = torch.tensor(s.loss_mask, dtype=torch.float32)
         if s.rollout_log_probs is not None:
             rollout[i, start:end] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
+    batch.routed_experts = routed_experts(samples, batch.tokens.shape[1])
     rewards = torch.tensor([float(s.reward) for s in samples])
     group_index = torch.tensor([s.group_index for s in samples], dtype=torch.long)
     return batch, rewards, group_index, rollout
+
+
+def routed_experts(samples: list[Sample], width: int) -> torch.Tensor | None:
+    """``[B, width, L * k]`` int16 expert ids from every sample's ``rollout_routed_experts`` (-1 past each
+    sample's rows), or None unless every sample has them (a trainer then routes by itself)."""
+    if not samples or any(s.rollout_routed_experts is None for s in samples):
+        return None
+    out = torch.full((len(samples), width, samples[0].rollout_routed_experts.shape[-1]), -1, dtype=torch.int16)
+    for i, s in enumerate(samples):
+        out[i, : len(s.rollout_routed_experts)] = torch.from_numpy(s.rollout_routed_experts.astype("int16"))
+    return out
 
 
 def rollout_metrics(samples: list[Sample], weight_version: int) -> dict[str, float]:

@@ -188,16 +188,17 @@ class RolloutConfig:
             return "disk" if "disk" in modes else modes[0]
         return mode
 
-    def sampling_params(self, seed: int | None = None):
+    def sampling_params(self, seed: int | None = None, return_routed_experts: bool = False):
         """The run's :class:`~posttrain.core.types.SamplingParams`; ``seed`` (the run's) is kept only when
-        ``seed_sampling`` is on."""
+        ``seed_sampling`` is on; ``return_routed_experts`` when the trainer backend replays MoE routing."""
         from posttrain.core.types import SamplingParams
 
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                               max_new_tokens=self.max_new_tokens, stop=list(self.stop) or None,
                               stop_token_ids=list(self.stop_token_ids) or None,
                               seed=seed if self.seed_sampling else None,
-                              seed_rows=bool(getattr(getattr(self.engine, "cls", None), "seeds_batch_rows", False)))
+                              seed_rows=bool(getattr(getattr(self.engine, "cls", None), "seeds_batch_rows", False)),
+                              return_routed_experts=return_routed_experts)
 
 
 @dataclass

@@ -78,7 +78,8 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         generator = cfg.generator.create(plugins)
         estimator = cfg.estimator.create(plugins)
         filters = [f.create(plugins) for f in cfg.filters]
-        sampling = cfg.rollout.sampling_params(seed=cfg.seed)
+        sampling = cfg.rollout.sampling_params(seed=cfg.seed, return_routed_experts=cfg.trainer.backend.create(
+            plugins).needs_routed_experts)
         colocate = cfg.resources.colocate
         metrics_out = MetricsWriter(run.path, cfg.logging.tensorboard, cfg.logging.wandb,
                                     cfg.logging.wandb_project, cfg.to_dict())  # secrets redacted there

@@ -125,7 +125,8 @@ def spec_for_checkpoint(registry: Any, path: str | Path, **config: Any) -> Model
 
 
 def presets_table(specs: Iterable[type]) -> list[dict[str, Any]]:
-    """Rows ``{family, preset, layers, hidden, heads, kv_heads, ffn, vocab, params}`` for `rl-cli models list`."""
+    """Rows ``{family, preset, layers, hidden, heads, kv_heads, ffn, vocab, params, active_params}`` for
+    `rl-cli models list` (``ffn``: the dense MLP width; MoE presets add ``experts``, e.g. ``128x768 top-8``)."""
     rows = []
     for cls in specs:
         for preset, hf in cls.presets.items():
@@ -133,17 +134,42 @@ def presets_table(specs: Iterable[type]) -> list[dict[str, Any]]:
                          "hidden": hf["hidden_size"], "heads": hf["num_attention_heads"],
                          "kv_heads": hf.get("num_key_value_heads", hf["num_attention_heads"]),
                          "ffn": hf["intermediate_size"], "vocab": hf["vocab_size"],
-                         "params": count_params(hf, cls)})
+                         "experts": (f"{num_experts(hf)}x{hf['moe_intermediate_size']} top-{hf['num_experts_per_tok']}"
+                                     if num_experts(hf) else ""),
+                         "params": count_params(hf, cls), "active_params": count_params(hf, cls, active=True)})
     return rows
 
 
-def count_params(hf: dict[str, Any], cls: type | None = None) -> int:
-    """Parameter count of a dense decoder from its HF config (embeddings counted once when tied)."""
+def num_experts(hf: dict[str, Any]) -> int:
+    """Routed experts per MoE layer from an HF config (the families name the count differently), 0 if dense."""
+    return int(hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0)
+
+
+def moe_layer_flags(hf: dict[str, Any]) -> list[bool]:
+    """Per decoder layer, whether HF builds a MoE MLP there: not among the first ``first_k_dense_replace``
+    (GLM, DeepSeek), not in ``mlp_only_layers``, and on every ``decoder_sparse_step``-th layer (Qwen)."""
+    if not num_experts(hf):
+        return [False] * int(hf["num_hidden_layers"])
+    first = int(hf.get("first_k_dense_replace", 0) or 0)
+    step = int(hf.get("decoder_sparse_step", 1) or 1)
+    dense = set(hf.get("mlp_only_layers") or [])
+    return [i >= first and i not in dense and (i + 1) % step == 0 for i in range(int(hf["num_hidden_layers"]))]
+
+
+def count_params(hf: dict[str, Any], cls: type | None = None, active: bool = False) -> int:
+    """Parameter count of a decoder from its HF config (embeddings counted once when tied); MoE layers count
+    their router, every routed expert (``active``: the ``num_experts_per_tok`` a token uses) and shared
+    experts. Multi-token-prediction layers and biases are not counted."""
     h, layers, ffn, vocab = hf["hidden_size"], hf["num_hidden_layers"], hf["intermediate_size"], hf["vocab_size"]
     heads = hf["num_attention_heads"]
     groups = hf.get("num_key_value_heads", heads)
     hd = hf.get("head_dim") or h // heads
     attn = h * hd * (heads + 2 * groups) + heads * hd * h
-    per_layer = attn + 3 * h * ffn + 2 * h
+    moe = moe_layer_flags(hf)
+    experts = num_experts(hf)
+    used = int(hf.get("num_experts_per_tok", 0) or 0) if active else experts
+    moe_mlp = (3 * h * int(hf.get("moe_intermediate_size", 0) or 0) * (used + int(hf.get("n_shared_experts", 0) or 0))
+               + experts * h) if experts else 0
+    mlps = sum(moe_mlp if m else 3 * h * ffn for m in moe)
     embed = vocab * h * (1 if hf.get("tie_word_embeddings") else 2)
-    return layers * per_layer + embed + h
+    return layers * (attn + 2 * h) + mlps + embed + h

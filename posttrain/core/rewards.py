@@ -134,8 +134,8 @@ def _run_chunk(label: str, units: list) -> list[tuple[bool, Any]]:
 
 
 def _light(sample: Sample) -> Sample:
-    """A copy without the per-token float lists no reward needs (cheaper to pickle)."""
-    return dataclasses.replace(sample, rollout_log_probs=None, loss_mask=None)
+    """A copy without the per-token lists no reward needs (cheaper to pickle)."""
+    return dataclasses.replace(sample, rollout_log_probs=None, loss_mask=None, rollout_routed_experts=None)
 
 
 class RewardRunner:

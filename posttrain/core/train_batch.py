@@ -27,6 +27,9 @@ class TrainBatch:
     :ivar is_weights: ``[B, T]`` importance-sampling weights (rollout/training mismatch), or None.
     :ivar returns: ``[B, T]`` value targets for the critic, or None.
     :ivar old_values: ``[B, T]`` critic values at rollout time (value clipping), or None.
+    :ivar routed_experts: ``[B, T, L * k]`` int16, the engine's MoE expert ids of token ``t`` in each of the
+        ``L`` layers (``k`` per layer; -1 where the engine reported none: dense layers, each sample's last
+        token, padding), or None. A trainer that replays routing reads them (Sample.rollout_routed_experts).
     """
 
     tokens: torch.Tensor
@@ -38,6 +41,7 @@ class TrainBatch:
     is_weights: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None
 
     @classmethod
     def from_lists(cls, token_lists: list[list[int]], prompt_lengths: list[int], **per_token: Any) -> "TrainBatch":

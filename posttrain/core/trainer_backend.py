@@ -67,6 +67,12 @@ class TrainerBackend:
         reported with every other config error before anything starts. Default: none."""
         return []
 
+    @property
+    def needs_routed_experts(self) -> bool:
+        """Whether the backend replays the engines' MoE routing (``Sample.rollout_routed_experts``, asked of
+        the engines with ``return_routed_experts``). Default: no."""
+        return False
+
     def on_gpu(self) -> bool:
         """Whether the model trains on CUDA (weight sync then uses NCCL or CUDA IPC)."""
         import torch

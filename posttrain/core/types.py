@@ -35,7 +35,10 @@ class Sample:
     ``tokens`` holds prompt and response token ids together; the response is the last
     ``response_length`` of them. ``loss_mask`` and ``rollout_log_probs`` cover the response only
     (length ``response_length``): ``loss_mask`` is 1 on tokens the model generated and 0 on tokens
-    inserted by the environment (tool results in multi-turn rollouts).
+    inserted by the environment (tool results in multi-turn rollouts). ``rollout_routed_experts`` (MoE
+    models, when the trainer replays routing): the engine's expert ids, int32 ``[len(tokens) - 1, L * k]``
+    (row ``t``: token ``t`` in each of the ``L`` layers, ``k`` experts each, -1 where none), SGLang's
+    ``meta_info.routed_experts``.
     """
 
     prompt: str | list[dict[str, Any]]
@@ -46,6 +49,7 @@ class Sample:
     response_length: int = 0
     loss_mask: list[int] | None = None
     rollout_log_probs: list[float] | None = None
+    rollout_routed_experts: Any = None
     reward: float | None = None
     reward_parts: dict[str, float] = field(default_factory=dict)
     status: SampleStatus = SampleStatus.PENDING
@@ -68,7 +72,9 @@ class SamplingParams:
     sent as is: :meth:`for_sample` turns it into one ``sampling_seed`` per sample and turn, so every
     sample draws its own stream and a rerun draws the same ones. ``seed_rows``: the engines seed row
     ``j`` of a batched request with ``sampling_seed + j`` (posttrain's local engine does; SGLang does
-    not), so a seeded group can still go as one request (:meth:`for_group`).
+    not), so a seeded group can still go as one request (:meth:`for_group`). ``return_routed_experts``: a
+    request-level field (not a sampling parameter): generators add :meth:`request_fields` to each
+    ``/generate``, and the engines answer with the experts every token went to (MoE models).
     """
 
     temperature: float = 1.0
@@ -83,12 +89,18 @@ class SamplingParams:
     extra: dict[str, Any] = field(default_factory=dict)
     seed: int | None = None
     seed_rows: bool = False
+    return_routed_experts: bool = False
 
     def to_sglang(self) -> dict[str, Any]:
         """The JSON object SGLang's ``/generate`` takes as ``sampling_params`` (unseeded)."""
-        out = {k: v for k, v in vars(self).items() if k not in ("extra", "seed", "seed_rows") and v is not None}
+        skip = ("extra", "seed", "seed_rows", "return_routed_experts")
+        out = {k: v for k, v in vars(self).items() if k not in skip and v is not None}
         out.update(self.extra)
         return out
+
+    def request_fields(self) -> dict[str, Any]:
+        """Top-level ``/generate`` fields besides the prompt and ``sampling_params``."""
+        return {"return_routed_experts": True} if self.return_routed_experts else {}
 
     def for_sample(self, sample: Sample, turn: int = 0) -> dict[str, Any]:
         """:meth:`to_sglang` for one sample's ``turn``-th ``/generate``: with a run ``seed``, adds

@@ -21,7 +21,16 @@ CHAT_TEMPLATE = (
 )
 
 # family -> transformers config class name
-FAMILIES = {"qwen3": "Qwen3Config", "qwen2": "Qwen2Config", "llama": "LlamaConfig", "glm4": "Glm4Config"}
+FAMILIES = {"qwen3": "Qwen3Config", "qwen2": "Qwen2Config", "llama": "LlamaConfig", "glm4": "Glm4Config",
+            "qwen3_moe": "Qwen3MoeConfig", "glm4_moe": "Glm4MoeConfig"}
+# MoE families: 8 experts of width 32 (Qwen3-MoE: 4 per token; GLM: 2, a dense first layer, a shared
+# expert, sigmoid routing with a scaling factor, q/k norms): the spec presets named ``tiny`` have these shapes
+_MOE = {"qwen3_moe": dict(head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=4,
+                          norm_topk_prob=True),
+        "glm4_moe": dict(head_dim=16, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                         num_hidden_layers=3, first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1,
+                         routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
+                         partial_rotary_factor=0.5, rms_norm_eps=1e-5, num_nextn_predict_layers=0)}
 
 
 def make_tokenizer(out_dir: str | Path | None = None):
@@ -59,6 +68,7 @@ def tiny_config(family: str = "qwen3", **overrides: Any):
         kwargs["head_dim"] = 16
     if family == "glm4":  # half-dim interleaved rotary, q/k/v bias, sandwich norms (the glm4 spec's tiny preset)
         kwargs.update(partial_rotary_factor=0.5, attention_bias=True, rms_norm_eps=1e-5)
+    kwargs.update(_MOE.get(family, {}))
     kwargs.update(overrides)
     return getattr(transformers, FAMILIES[family])(**kwargs)
 
@@ -74,6 +84,10 @@ def make_tiny_checkpoint(out_dir: str | Path, family: str = "qwen3", seed: int =
     config = tiny_config(family, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    with torch.no_grad():  # HF starts GLM's expert bias at 0: a random one makes a test see its mapping
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.05)
     model.save_pretrained(str(out), safe_serialization=True)
     make_tokenizer(out)
     return out

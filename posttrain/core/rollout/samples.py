@@ -55,10 +55,34 @@ def finish_type(response: dict[str, Any]) -> str:
     return reason.get("type", "stop") if isinstance(reason, dict) else str(reason)
 
 
+def routed_experts(response: dict[str, Any], rows: int) -> Any:
+    """SGLang's ``meta_info.routed_experts`` (base64 int32, ``[tokens read, L, k]`` in C order) as an int32
+    array ``[rows, L * k]``: rows past the answer's (tokens the engine did not read, e.g. a tool result
+    appended after the last turn) are -1; None when the answer has none."""
+    import base64
+
+    import numpy as np
+
+    raw = response.get("meta_info", {}).get("routed_experts")
+    if not raw:
+        return None
+    flat = np.frombuffer(base64.b64decode(raw), dtype=np.int32)
+    have = int(response["meta_info"].get("prompt_tokens", 0)) + int(response["meta_info"].get("completion_tokens", 0)) - 1
+    if have <= 0 or flat.size % have:
+        raise ValueError(f"routed_experts: {flat.size} ids do not split into {have} tokens")
+    out = np.full((rows, flat.size // have), -1, dtype=np.int32)
+    n = min(rows, have)
+    out[:n] = flat.reshape(have, -1)[:n]
+    return out
+
+
 def fill(sample: Sample, prompt: list[int], response_ids: list[int], mask: list[int], logprobs: list[float],
-         text: str, finish: str, weight_version: int) -> Sample:
-    """Write the rollout into ``sample`` (``tokens`` = prompt + response; mask/log-probs cover the response)."""
+         text: str, finish: str, weight_version: int, last_response: dict[str, Any] | None = None) -> Sample:
+    """Write the rollout into ``sample`` (``tokens`` = prompt + response; mask/log-probs cover the response).
+    ``last_response``: the last ``/generate`` answer, whose ``routed_experts`` (if any) cover the tokens."""
     sample.tokens = list(prompt) + list(response_ids)
+    if last_response is not None:
+        sample.rollout_routed_experts = routed_experts(last_response, len(sample.tokens) - 1)
     sample.response_length = len(response_ids)
     sample.response = text
     sample.loss_mask = list(mask)

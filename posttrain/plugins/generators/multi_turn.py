@@ -80,7 +80,7 @@ class MultiTurn:
         mask: list[int] = []
         lps: list[float] = []
         text = ""
-        finish, version = "stop", 0
+        finish, version, out = "stop", 0, None
         params = sampling.to_sglang()  # the seed, if any, is set per turn below
         stops = list(params.get("stop") or [])
         params["stop"] = stops + ["</tool_call>"] if "</tool_call>" not in stops else stops
@@ -92,7 +92,7 @@ class MultiTurn:
                 break
             seed = sampling.sampling_seed(sample, turn)
             seeded = {} if seed is None else {"sampling_seed": seed}
-            out = await engine.generate(input_ids=prompt + ids,
+            out = await engine.generate(input_ids=prompt + ids, **sampling.request_fields(),
                                         sampling_params={**params, **seeded, "max_new_tokens": budget})
             new_ids, new_lps = tokens_and_logprobs(out)
             ids += new_ids
@@ -116,7 +116,8 @@ class MultiTurn:
             text += tokenizer.decode(env_ids)
         sample.metadata.setdefault("turns", 0)
         sample.metadata["turns"] = turn + 1
-        return fill(sample, prompt, ids, mask, lps, text, finish, version)
+        # the last turn read every earlier token: its routed experts (if asked) cover the whole sample
+        return fill(sample, prompt, ids, mask, lps, text, finish, version, last_response=out)
 
 
 def _tool_callable(component):

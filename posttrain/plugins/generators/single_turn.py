@@ -40,18 +40,18 @@ class SingleTurn:
         def store(sample, prompt, out):
             ids, lps = tokens_and_logprobs(out)
             return fill(sample, prompt, ids, [1] * len(ids), lps or [0.0] * len(ids), out.get("text", ""),
-                        finish_type(out), weight_version_int(out))
+                        finish_type(out), weight_version_int(out), last_response=out)
 
         prompts = [prompt_ids(s, tokenizer, self.config.chat_template) for s in group]
         params = sampling.for_group(group) if self.config.batch_group and len(group) > 1 else None
         if params is not None:  # None: seeded on engines that cannot seed a batch by row
             outs = await engine.request("POST", "/generate", {"input_ids": prompts, "return_logprob": True,
-                                                              "sampling_params": params})
+                                                              "sampling_params": params, **sampling.request_fields()})
             return [store(s, p, o) for s, p, o in zip(group, prompts, outs)]
 
         async def one(sample, prompt):
             out = await engine.generate(input_ids=prompt, sampling_params=sampling.for_sample(sample),
-                                        return_logprob=True)
+                                        return_logprob=True, **sampling.request_fields())
             return store(sample, prompt, out)
 
         return list(await asyncio.gather(*[one(s, p) for s, p in zip(group, prompts)]))

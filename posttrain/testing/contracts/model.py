@@ -7,22 +7,34 @@ and ``to_hf`` must give back exactly the tensors it came from, covering every HF
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from posttrain.testing.contracts.common import ComponentContract
 
 
 def tiny_hf_state(spec):
-    """``(hf_config dict, {hf_name: tensor})`` of a random HF model built from the spec's tiny preset."""
+    """``(hf_config dict, {hf_name: tensor})`` of a random HF model built from the spec's tiny preset, as
+    its checkpoint holds them (``save_pretrained``: transformers 5 keeps MoE experts stacked in memory but
+    writes one tensor per expert, the hub layout specs map)."""
+    import tempfile
+
     import torch
     import transformers
+    from safetensors.torch import load_file
 
     hf = dict(type(spec).presets["tiny"])
     kwargs = {k: v for k, v in hf.items() if k not in ("model_type", "architectures", "torch_dtype")}
     config = transformers.AutoConfig.for_model(hf["model_type"], **kwargs)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = {k: v.detach() for k, v in model.state_dict().items() if not k.endswith("rotary_emb.inv_freq")}
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        saved = {}
+        for f in sorted(Path(tmp).glob("*.safetensors")):
+            saved.update(load_file(str(f)))
+    state = {k: v for k, v in saved.items() if not k.endswith("rotary_emb.inv_freq")}
     if hf.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
     return hf, state

@@ -151,6 +151,7 @@ def _post_raw(url: str, key: str | None, body: bytes, path: str = "/generate") -
     (json.dumps({"input_ids": [1, 2], "sampling_params": {"top_k": 2**63}}).encode(), "top_k"),
     (json.dumps({"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [2**64]}}).encode(), "stop_token_ids"),
     (b'{"input_ids": [1, 2], "sampling_params": {"top_p": Infinity}}', "top_p"),
+    (json.dumps({"input_ids": [1], "return_routed_experts": True}).encode(), "no MoE layers"),
 ])
 def test_bad_input_is_a_400_and_the_server_keeps_serving(engine_url, engine_key, body, fragment):
     status, answer = _post_raw(engine_url, engine_key, body)

@@ -55,10 +55,13 @@ def test_list_shows_families_and_presets():
     rows = json.loads(out.stdout)
     presets = {(r["family"], r["preset"]) for r in rows}
     for want in [("qwen3", "qwen3-1.7B"), ("qwen2", "qwen2.5-7B"), ("llama3", "llama3-8B"), ("glm4", "glm4-9B"),
-                 ("qwen3", "tiny")]:
+                 ("qwen3", "tiny"), ("qwen3_moe", "qwen3-30B-A3B"), ("qwen3_moe", "qwen3-235B-A22B"),
+                 ("glm4_moe", "glm4.5-air"), ("glm4_moe", "glm4.5"), ("qwen3_moe", "tiny"), ("glm4_moe", "tiny")]:
         assert want in presets
+    moe = next(r for r in rows if r["preset"] == "qwen3-30B-A3B")
+    assert moe["experts"] == "128x768 top-8" and 3.3e9 < moe["active_params"] < 3.4e9 < 30e9 < moe["params"]
     table = rl_cli("models", "list")
-    assert "qwen3-1.7B" in table.stdout and "HEADS/KV" in table.stdout
+    assert "qwen3-1.7B" in table.stdout and "HEADS/KV" in table.stdout and "glm4.5-air" in table.stdout
 
 
 def test_verify_passes_and_a_swapped_mapping_fails(tiny_ckpts, tmp_path):

@@ -22,7 +22,8 @@ from posttrain.core.rollout.backend import EngineBackend, EngineLaunch, EngineSl
 from posttrain.core.schema import option
 
 # HF architectures whose decoder layer the model runner knows (model_runner._project_qkv/_finish_layer)
-SERVED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Glm4ForCausalLM")
+SERVED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Glm4ForCausalLM",
+                        "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM")
 
 
 class LocalEngine(EngineBackend):

@@ -91,6 +91,8 @@ class Request:
     text_cut: int | None = None  # char offset of a matched stop string (trimmed unless no_stop_trim)
     error: str | None = None  # this request alone broke a step (the server answers HTTP 400)
     created: float = field(default_factory=time.monotonic)
+    return_routed_experts: bool = False
+    routed: list[Any] = field(default_factory=list)  # device tensors [rows, L, k]: the prompt's, then one per step
 
 
 class LocalEngine:
@@ -119,12 +121,16 @@ class LocalEngine:
 
     # -- public, any thread ---------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], sampling: RequestSampling, return_logprob: bool,
-               on_done: Callable[[dict[str, Any]], None], rid: str | None = None, logprob_start_len: int = -1) -> str:
+               on_done: Callable[[dict[str, Any]], None], rid: str | None = None, logprob_start_len: int = -1,
+               return_routed_experts: bool = False) -> str:
         """Queue a request; ``on_done`` gets SGLang's answer. ``logprob_start_len >= 0`` (with
         ``return_logprob``) also scores the prompt's tokens from that position (``input_token_logprobs``);
-        with ``max_new_tokens: 0`` that is all the request does (a teacher scoring a sample)."""
+        with ``max_new_tokens: 0`` that is all the request does (a teacher scoring a sample).
+        ``return_routed_experts`` (MoE models): ``meta_info.routed_experts`` holds the expert ids of every
+        token the model read."""
         rid = rid or uuid.uuid4().hex
-        req = Request(rid, list(prompt_ids), sampling, return_logprob, on_done, logprob_start_len)
+        req = Request(rid, list(prompt_ids), sampling, return_logprob, on_done, logprob_start_len,
+                      return_routed_experts=return_routed_experts)
         self._inbox.put(req)
         self._wake.set()
         return rid
@@ -254,13 +260,17 @@ class LocalEngine:
             return
         t0 = time.perf_counter()
         starts = [r.logprob_start_len if self._scores_input(r) else None for r in batch]
+        routing = None
         try:
             logits, scored = self.runner.prefill_scored([r.slot for r in batch], [r.prompt_ids for r in batch], starts)
-        except Exception:  # find the request that fails alone
+            routing = self.runner.routed_experts  # [n, P, L, k] (MoE models)
+        except Exception:  # find the request that fails alone (its prompt's routing is not kept)
             batch, logits, scored = self._prefill_each(batch, starts)
         generating, rows = [], []
         for row, (req, input_logprobs) in enumerate(zip(batch, scored)):
             req.input_logprobs = input_logprobs
+            if req.return_routed_experts and routing is not None:
+                req.routed.append(routing[row, : len(req.prompt_ids)])
             if req.sampling.max_new_tokens == 0:  # scored only: done after the prefill
                 req.finish = {"type": "length", "length": 0}
                 self._complete(req)
@@ -295,6 +305,7 @@ class LocalEngine:
         device = self.runner.device
         both = torch.tensor([tokens, positions], device=device)  # [2, nb]: one host-to-device copy
         logits = self.runner.decode(both[0], both[1], max_position=max(positions))
+        self._keep_routing(slots, reqs)
         if len(slots) != nb:  # idle slots below the highest busy one: keep the busy rows only
             logits = logits[torch.tensor(slots, device=device)]
         t1 = time.perf_counter()
@@ -302,6 +313,19 @@ class LocalEngine:
         t2 = time.perf_counter()
         self._advance(*sampled)
         self.stats.add_decode(len(reqs), t0, t1, t2, time.perf_counter())
+
+    def _keep_routing(self, slots: list[int], reqs: list[Request]) -> None:
+        """Copy this decode step's expert ids (``[nb, L, k]``, overwritten by the next step) for the
+        requests that asked for them: one gather on the device, no host sync."""
+        import torch
+
+        routing = self.runner.routed_experts
+        wanted = [i for i, req in enumerate(reqs) if req.return_routed_experts]
+        if routing is None or not wanted:
+            return
+        rows = routing.index_select(0, torch.tensor([slots[i] for i in wanted], device=routing.device))
+        for j, i in enumerate(wanted):
+            reqs[i].routed.append(rows[j: j + 1])
 
     def _sample(self, reqs: list[Request], logits) -> tuple[list[int], list[float]]:
         """Sample a token per request from ``logits`` ``[len(reqs), V]``; return tokens and log-probs as
@@ -409,6 +433,9 @@ class LocalEngine:
             "weight_version": self.weight_version,
             "e2e_latency": time.monotonic() - req.created,
         }
+        if req.return_routed_experts and req.routed:
+            meta["routed_experts"] = encode_routed_experts(req.routed)
+        req.routed = []
         if req.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)]
             meta["input_token_logprobs"] = self._input_logprobs(req)
@@ -429,3 +456,13 @@ class LocalEngine:
             return []
         ids = req.prompt_ids[req.logprob_start_len:]
         return [[None, ids[0], None]] + [[lp, t, None] for lp, t in zip(req.input_logprobs, ids[1:])]
+
+def encode_routed_experts(rows: list[Any]) -> str:
+    """SGLang's ``meta_info.routed_experts``: base64 of an int32 array ``[prompt + output - 1, L, k]`` in C
+    order (every token the model read: the prompt, then each generated token but the last; ``L`` all
+    decoder layers, -1 in dense ones). Decode with ``np.frombuffer(b64decode(s), np.int32).reshape(-1, L, k)``."""
+    import base64
+
+    import torch
+
+    return base64.b64encode(torch.cat(rows).to(device="cpu", dtype=torch.int32).contiguous().numpy().tobytes()).decode("ascii")

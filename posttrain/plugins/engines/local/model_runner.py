@@ -35,6 +35,7 @@ Decode levers (constructor arguments, defaults are the safe baseline; ``bench/ro
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -66,18 +67,74 @@ def _project_qkv(layer, h, cos, sin, rope):
     return q, k, v
 
 
+def _rotary_of(model):
+    """The checkpoint's own ``apply_rotary_pos_emb(q, k, cos, sin)`` (from its modeling module): GLM's
+    rotate only part of each head (and dense GLM-4 interleaved pairs); Llama's is the fallback."""
+    import sys
+
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    return getattr(sys.modules.get(type(model).__module__), "apply_rotary_pos_emb", apply_rotary_pos_emb)
+
+
 def _finish_layer(layer, h, o):
     """The rest of a decoder layer: output projection, residual, post-attention norm, MLP, residual.
 
-    ``h`` ``[n, q, hidden]`` (the layer's input), ``o`` ``[n, H, q, D]`` (attention output) -> ``[n, q, hidden]``.
+    ``h`` ``[n, q, hidden]`` (the layer's input), ``o`` ``[n, H, q, D]`` (attention output) ->
+    ``(h [n, q, hidden], expert ids [n * q, k] or None)``: a MoE layer also returns the experts it routed
+    each token to (the routed-experts answer of ``return_routed_experts``).
     """
     n, q_len, _ = h.shape
     attn = layer.self_attn.o_proj(o.transpose(1, 2).reshape(n, q_len, -1))
     if hasattr(layer, "post_self_attn_layernorm"):  # GLM-4's sandwich norms after attention and the MLP
         h = h + layer.post_self_attn_layernorm(attn)
-        return h + layer.post_mlp_layernorm(layer.mlp(layer.post_attention_layernorm(h)))
+        y, experts = _mlp(layer.mlp, layer.post_attention_layernorm(h))
+        return h + layer.post_mlp_layernorm(y), experts
     h = h + attn
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    y, experts = _mlp(layer.mlp, layer.post_attention_layernorm(h))
+    return h + y, experts
+
+
+def _mlp(mlp, x):
+    """A dense MLP, or a HF MoE block run through its own parts so the routing is visible:
+    ``mlp.gate(x) -> (logits, weights [m, k], ids [m, k])``, ``mlp.experts(x, ids, weights)`` (HF's
+    ``grouped_mm`` implementation by default: experts' matmuls grouped by expert in one kernel, sorted
+    by expert with no host sync, so it can be captured in a CUDA graph), plus ungated shared experts
+    (GLM-4.5). The same sum as the block's own ``forward`` (Qwen3-MoE, GLM-4.5).
+    ``x`` ``[n, q, hidden]`` -> ``(y [n, q, hidden], ids [n * q, k] or None)``."""
+    if not hasattr(mlp, "experts"):
+        return mlp(x), None
+    flat = x.reshape(-1, x.shape[-1])
+    _, weights, ids = mlp.gate(flat)
+    y = mlp.experts(flat, ids, weights).reshape(x.shape)
+    if hasattr(mlp, "shared_experts"):
+        y = y + mlp.shared_experts(x)
+    return y, ids
+
+
+_CKPT_EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _weight_view(params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """The model tensor (or view) a checkpoint tensor ``name`` fills, or None.
+
+    transformers 5 keeps a MoE layer's experts stacked: ``experts.gate_up_proj [E, 2F, H]`` (gate rows,
+    then up rows) and ``experts.down_proj [E, H, F]``; checkpoints keep one tensor per expert. Expert
+    ``e``'s ``gate_proj`` is ``gate_up_proj[e, :F]``, its ``up_proj`` ``gate_up_proj[e, F:]``, its
+    ``down_proj`` ``down_proj[e]``."""
+    if name in params:
+        return params[name]
+    m = _CKPT_EXPERT.match(name)
+    if m is None:
+        return None
+    prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
+    stacked = params.get(f"{prefix}.{'down_proj' if kind == 'down_proj' else 'gate_up_proj'}")
+    if stacked is None or e >= stacked.shape[0]:
+        return None
+    if kind == "down_proj":
+        return stacked[e]
+    half = stacked.shape[1] // 2
+    return stacked[e, :half] if kind == "gate_proj" else stacked[e, half:]
 
 
 def _compiled(fn, mode: str):
@@ -147,16 +204,16 @@ class ModelRunner:
         self.num_kv_heads = cfg.num_key_value_heads
         self.scaling = attn.scaling
         self.vocab_size = cfg.vocab_size
+        # MoE: experts per token (0 for a dense model); ``routed_experts`` holds the last forward pass's
+        # expert ids, ``[n, P, L, k]`` after a prefill and ``[nb, L, k]`` after a decode (-1: dense layer)
+        self.moe_top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0) if any(
+            hasattr(layer.mlp, "experts") for layer in self.model.model.layers) else 0
+        self.routed_experts = None
+        self._step_routing = None
         # default: the model's maximum, capped so a long-context model does not allocate a huge cache
         self.context_length = int(context_length or min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT))
         self.max_slots = int(max_slots)
-        # the family's own rotary (GLM-4: half-dim, interleaved pairs); Llama's where a module has none
-        import importlib
-
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-        family = importlib.import_module(type(self.model).__module__)
-        self._rope = getattr(family, "apply_rotary_pos_emb", apply_rotary_pos_emb)
+        self._rope = _rotary_of(self.model)
         shape = (self.num_layers, self.max_slots, self.num_kv_heads, self.context_length, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -192,16 +249,21 @@ class ModelRunner:
         """Copy tensors into the model by HF name, all or nothing: every name, shape and dtype kind is
         checked before the first copy, so a bad update raises ``ValueError`` and leaves the weights as
         they were. ``require_all``: ``named`` must cover every tensor of the model (a checkpoint
-        directory). Returns the number of tensors copied."""
+        directory). Checkpoint names of MoE experts (``mlp.experts.<e>.{gate,up,down}_proj.weight``, what
+        trainers export and hub checkpoints hold) land in transformers' stacked expert tensors (see
+        :func:`_weight_view`); coverage then counts the stacked tensors as covered. Returns the number
+        of tensors copied."""
         params = self.named_weights()
-        problems = [f"unknown weight name {n!r}" for n in named if n not in params]
-        problems += [f"{n}: shape {tuple(t.shape)} does not match the model's {tuple(params[n].shape)}"
-                     for n, t in named.items() if n in params and tuple(t.shape) != tuple(params[n].shape)]
+        targets = {n: _weight_view(params, n) for n in named}
+        problems = [f"unknown weight name {n!r}" for n, v in targets.items() if v is None]
+        problems += [f"{n}: shape {tuple(t.shape)} does not match the model's {tuple(targets[n].shape)}"
+                     for n, t in named.items() if targets[n] is not None and tuple(t.shape) != tuple(targets[n].shape)]
         problems += [f"{n}: dtype {t.dtype} is not a floating-point type" for n, t in named.items()
-                     if n in params and not t.is_floating_point()]
+                     if targets[n] is not None and not t.is_floating_point()]
         if require_all:
             groups = self.required_weights()
-            missing = [names[0] for names in groups if not any(n in named for n in names)]
+            covered = {v.untyped_storage().data_ptr() for v in targets.values() if v is not None}
+            missing = [names[0] for names in groups if params[names[0]].untyped_storage().data_ptr() not in covered]
             if missing:
                 problems.append(f"covers {len(groups) - len(missing)} of {len(groups)} tensors of the model; "
                                 f"missing {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
@@ -209,7 +271,7 @@ class ModelRunner:
             more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
             raise ValueError("; ".join(problems[:3]) + more + "; no weight was changed")
         for name, tensor in named.items():
-            target = params[name]
+            target = targets[name]
             target.data.copy_(tensor.to(device=target.device, dtype=target.dtype))
         # In-place copies keep every parameter's storage, so captured graphs stay valid. (Dropping them
         # here and capturing again into the same memory pool trips an allocator assertion in PyTorch.)
@@ -259,12 +321,15 @@ class ModelRunner:
         slot_idx = torch.tensor(slots, dtype=torch.long, device=self.device)
         h = self.model.model.embed_tokens(ids)
         cos, sin = self.model.model.rotary_emb(h, positions)
+        routed = []
         for l, layer in enumerate(self.layers):
             q, k, v = _project_qkv(layer, h, cos, sin, self._rope)
             self.k_cache[l, slot_idx, :, :width] = k
             self.v_cache[l, slot_idx, :, :width] = v
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
-            h = _finish_layer(layer, h, o)
+            h, experts = _finish_layer(layer, h, o)
+            routed.append(experts)
+        self.routed_experts = self._stack_routing(routed, (n, width))
         last = h[torch.arange(n, device=self.device), lens - 1]
         scored = [None if s is None else self._token_logprobs(h[i, s:len(p) - 1], p[s + 1:])
                   for i, (p, s) in enumerate(zip(prompts, starts))]
@@ -287,31 +352,45 @@ class ModelRunner:
         ints); it saves a device-to-host sync per step that would stall the CPU until the GPU is idle.
         """
         need = (int(positions.max()) if max_position is None else int(max_position)) + 1
+        nb = tokens.shape[0]
         if self.cuda_graphs:
-            return self._decode_graphed(tokens, positions, need)
-        if self.compile:  # pad to the bucket: compiled code is specialized to its batch size
-            nb = tokens.shape[0]
-            bucket = self._bucket(nb)
-            if bucket > nb:
-                pad = tokens.new_zeros(bucket - nb)  # position 0 of idle slots nb..bucket-1, as graphs do
-                return self._decode_eager(torch.cat([tokens, pad]), torch.cat([positions, pad]), need)[:nb]
-        return self._decode_eager(tokens, positions, need)
+            logits, routing = self._decode_graphed(tokens, positions, need)
+        elif self.compile and self._bucket(nb) > nb:  # pad to the bucket: compiled code is specialized to its batch size
+            pad = tokens.new_zeros(self._bucket(nb) - nb)  # position 0 of idle slots nb..bucket-1, as graphs do
+            logits = self._decode_eager(torch.cat([tokens, pad]), torch.cat([positions, pad]), need)
+            routing = self._step_routing
+        else:
+            logits, routing = self._decode_eager(tokens, positions, need), self._step_routing
+        self.routed_experts = None if routing is None else routing[:nb]  # a view of a graph's static output:
+        return logits[:nb]  # read it before the next step
 
     def _decode_eager(self, tokens, positions, span: int):
         """The decode step over an attention window of ``span`` cache positions (``>= max(positions) + 1``;
-        positions past each slot's own are masked). ``tokens``/``positions`` ``[nb]`` -> logits ``[nb, V]``."""
+        positions past each slot's own are masked). ``tokens``/``positions`` ``[nb]`` -> logits ``[nb, V]``;
+        the step's expert ids ``[nb, L, k]`` int32 (or None) are left in ``_step_routing``."""
         nb = tokens.shape[0]
         rows = torch.arange(nb, device=self.device)
         h = self.model.model.embed_tokens(tokens[:, None])
         cos, sin = self.model.model.rotary_emb(h, positions[:, None])
         attend = self._decode_attention_fn(positions, span)
+        routed = []
         for l, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, h, cos, sin, self._rope)
             self.k_cache[l][rows, :, positions] = k[:, :, 0]
             self.v_cache[l][rows, :, positions] = v[:, :, 0]
             o = attend(q, self.k_cache[l, :nb, :, :span], self.v_cache[l, :nb, :, :span])
-            h = self._finish(layer, h, o)
+            h, experts = self._finish(layer, h, o)
+            routed.append(experts)
+        self._step_routing = self._stack_routing(routed, (nb,))
         return self.model.lm_head(self.model.model.norm(h[:, 0])).float()
+
+    def _stack_routing(self, routed: list, lead: tuple[int, ...]):
+        """Per-layer expert ids (``[m, k]`` or None for a dense layer) -> ``[*lead, L, k]`` int32, -1 for
+        dense layers (SGLang's layout of ``routed_experts``); None for a model without MoE layers."""
+        if self.moe_top_k == 0:
+            return None
+        dense = torch.full((*lead, self.moe_top_k), -1, dtype=torch.int32, device=self.device)
+        return torch.stack([dense if r is None else r.to(torch.int32).reshape(*lead, -1) for r in routed], dim=-2)
 
     def _decode_attention_fn(self, positions, span: int):
         """``attend(q [nb, H, 1, D], k, v [nb, Hkv, span, D]) -> [nb, H, 1, D]`` for this step, with its
@@ -395,7 +474,7 @@ class ModelRunner:
         if bucket > nb:
             static["positions"][nb:].zero_()
         graph.replay()
-        return static["logits"][:nb]
+        return static["logits"][:nb], static["routing"]
 
     def _capture(self, bucket: int, span: int) -> None:
         """Capture the decode step of ``bucket`` slots over ``span`` positions into ``self._graphs``."""
@@ -415,4 +494,5 @@ class ModelRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
             static["logits"] = self._decode_eager(static["tokens"], static["positions"], span)
+            static["routing"] = self._step_routing
         self._graphs[(bucket, span)] = (graph, static)

@@ -3,12 +3,14 @@
 ``rl-cli engine serve MODEL_DIR --port P`` runs :func:`serve`. Endpoints (same paths, bodies and
 answers as ``sglang.srt.entrypoints.http_server``):
 
-- ``POST /generate`` ``{text | input_ids, sampling_params, return_logprob, rid}`` (single or batched)
-  -> ``{text, output_ids, meta_info: {id, finish_reason, prompt_tokens, completion_tokens,
-  cached_tokens, weight_version, output_token_logprobs: [[logprob, token_id, null], ...]}}``; with
-  ``return_logprob`` and ``logprob_start_len: s >= 0`` also ``input_token_logprobs``: one
-  ``[logprob, token_id, null]`` per prompt token from position ``s`` on, the first with logprob null,
-  as SGLang answers (``max_new_tokens: 0`` only scores: a teacher's log-probs of a student's sample)
+- ``POST /generate`` ``{text | input_ids, sampling_params, return_logprob, rid, return_routed_experts}``
+  (single or batched) -> ``{text, output_ids, meta_info: {id, finish_reason, prompt_tokens,
+  completion_tokens, cached_tokens, weight_version, output_token_logprobs: [[logprob, token_id, null], ...],
+  routed_experts}}`` (``routed_experts``: MoE models, base64 int32 ``[prompt + output - 1, layers, top_k]``,
+  see ``engine.encode_routed_experts``); with ``return_logprob`` and ``logprob_start_len: s >= 0`` also
+  ``input_token_logprobs``: one ``[logprob, token_id, null]`` per prompt token from position ``s`` on, the
+  first with logprob null, as SGLang answers (``max_new_tokens: 0`` only scores: a teacher's log-probs of
+  a student's sample)
 - ``GET /health``, ``GET /health_generate`` (runs a one-token generation), ``GET|POST /flush_cache``
 - ``POST /abort_request {rid, abort_all}``, ``POST /pause_generation {mode}``, ``POST /continue_generation``
 - ``GET /model_info`` (``/get_model_info``), ``GET /server_info`` (``/get_server_info``),
@@ -35,7 +37,9 @@ A client that disconnects aborts its request.
 
 Where we differ from SGLang: a batched ``/generate`` whose one ``sampling_params`` has a ``sampling_seed``
 ``s`` seeds row ``j`` with ``s + j`` (SGLang seeds every row with ``s``, so identical prompts would give
-identical samples). Seeded runs send a group of samples as one request this way.
+identical samples). Seeded runs send a group of samples as one request this way. SGLang answers
+``return_routed_experts`` only when started with ``--enable-return-routed-experts``; this server always
+does for a MoE model (and answers 400 for a dense one).
 """
 
 from __future__ import annotations
@@ -59,7 +63,8 @@ log = logging.getLogger("posttrain.engine")
 
 # GenerateReqInput fields: honoured here, or accepted when they carry their default (a router or client
 # may send them explicitly). Anything else is a 400.
-GENERATE_KEYS = {"text", "input_ids", "sampling_params", "return_logprob", "rid", "logprob_start_len"}
+GENERATE_KEYS = {"text", "input_ids", "sampling_params", "return_logprob", "rid", "logprob_start_len",
+                 "return_routed_experts"}
 DEFAULT_OK = {"stream": False, "top_logprobs_num": 0, "return_text_in_logprobs": False,
               "lora_path": None, "image_data": None, "audio_data": None, "video_data": None,
               "custom_logit_processor": None, "return_hidden_states": False, "bootstrap_host": None,
@@ -182,14 +187,15 @@ class EngineServer:
         return values
 
     async def _run_one(self, ids: list[int], sampling, return_logprob: bool, rid: str | None,
-                       logprob_start_len: int = -1) -> dict[str, Any]:
+                       logprob_start_len: int = -1, return_routed_experts: bool = False) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
         def done(result: dict[str, Any]) -> None:
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
 
-        rid = self.engine.submit(ids, sampling, return_logprob, done, rid=rid, logprob_start_len=logprob_start_len)
+        rid = self.engine.submit(ids, sampling, return_logprob, done, rid=rid, logprob_start_len=logprob_start_len,
+                                 return_routed_experts=return_routed_experts)
         try:
             result = await asyncio.shield(fut)
         except asyncio.CancelledError:  # the client went away (or a sibling failed): free the slot
@@ -225,6 +231,11 @@ class EngineServer:
         return_logprob = body.get("return_logprob", False)
         if not isinstance(return_logprob, bool):
             raise BadRequest("return_logprob: expected true or false")
+        routed = body.get("return_routed_experts", False)
+        if not isinstance(routed, bool):
+            raise BadRequest("return_routed_experts: expected true or false")
+        if routed and not self.runner.moe_top_k:
+            raise BadRequest("return_routed_experts: the model has no MoE layers")
         if self.released:
             raise BadRequest(f"engine memory is released ({', '.join(sorted(self.memory.released))}): "
                              "POST /resume_memory_occupation first")
@@ -241,7 +252,7 @@ class EngineServer:
             lambda: [self._prompt(texts[i] if text is not None else None,
                                   ids_list[i] if input_ids is not None else None) for i in range(n)])
         starts = self._logprob_starts(body.get("logprob_start_len", -1), prompts)
-        runs = [asyncio.ensure_future(self._run_one(p, s, return_logprob, r, start))
+        runs = [asyncio.ensure_future(self._run_one(p, s, return_logprob, r, start, routed))
                 for p, s, r, start in zip(prompts, params, rids, starts)]
         try:
             outs = await asyncio.gather(*runs)

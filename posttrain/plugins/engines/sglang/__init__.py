@@ -23,7 +23,8 @@ class SGLangEngine(EngineBackend):
     (colocated) ``--enable-memory-saver`` itself.
 
     Seeded sampling needs ``args: {enable_deterministic_inference: true}``; seeded groups are then sent one
-    request per sample (SGLang seeds a whole batched request alike).
+    request per sample (SGLang seeds a whole batched request alike). Routing replay (MoE) needs
+    ``args: {enable_return_routed_experts: true}``: SGLang answers ``return_routed_experts`` only then.
     """
 
     name = "sglang"
@@ -36,8 +37,14 @@ class SGLangEngine(EngineBackend):
     def check_config(self, run: Any, plugins: Any) -> list[str]:
         from posttrain.plugins.engines.sglang.launcher import RESERVED
 
-        return [f"rollout.engine.args.{key}: set from the run config; remove it here" for key in self.config.args
-                if key.replace("-", "_") in RESERVED]
+        errors = [f"rollout.engine.args.{key}: set from the run config; remove it here" for key in self.config.args
+                  if key.replace("-", "_") in RESERVED]
+        backend = getattr(getattr(run, "trainer", None), "backend", None)
+        replay = backend is not None and getattr(backend.create(plugins), "needs_routed_experts", False)
+        if replay and not self.config.args.get("enable_return_routed_experts"):  # SGLang answers only then
+            errors.append("rollout.engine.args.enable_return_routed_experts: must be true when the trainer replays "
+                          "MoE routing (trainer.backend.routing_replay)")
+        return errors
 
     def on_gpu(self, resources: Any) -> bool:
         return True

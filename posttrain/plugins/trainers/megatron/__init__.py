@@ -3,12 +3,14 @@ Megatron's DDP and (distributed) optimizer on GPUs, dist-checkpointing, bit-exac
 
 Modules (none is imported here, so this entry module stays light):
 
-- ``spec``: ``DenseGPTSpec``, the Megatron mapping the built-in dense model specs implement;
+- ``spec``: ``DenseGPTSpec``, the Megatron mapping the built-in dense model specs implement; ``moe_spec``:
+  ``MoEGPTSpec``, its MoE subclass (router, experts per expert, shared experts, dense first layers);
 - ``cpu_shims``: the CPU stand-ins Megatron needs (inactive with CUDA);
 - ``model``: parallel init, ``build_gpt``, ``load_hf``, ``iter_hf``, ``save_hf``;
 - ``attention``: SDPA / flash-varlen core attention (GPU without TE, CPU, packed sequences);
 - ``layers``: GLM-4's post-norm wrappers; ``logprobs``: chunked vocab-parallel log-probs and entropy;
 - ``optim``: fused AdamW inside Megatron's optimizer; ``trainer``: ``MegatronTrainer`` (actor or critic);
+- ``moe``: routing replay (R3), load-balancing metrics and expert-bias updates of MoE models;
 - ``convert``: ``verify_checkpoint`` and HF <-> Megatron directory conversion (``rl-cli models``).
 """
 
@@ -23,7 +25,7 @@ from posttrain.core.trainer_backend import TrainerBackend
 
 
 class MegatronBackend(TrainerBackend):
-    """Megatron-core GPTModel with TP and PP, Megatron's DDP and (distributed) optimizer on GPUs.
+    """Megatron-core GPTModel with TP, PP and (MoE) EP, Megatron's DDP and (distributed) optimizer on GPUs.
 
     On CPU: a torch AdamW with fp32 master weights and our own clipping. The reference policy is a host
     copy of the initial weights. Without Transformer Engine, core attention is SDPA (flash ``varlen_attn``
@@ -37,6 +39,10 @@ class MegatronBackend(TrainerBackend):
         tp: int = option(1, ge=1, help="tensor-parallel size")
         pp: int = option(1, ge=1, help="pipeline-parallel size (needs sequence_packing; actor only)")
         cp: int = option(1, ge=1, help="context-parallel size (GPUs with Transformer Engine only)")
+        ep: int = option(1, ge=1, help="expert-parallel size (MoE models): experts split over ep of the data-parallel "
+                                       "ranks")
+        routing_replay: bool = option(False, help="MoE: the trainer's routers use the experts the engine chose (R3; "
+                                                  "the engines are asked for return_routed_experts)")
         attention: Literal["auto", "sdpa", "local", "te"] = option(
             "auto", help="core attention: auto = TE if installed on GPU, else SDPA")
         compile: bool = option(False, help="torch.compile each transformer layer (fuses norms, SwiGLU, rotary)")
@@ -62,18 +68,32 @@ class MegatronBackend(TrainerBackend):
                 return [str(exc).removeprefix("trainer.backend.")]
             return []
 
+    @property
+    def needs_routed_experts(self) -> bool:
+        return self.config.routing_replay
+
     def check_config(self, run: Any, plugins: Any) -> list[str]:
         errors = []
         spec = plugins.models.get(run.model.name) if run.model else None
         if spec is not None and not hasattr(spec, "transformer_config"):
             errors.append(f"trainer.backend: model {run.model.name!r} has no Megatron mapping (a DenseGPTSpec or "
                           f"a spec with transformer_config/layer_spec)")
+        moe = spec is not None and hasattr(spec, "num_experts")
+        errors += [f"trainer.backend.{key}: model {run.model.name!r} has no experts" for key, on in
+                   (("ep", self.config.ep > 1), ("routing_replay", self.config.routing_replay)) if on and not moe]
+        if moe and self.config.tp > 1:  # Megatron's MoE layer trains under TP only with sequence parallelism
+            errors.append("trainer.backend.tp: MoE models train with tp=1 here (Megatron's MoE layers need sequence "
+                          "parallelism with TP, which this trainer does not run); split the experts with "
+                          "trainer.backend.ep")
         c, r = self.config, run.resources
         world, model_parallel = r.trainer_world_size, c.tp * c.pp * c.cp
         if world % model_parallel:
             errors.append(f"trainer.backend: world size {world} (resources.trainer_nodes {r.trainer_nodes} x "
                           f"resources.trainer_procs_per_node {r.procs_per_node}) is not a multiple of "
                           f"trainer.backend.tp x pp x cp = {c.tp} x {c.pp} x {c.cp} = {model_parallel}")
+        elif (world // model_parallel) % c.ep:
+            errors.append(f"trainer.backend.ep: {c.ep} must divide the {world // model_parallel} data-parallel ranks "
+                          f"(Megatron carves expert groups out of them); run {model_parallel * c.ep} ranks or a multiple")
         elif run.trainer.global_batch_size < world // model_parallel:
             errors.append(f"trainer.global_batch_size: {run.trainer.global_batch_size} samples cannot be split "
                           f"over {world // model_parallel} data-parallel ranks")

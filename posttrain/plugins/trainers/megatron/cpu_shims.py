@@ -11,14 +11,60 @@ Found by trying it (DESIGN.md, "Training: Megatron-core"):
   ``tensor.cuda()`` before syncing the two stages' copies: on CPU, ``Tensor.cuda`` returns the tensor;
 - the pipeline schedules count tokens in ``torch.zeros(..., device="cuda")``: inside
   ``megatron.core.pipeline_parallel.schedules`` only, ``torch`` is a view of torch whose ``zeros`` maps
-  ``"cuda"`` to the CPU (needed for pipeline parallelism on CPU).
+  ``"cuda"`` to the CPU (needed for pipeline parallelism on CPU);
+- MoE's all-to-all token dispatcher makes a side ``torch.cuda.Stream`` for its device-to-host copies
+  of the token counts and waits on an event of it: on CPU the copies are no-ops (the counts already
+  are host tensors), so ``torch.cuda.Stream``/``current_stream``/``stream`` become inert stand-ins; and
+  its ``maybe_move_tensor_to_cpu(t, as_numpy=True)`` leaves a CPU tensor a tensor, which
+  ``all_to_all_single`` refuses as split sizes: inside the dispatcher module it returns the numpy array
+  a GPU run gets.
 
 :func:`install` is idempotent and does nothing when ``torch.cuda.is_available()``.
+
+One stand-in applies on GPUs too, whenever Transformer Engine is absent (:func:`install_without_te`):
+``megatron.core.transformer.moe.moe_utils`` imports ``te_general_gemm`` and the fused MoE kernels
+inside a ``try`` and tests ``te_general_gemm is not None`` later, but never binds the names when the
+import fails (a ``NameError`` in the router's gating). They are bound to None, which selects
+Megatron's plain-torch paths.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 _INSTALLED = False
+
+
+class _CPUStream:
+    """A CUDA stream stand-in: work on the CPU is already ordered, so waits and events do nothing."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def record_event(self, event=None) -> "_CPUStream":
+        return self  # an "event" whose synchronize() returns at once
+
+    def synchronize(self) -> None:
+        pass
+
+
+_DEFAULT_STREAM = _CPUStream()
+
+
+def _host_splits(move):
+    """Megatron's ``maybe_move_tensor_to_cpu``, returning a numpy array for ``as_numpy`` on CPU too."""
+
+    def wrapped(tensor, as_numpy=False, record_stream=False):
+        import torch
+
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return wrapped
 
 
 def cuda_present() -> bool:
@@ -32,6 +78,7 @@ def install() -> bool:
     global _INSTALLED
     import torch
 
+    install_without_te()
     if torch.cuda.is_available():
         return False
     if not _INSTALLED:
@@ -42,8 +89,29 @@ def install() -> bool:
         from megatron.core.pipeline_parallel import schedules
 
         schedules.torch = _TorchWithCPUZeros()
+        torch.cuda.Stream = _CPUStream  # type: ignore[assignment, misc]
+        torch.cuda.current_stream = lambda device=None: _DEFAULT_STREAM  # type: ignore[assignment]
+        torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
+        from megatron.core.transformer.moe import token_dispatcher
+
+        token_dispatcher.maybe_move_tensor_to_cpu = _host_splits(token_dispatcher.maybe_move_tensor_to_cpu)
         _INSTALLED = True
     return True
+
+
+_TE_NAMES = ("te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+             "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
+             "fused_topk_with_score_function", "fused_unpermute")
+
+
+def install_without_te() -> None:
+    """Bind Megatron's optional TE kernel names to None in ``moe_utils`` when TE is not installed."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not getattr(moe_utils, "HAVE_TE", True):
+        for name in _TE_NAMES:
+            if not hasattr(moe_utils, name):
+                setattr(moe_utils, name, None)
 
 
 def init_rng(seed: int) -> None:

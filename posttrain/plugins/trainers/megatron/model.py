@@ -9,14 +9,18 @@
   :func:`save_hf` writes a loadable HF checkpoint from it.
 
 TP sharding is generic: a parameter Megatron marks ``tensor_model_parallel`` is split along its
-``partition_dim``; a gated MLP's ``linear_fc1`` (``[gate; up]``) is split gate and up separately so each
-rank holds ``[gate_r; up_r]``, which is what Megatron's MLP chunks in two.
+``partition_dim``; a gated MLP's ``linear_fc1`` (``[gate; up]``, dense, routed or shared expert) is split
+gate and up separately so each rank holds ``[gate_r; up_r]``, which is what Megatron's MLP chunks in two.
+Routed experts are split over the expert-TP group (Megatron's default: the TP size) and, with EP, rank
+``r`` of the EP group holds experts ``r * E/ep .. (r + 1) * E/ep - 1``: names are global
+(:func:`megatron_params`), loading takes each rank's own, export all-gathers them over EP.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 from collections.abc import Iterator
@@ -41,9 +45,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0, cp: int = 1) -> None:
+def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0, cp: int = 1, ep: int = 1) -> None:
     """torch.distributed from the torchrun (or trainer group) environment, else a one-process group, +
-    Megatron parallel state: TP x CP x DP x PP, rank order ``tp-cp-ep-dp-pp`` (TP fastest)."""
+    Megatron parallel state: TP x CP x DP x PP, rank order ``tp-cp-ep-dp-pp`` (TP fastest).
+
+    ``ep``: expert-parallel size. Megatron carves expert groups out of the data-parallel ranks (expert
+    TP = ``tp``): the data-parallel size ``world / (tp * pp * cp)`` must be a multiple of ``ep``.
+    """
     from megatron.core import parallel_state
 
     cpu_shims.install()
@@ -57,15 +65,20 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0, cp: int = 1) -> None:
                                 rank=rank, world_size=world)
     if parallel_state.model_parallel_is_initialized():
         have = (parallel_state.get_tensor_model_parallel_world_size(),
-                parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_context_parallel_world_size())
-        if have != (tp, pp, cp):
-            raise UsageError(f"model parallelism already initialized as tp={have[0]} pp={have[1]} cp={have[2]}, "
-                             f"asked for tp={tp} pp={pp} cp={cp}")
+                parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_context_parallel_world_size(),
+                parallel_state.get_expert_model_parallel_world_size())
+        if have != (tp, pp, cp, ep):
+            raise UsageError(f"model parallelism already initialized as tp={have[0]} pp={have[1]} cp={have[2]} "
+                             f"ep={have[3]}, asked for tp={tp} pp={pp} cp={cp} ep={ep}")
     else:
-        if dist.get_world_size() % (tp * pp * cp):
-            raise UsageError(f"world size {dist.get_world_size()} is not a multiple of tp*pp*cp={tp * pp * cp}")
+        world = dist.get_world_size()
+        if world % (tp * pp * cp):
+            raise UsageError(f"world size {world} is not a multiple of tp*pp*cp={tp * pp * cp}")
+        if (world // (tp * pp * cp)) % ep:
+            raise UsageError(f"ep={ep} needs a data-parallel size (world {world} / (tp*pp*cp={tp * pp * cp})) that "
+                             f"is a multiple of it: run {tp * pp * cp * ep} ranks (or a multiple)")
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                                 context_parallel_size=cp)
+                                                 context_parallel_size=cp, expert_model_parallel_size=ep)
     cpu_shims.init_rng(seed)
 
 
@@ -73,6 +86,29 @@ def tp_info() -> tuple[int, int]:
     from megatron.core import parallel_state
 
     return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def ep_info() -> tuple[int, int]:
+    """``(expert-parallel rank, size)``."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_world_size()
+
+
+def is_expert(name: str) -> bool:
+    """A routed expert's parameter (sharded over EP, and over the expert-TP group instead of TP)."""
+    return ".mlp.experts." in name
+
+
+def _tp_group_of(name: str) -> tuple[int, int, Any]:
+    """``(rank, size, group)`` of the tensor-parallel group that splits parameter ``name``."""
+    from megatron.core import parallel_state
+
+    if is_expert(name):
+        return (parallel_state.get_expert_tensor_parallel_rank(), parallel_state.get_expert_tensor_parallel_world_size(),
+                parallel_state.get_expert_tensor_parallel_group())
+    return (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_group())
 
 
 def megatron_config_fields() -> dict[str, set[str]]:
@@ -144,6 +180,7 @@ def build_gpt(spec: Any, hf: dict[str, Any], *, dtype: str = "float32", attentio
     torch_dtype = DTYPES[dtype]
     kwargs = spec.transformer_config(hf)
     kwargs.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+                  expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
                   params_dtype=torch_dtype, pipeline_dtype=torch_dtype,
                   bf16=torch_dtype == torch.bfloat16, fp16=torch_dtype == torch.float16,
                   use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=False)
@@ -173,7 +210,7 @@ def mark_tp_params(model: Any) -> None:
 
     Megatron 0.16 sets them only when it initializes the weights itself (``perform_initialization``);
     weights loaded from a checkpoint would otherwise look replicated to sharding, gathering and the
-    grad norm.
+    grad norm. Expert linears are split over the expert-TP group: left unmarked when it has one rank.
     """
     from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                                       VocabParallelEmbedding, set_tensor_model_parallel_attributes)
@@ -185,24 +222,39 @@ def mark_tp_params(model: Any) -> None:
             dims = {"weight": 1}  # its bias is added after the all-reduce: replicated
         else:
             continue
+        group = getattr(module, "tp_group", None)
+        if getattr(module, "is_expert", False) and group is not None and dist.get_world_size(group) == 1:
+            continue
         for attr, dim in dims.items():
             param = getattr(module, attr, None)
             if isinstance(param, torch.nn.Parameter) and not hasattr(param, "partition_dim"):
                 set_tensor_model_parallel_attributes(param, True, dim, 1)
 
 
-def megatron_params(model: Any) -> dict[str, torch.nn.Parameter]:
-    """This stage's trainable parameters by *global* Megatron name (``decoder.layers.<global index>``;
-    wrappers such as DDP's ``module.`` prefix stripped). With PP, a stage numbers its layers from 0."""
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+
+
+def megatron_params(model: Any) -> dict[str, torch.Tensor]:
+    """This rank's trainable parameters by *global* Megatron name, wrappers such as DDP's ``module.``
+    prefix stripped: ``decoder.layers.<global layer>`` (with PP a stage numbers its layers from 0) and
+    ``mlp.experts.local_experts.<global expert>`` (with EP a rank numbers its experts from 0). MoE
+    routers' ``expert_bias`` buffers are included (loaded and exported like weights, never trained)."""
     inner = model
     while hasattr(inner, "module") and not hasattr(inner, "decoder"):
         inner = inner.module
     offsets = {str(i): str(layer.layer_number - 1) for i, layer in enumerate(inner.decoder.layers)}
+    config = inner.config
+    ep_rank, ep = ep_info() if config.num_moe_experts else (0, 1)
+    first_expert = ep_rank * (config.num_moe_experts or 0) // ep
+    named = list(inner.named_parameters())
+    named += [(n, b) for n, b in inner.named_buffers() if n.endswith("router.expert_bias")]
     out = {}
-    for name, param in inner.named_parameters():
+    for name, param in named:
         if name.startswith("decoder.layers."):
             _, _, index, rest = name.split(".", 3)
             name = f"decoder.layers.{offsets[index]}.{rest}"
+            if first_expert:
+                name = _LOCAL_EXPERT.sub(lambda m: f".mlp.experts.local_experts.{int(m.group(1)) + first_expert}.", name)
         out[name] = param
     return out
 
@@ -219,7 +271,8 @@ def _tied_copy(spec: Any, hf: dict[str, Any], name: str) -> bool:
 
 
 def _is_gated_fc1(name: str, param: Any) -> bool:
-    return name.endswith("mlp.linear_fc1.weight") and getattr(param, "tensor_model_parallel", False)
+    """A gated MLP's ``[gate; up]`` (dense, routed-expert or shared-expert ``linear_fc1``), TP-split."""
+    return name.endswith("linear_fc1.weight") and ".mlp." in f".{name}" and getattr(param, "tensor_model_parallel", False)
 
 
 def shard(name: str, param: Any, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
@@ -234,15 +287,13 @@ def shard(name: str, param: Any, full: torch.Tensor, rank: int, tp: int) -> torc
 
 
 def gather(name: str, param: Any) -> torch.Tensor:
-    """The unsharded tensor of ``param`` (all-gathered over TP when it is split), detached."""
-    from megatron.core import parallel_state
-
-    rank, tp = tp_info()
+    """The unsharded tensor of ``param`` (all-gathered over its TP group when it is split), detached."""
+    _, tp, group = _tp_group_of(name)
     local = param.detach()
     if tp == 1 or not getattr(param, "tensor_model_parallel", False):
         return local
     parts = [torch.empty_like(local) for _ in range(tp)]
-    dist.all_gather(parts, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    dist.all_gather(parts, local.contiguous(), group=group)
     if _is_gated_fc1(name, param):
         gates, ups = zip(*(p.chunk(2, dim=0) for p in parts))
         return torch.cat([*gates, *ups], dim=0)
@@ -272,13 +323,13 @@ class HFCheckpoint:
 
 
 def load_hf(model: Any, spec: Any, hf: dict[str, Any], path: str | Path) -> None:
-    """Fill ``model`` (this rank's shards) from the HF checkpoint at ``path``; check coverage both ways."""
+    """Fill ``model`` (this rank's shards) from the HF checkpoint at ``path``; check coverage both ways
+    (collective over the world when the model is split over PP or EP ranks)."""
     ckpt = HFCheckpoint(path)
-    rank, tp = tp_info()
     params = megatron_params(model)
     expected = set(spec.megatron_names(hf))
     have = {n for n in params if not _tied_copy(spec, hf, n)}
-    have_all = _pp_union(have)
+    have_all = _mp_union(have)
     if expected != have_all:
         raise UsageError(f"{spec.name}: spec parameters and model parameters differ: "
                          f"missing in model {sorted(expected - have_all)[:4]}, "
@@ -286,6 +337,7 @@ def load_hf(model: Any, spec: Any, hf: dict[str, Any], path: str | Path) -> None
     used: set[str] = set()
     with torch.no_grad():
         for name, param in params.items():
+            rank, tp, _ = _tp_group_of(name)
             source_name = "embedding.word_embeddings.weight" if _tied_copy(spec, hf, name) else name
             sources = spec.hf_sources(hf, source_name)
             used.update(sources)
@@ -297,8 +349,9 @@ def load_hf(model: Any, spec: Any, hf: dict[str, Any], path: str | Path) -> None
                 raise UsageError(f"{path}: {name}: shape {tuple(piece.shape)} from {sources} does not fit the "
                                  f"model's {tuple(param.shape)} (does config.json match the weights?)")
             param.copy_(piece.to(param.dtype))
-    used = _pp_union(used)
-    unused = {n for n in ckpt.names() - used if not n.endswith("rotary_emb.inv_freq")}
+    used = _mp_union(used)
+    ignored = getattr(spec, "ignored_hf_tensor", lambda hf, name: False)
+    unused = {n for n in ckpt.names() - used if not n.endswith("rotary_emb.inv_freq") and not ignored(hf, n)}
     if spec.tied(hf):
         unused.discard("lm_head.weight")
     if unused:
@@ -306,27 +359,55 @@ def load_hf(model: Any, spec: Any, hf: dict[str, Any], path: str | Path) -> None
                          f"e.g. {sorted(unused)[:3]}")
 
 
-def _pp_union(names: set[str]) -> set[str]:
+def _mp_union(names: set[str]) -> set[str]:
+    """The union of ``names`` over every rank when PP stages or EP ranks hold different parameters."""
     from megatron.core import parallel_state
 
-    if pp_size() == 1:
+    if pp_size() == 1 and parallel_state.get_expert_model_parallel_world_size() == 1:
         return set(names)
-    parts: list[Any] = [None] * pp_size()
-    dist.all_gather_object(parts, sorted(names), group=parallel_state.get_pipeline_model_parallel_group())
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, sorted(names))
     return set().union(*map(set, parts))
 
 
-def iter_hf(model: Any, spec: Any, hf: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, full tensor)`` for every weight, TP shards gathered; with PP every stage's weights, stage
-    by stage, on every rank (collective: call on every rank of the model-parallel group)."""
+def _full_tensors(model: Any, spec: Any, hf: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(megatron name, unsharded tensor)`` of this stage: TP shards gathered, and with EP every
+    expert of a layer (all-gathered over the EP group, in global order) where this rank holds some."""
     from megatron.core import parallel_state
 
-    own = ((name, param) for name, param in megatron_params(model).items() if not _tied_copy(spec, hf, name))
+    params = {n: p for n, p in megatron_params(model).items() if not _tied_copy(spec, hf, n)}
+    _, ep = ep_info()
+    done: set[str] = set()
+    for name, param in params.items():
+        if ep == 1 or not is_expert(name):
+            yield name, gather(name, param)
+            continue
+        layer = name[: name.index(".mlp.experts.")]
+        if layer in done:
+            continue
+        done.add(layer)
+        prefix = f"{layer}.mlp.experts.local_experts."
+        mine = sorted({int(n[len(prefix):].split(".")[0]) for n in params if n.startswith(prefix)})
+        for kind in ("linear_fc1.weight", "linear_fc2.weight"):
+            local = torch.stack([gather(f"{prefix}{e}.{kind}", params[f"{prefix}{e}.{kind}"]) for e in mine])
+            parts = [torch.empty_like(local) for _ in range(ep)]
+            dist.all_gather(parts, local.contiguous(), group=parallel_state.get_expert_model_parallel_group())
+            for r, part in enumerate(parts):
+                for j, tensor in enumerate(part):
+                    yield f"{prefix}{r * len(mine) + j}.{kind}", tensor
+
+
+def iter_hf(model: Any, spec: Any, hf: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, full tensor)`` for every weight, TP shards gathered, EP experts gathered; with PP every
+    stage's weights, stage by stage, on every rank (collective: call on every rank of the model)."""
+    from megatron.core import parallel_state
+
+    own = _full_tensors(model, spec, hf)
     if pp_size() == 1:
-        for name, param in own:
-            yield from spec.to_hf(hf, name, gather(name, param))
+        for name, tensor in own:
+            yield from spec.to_hf(hf, name, tensor)
         return
-    mine = [(hf_name, t.cpu()) for name, param in own for hf_name, t in spec.to_hf(hf, name, gather(name, param))]
+    mine = [(hf_name, t.cpu()) for name, tensor in own for hf_name, t in spec.to_hf(hf, name, tensor)]
     group = parallel_state.get_pipeline_model_parallel_group()
     for stage in range(pp_size()):
         box = [mine if parallel_state.get_pipeline_model_parallel_rank() == stage else None]

@@ -34,6 +34,8 @@ def run(self: Any, batch: TrainBatch, *, train: bool, with_entropy: bool = False
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator).to(self.device)
+        if self.moe.replay and mb.routed_experts is not None:  # cleared after the schedule
+            self.moe.set_targets(mb)
         p = pack(mb.tokens, mb.lengths)
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=p.cu_seqlens, cu_seqlens_kv=p.cu_seqlens,
                               max_seqlen_q=p.max_len, max_seqlen_kv=p.max_len)
@@ -61,6 +63,7 @@ def run(self: Any, batch: TrainBatch, *, train: bool, with_entropy: bool = False
         forward_step_func=forward_step, data_iterator=iter(micro), model=[self.model],
         num_microbatches=count, seq_length=max(int(mb.lengths.sum()) for mb in micro), micro_batch_size=1,
         forward_only=not train)
+    self.moe.clear()
     group = parallel_state.get_pipeline_model_parallel_group()
     box = [list(results) if parallel_state.is_pipeline_last_stage() else None]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, M.pp_size() - 1), group=group)

@@ -21,8 +21,9 @@ Layout facts the mapping relies on (Megatron-core 0.16, local/TE specs alike):
 - Embedding and output layer rows are padded to ``padded_vocab_size(hf, tp)``; padding rows are zero
   and are dropped on the way back to HF.
 
-MoE families (a later issue) add expert parameters by overriding the three mapping methods and
-``layer_spec``; ``megatron_names(hf)`` lists the parameters a spec expects, so loading checks coverage.
+MoE families (:class:`~posttrain.plugins.trainers.megatron.moe_spec.MoEGPTSpec`) add expert parameters by
+overriding the three mapping methods and ``layer_spec``; ``megatron_names(hf)`` lists the parameters a spec
+expects, so loading checks coverage.
 
 This module is import-light (torch and Megatron are imported inside methods).
 """

@@ -19,6 +19,10 @@ Megatron's 1F1B schedule (packed micro-batches; results are broadcast from the l
 rank returns the same tensors); ranks beyond ``tp * pp`` are data-parallel: every rank is passed the
 whole batch and takes its replica's share, balanced by token count (:mod:`.data_parallel`); losses are
 normalized by the global token count, gradients summed over DP, results gathered back in sample order.
+MoE models (:mod:`~posttrain.plugins.trainers.megatron.moe`): EP (``trainer.backend.ep``) splits the
+experts over ``ep`` of the data-parallel ranks (their gradients summed over the expert-data-parallel ranks
+only); ``trainer.backend.routing_replay`` routes with ``batch.routed_experts``; ``train_step`` adds
+``moe_aux_loss`` and ``moe_load_imbalance/layer_<l>``.
 
 On CPU: a torch AdamW (fp32 master weights for bf16/fp16 parameters) and our own grad clipping. On GPU: Megatron's DDP and
 (distributed) optimizer. The reference policy is a CPU copy of the initial weights, swapped in for
@@ -33,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from posttrain.core.errors import UsageError
 from posttrain.core.losses import total_loss
@@ -42,6 +45,7 @@ from posttrain.plugins.trainers.megatron import checkpoint, data_parallel, grads
 from posttrain.plugins.trainers.megatron import model as M
 from posttrain.core.train_batch import TrainBatch, pack
 from posttrain.plugins.trainers.megatron.logprobs import vocab_parallel_log_probs
+from posttrain.plugins.trainers.megatron.moe import MoERuntime, moe_overrides
 from posttrain.plugins.trainers.megatron.optim import use_fused_adam
 
 
@@ -62,17 +66,17 @@ class MegatronTrainer:
 
         self.spec, self.config = spec, config or TrainerConfig()
         self.backend = backend or MegatronBackend.Config()
-        self.role = role
+        self.role, self._packed = role, self.backend.sequence_packing and self.backend.attention != "local"
         self.max_response_len = max_response_len
         self.hf = spec.hf_config()
         self.dtype = spec.config.dtype
-        overrides = M.split_megatron_overrides(self.backend.megatron)
+        overrides = M.split_megatron_overrides({**self.backend.megatron, **moe_overrides(self.backend)})
         if self.config.deterministic and torch.cuda.is_available():  # a seeded GPU run repeats (issue #24)
             from posttrain.plugins.trainers.megatron.determinism import use_deterministic_kernels
 
             use_deterministic_kernels()
             overrides["transformer"].setdefault("deterministic_mode", True)
-        M.init_parallel(self.backend.tp, self.backend.pp, seed=seed, cp=self.backend.cp)
+        M.init_parallel(self.backend.tp, self.backend.pp, seed=seed, cp=self.backend.cp, ep=self.backend.ep)
         self.tp_rank, self.tp_size = M.tp_info()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         has_ckpt = bool(spec.config.path) and load_weights
@@ -81,6 +85,7 @@ class MegatronTrainer:
                                  seed=seed)
         if has_ckpt:
             M.load_hf(self.model, spec, self.hf, spec.config.path)
+        self.moe = MoERuntime(self.model, self.backend.routing_replay, self._packed, self.device)
         if self.backend.compile:  # before DDP wrapping; graph breaks (packed cu_seqlens) are fine
             for layer in self.model.decoder.layers:
                 layer.forward = torch.compile(layer.forward)
@@ -169,7 +174,7 @@ class MegatronTrainer:
         tokens, lengths = mb.tokens.to(self.device), mb.lengths.to(self.device)
         width = tokens.shape[1]
         with self._hidden_only():
-            if self.backend.sequence_packing and self.backend.attention != "local":
+            if self._packed:
                 from megatron.core.packed_seq_params import PackedSeqParams
 
                 p = pack(tokens, lengths)
@@ -225,7 +230,12 @@ class MegatronTrainer:
                 results = pipeline.run(self, batch, train=False, with_entropy=with_entropy)
                 lps, ents = [r["lp"] for r in results], [r["ent"] for r in results]
             else:
-                lps, ents = zip(*(self._micro_log_probs(mb, with_entropy) for mb in self._micro_batches(batch)))
+                lps, ents = [], []
+                for mb in self._micro_batches(batch):
+                    with self.moe.replaying(mb):
+                        lp, ent = self._micro_log_probs(mb, with_entropy)
+                    lps.append(lp)
+                    ents.append(ent)
         lp = torch.cat([_pad(t, width) for t in lps]).cpu()
         ent = torch.cat([_pad(t, width) for t in ents]).cpu() if with_entropy else None
         return data_parallel.gather((lp, ent), index, whole)
@@ -264,15 +274,6 @@ class MegatronTrainer:
                     p.copy_(current[n])
 
     # ------------------------------------------------------------------ training
-    def _dp_sum(self, value: float) -> float:
-        from megatron.core import parallel_state
-
-        if parallel_state.get_data_parallel_world_size() == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
-        return float(t.item())
-
     def train_step(self, batch: TrainBatch, loss_fn: Callable[..., Any] | None = None, **loss_kwargs: Any,
                    ) -> dict[str, float]:
         """One optimizer step over ``batch`` (micro-batches of ``micro_batch_size``); returns mean metrics.
@@ -290,12 +291,12 @@ class MegatronTrainer:
             group["lr"] = lr
         if self.megatron_optimizer:
             self.model.zero_grad_buffer()
-        else:
-            for p in self._params():
-                p.grad = None
+        for p in ([] if self.megatron_optimizer else self._params()):
+            p.grad = None
         self.optimizer.zero_grad()
-        global_tokens = self._dp_sum(float(batch.response_mask.sum()))
-        global_seqs = self._dp_sum(float(len(batch)))
+        self.moe.start_stats()
+        global_tokens = grads.dp_sum(float(batch.response_mask.sum()), self.device)
+        global_seqs = grads.dp_sum(float(len(batch)), self.device)
         dp = parallel_state.get_data_parallel_world_size()
         # Megatron's DDP averages gradients over DP; the loss is already normalized by global counts.
         scale = dp if self.megatron_optimizer else 1.0
@@ -312,18 +313,19 @@ class MegatronTrainer:
                     totals[k] = totals.get(k, 0.0) + float(v) * (1.0 if k in SUMMED else size / len(batch))
         for mb in ([] if M.pp_size() > 1 else self._micro_batches(batch)):
             mb = mb.to(self.device)
-            if self.role == "critic":
-                loss, metrics = self._value_loss(mb, global_tokens)
-            else:
-                loss, metrics = self._policy_loss(mb, loss_fn, global_tokens, global_seqs, loss_kwargs)
-            (loss * scale).backward()
+            with self.moe.replaying(mb):  # MoE: the engine's experts, forward and backward (R3)
+                if self.role == "critic":
+                    loss, metrics = value_loss(self._micro_values(mb), mb, c.value_clip, global_tokens)
+                else:
+                    loss, metrics = self._policy_loss(mb, loss_fn, global_tokens, global_seqs, loss_kwargs)
+                (loss * scale).backward()
             totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())  # micro-batch losses sum to the batch's
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + float(v) * (1.0 if k in SUMMED else len(mb) / len(batch))
         grad_norm = self._optimizer_step()
         self.step += 1
         totals = data_parallel.reduce_metrics(totals, len(batch), global_seqs, SUMMED)
-        totals.update(grad_norm=grad_norm, lr=lr)
+        totals.update(grad_norm=grad_norm, lr=lr, **self.moe.stats())
         return totals
 
     def _policy_loss(self, mb, loss_fn, global_tokens, global_seqs, loss_kwargs):
@@ -355,16 +357,6 @@ class MegatronTrainer:
         metrics.update({SUMMED_METRICS.get(k, k): v for k, v in terms.items() if k in SUMMED_METRICS})
         return loss, metrics
 
-    def _value_loss(self, mb: TrainBatch, global_tokens: float):
-        values = self._micro_values(mb)
-        returns, mask = mb.returns, mb.response_mask
-        loss_tok = (values - returns) ** 2
-        if self.config.value_clip and mb.old_values is not None:
-            clipped = mb.old_values + (values - mb.old_values).clamp(-self.config.value_clip, self.config.value_clip)
-            loss_tok = torch.maximum(loss_tok, (clipped - returns) ** 2)
-        loss = 0.5 * (loss_tok * mask).sum() / global_tokens
-        return loss, {"value_loss": float(loss.detach()) * global_tokens / max(1.0, float(mask.sum()))}
-
     def _optimizer_step(self) -> float:
         if self.megatron_optimizer:
             from megatron.core.distributed import finalize_model_grads
@@ -376,6 +368,7 @@ class MegatronTrainer:
                 self.head_optimizer.zero_grad()
             return float(grad_norm or 0.0)
         params = self._params()
+        self.moe.after_step()
         grads.dp_all_reduce(params)
         grads.tp_sum_partial(self.gpt, self.tp_size)
         grads.sum_tied_embedding(self.gpt, self.spec.tied(self.hf))
@@ -413,6 +406,18 @@ class MegatronTrainer:
     def load(self, ckpt_dir: str | Path) -> None:
         """Restore what :meth:`save` wrote (same spec; TP may differ for the model weights)."""
         checkpoint.load(self, ckpt_dir)
+
+
+def value_loss(values: torch.Tensor, mb: TrainBatch, value_clip: float, global_tokens: float):
+    """Critic loss ``0.5 * max((V - R)^2, (V_clip - R)^2)`` summed over ``mb``'s response tokens, over the
+    batch's ``global_tokens``; ``values`` ``[b, T]``. Returns ``(loss, {"value_loss": micro-batch token mean})``."""
+    returns, mask = mb.returns, mb.response_mask
+    loss_tok = (values - returns) ** 2
+    if value_clip and mb.old_values is not None:
+        clipped = mb.old_values + (values - mb.old_values).clamp(-value_clip, value_clip)
+        loss_tok = torch.maximum(loss_tok, (clipped - returns) ** 2)
+    loss = 0.5 * (loss_tok * mask).sum() / global_tokens
+    return loss, {"value_loss": float(loss.detach()) * global_tokens / max(1.0, float(mask.sum()))}
 
 
 def _pad(t: torch.Tensor, width: int) -> torch.Tensor:

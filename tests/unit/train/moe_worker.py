@@ -1,0 +1,51 @@
+"""Run under ``torchrun --nproc_per_node 2``: MoE checkpoints on two ranks; rank 0 saves the results.
+
+usage: moe_worker.py OUT_FILE tp QWEN3_MOE_DIR GLM4_MOE_DIR   -- verify both at TP=2
+       moe_worker.py OUT_FILE ep QWEN3_MOE_DIR                -- verify at EP=2 (x DP=2), then the trainer at
+                                                                 EP=2: each rank takes half the batch
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main() -> None:
+    import torch
+    import torch.distributed as dist
+
+    from posttrain.plugins.trainers.megatron.convert import verify_checkpoint
+    from posttrain.plugins.trainers.megatron.model import init_parallel
+    from train_helpers import local_loss, spec_for, tp_batch, trainer_configs
+
+    out_file, mode, *dirs = sys.argv[1:]
+    torch.set_num_threads(1)
+    if mode == "tp":
+        init_parallel(2, 1)
+        results = {family: verify_checkpoint(spec_for(family, path), path, attention="sdpa")
+                   for family, path in zip(("qwen3_moe", "glm4_moe"), dirs)}
+    else:
+        from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
+
+        (path,) = dirs
+        init_parallel(1, 1, ep=2)
+        results = {"verify": verify_checkpoint(spec_for("qwen3_moe", path), path, attention="sdpa")}
+        trainer = MegatronTrainer(spec_for("qwen3_moe", path), **trainer_configs(
+            lr=1e-3, micro_batch_size=1, global_batch_size=2, ep=2))
+        rank = dist.get_rank()
+        batch = tp_batch().select(2 * rank, 2 * rank + 2)
+        batch.old_log_probs = trainer.log_probs(batch)[0]
+        metrics = trainer.train_step(batch, local_loss)
+        exported = {k: v.clone() for bucket in trainer.export_hf(1 << 20) for k, v in bucket}
+        parts: list = [None, None]
+        dist.all_gather_object(parts, (batch.old_log_probs, metrics["loss"]))
+        results.update(lp=[p[0] for p in parts], loss=sum(p[1] for p in parts), metrics=metrics,
+                       params=exported, local_experts=trainer.gpt.decoder.layers[0].mlp.experts.num_local_experts)
+    if dist.get_rank() == 0:
+        torch.save(results, out_file)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # dist-checkpointing starts worker processes: the guard is required
+    main()
