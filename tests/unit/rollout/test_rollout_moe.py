@@ -77,12 +77,13 @@ def test_checkpoint_expert_names_load_into_stacked_experts(moe_ckpts):
             p.zero_()
     named = load_file(str(path / "model.safetensors"))
     assert any(".mlp.experts.7.up_proj.weight" in n for n in named)
-    assert r.load_weights(named) == []
+    assert r.load_weights(named, require_all=True) == len(named)  # per-expert names cover the stacked experts
     ids = torch.tensor([[3, 9, 27, 81, 4]])
     with torch.no_grad():
         assert torch.equal(r.model(ids).logits, hf_model(path)(ids).logits)
-    assert r.load_weights({"model.layers.1.mlp.experts.8.up_proj.weight": named[
-        "model.layers.1.mlp.experts.7.up_proj.weight"]}) == ["model.layers.1.mlp.experts.8.up_proj.weight"]
+    with pytest.raises(ValueError, match="unknown weight name 'model.layers.1.mlp.experts.8.up_proj.weight'"):
+        r.load_weights({"model.layers.1.mlp.experts.8.up_proj.weight": named[
+            "model.layers.1.mlp.experts.7.up_proj.weight"]})  # 8 experts: no expert 8
 
 
 @pytest.mark.slow

@@ -151,6 +151,9 @@ def test_run_config_checks_moe_keys_before_anything_starts():
         data = {**base, "model": {"name": model}, "trainer": {**base["trainer"], "backend": {"name": "megatron", **backend}}}
         if engine:
             data["rollout"] = {**base["rollout"], "engine": engine}
+        ranks = backend.get("ep", 1) * backend.get("tp", 1)  # EP splits the experts over data-parallel ranks
+        if ranks > 1:
+            data["resources"] = {"trainer_procs_per_node": ranks}
         try:
             return load_config(None, data=data, plugins=plugins)
         except ConfigError as exc:
