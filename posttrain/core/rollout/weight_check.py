@@ -10,7 +10,6 @@ differing tensor; it is not retried like a failed push.
 from __future__ import annotations
 
 import hashlib
-import urllib.error
 from collections.abc import Iterable
 from typing import Any
 
