@@ -157,7 +157,9 @@ def test_killed_engine_is_restarted_and_the_run_continues(tmp_path):
     engines = [p for p in leftovers(run) if "serve" in p.cmdline()]
     assert len(engines) == 2
     cmd = engines[0].cmdline()
-    info = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}/get_server_info"
+    key = engines[0].environ()["POSTTRAIN_ENGINE_API_KEY"]  # the run's key: readable by its own uid only
+    info = urllib.request.Request(f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}/get_server_info",
+                                  headers={"Authorization": f"Bearer {key}"})
     while time.monotonic() < deadline:  # mid-rollout: kill it while it holds requests
         with urllib.request.urlopen(info, timeout=10) as resp:
             if json.loads(resp.read())["internal_states"][0]["num_requests"]:

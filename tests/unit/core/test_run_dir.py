@@ -8,7 +8,6 @@ import os
 import stat
 import subprocess
 import sys
-import time
 
 import pytest
 import yaml
@@ -125,3 +124,13 @@ def test_config_changes_walk_lists_and_new_keys():
     assert config_changes({"a": [{"w": 1}], "b": 1}, {"a": [{"w": 2}], "b": 1, "c": 3}) == ["a.0.w: 1 -> 2",
                                                                                         "c: None -> 3"]
     assert hf_shapes("/nonexistent") == {}
+
+
+def test_dry_run_prints_secrets_redacted():
+    from tests.conftest import ROOT
+
+    out = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "run", str(ROOT / "examples" / "quickstart.yaml"),
+                          "--dry-run", 'rewards=[{name: remote, url: "http://x/r", headers: {Authorization: "Bearer sk-1"}}]'],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Authorization: <redacted>" in out.stdout and "sk-1" not in out.stdout + out.stderr

@@ -175,6 +175,14 @@ async def test_a_bad_request_fails_alone_while_others_are_in_flight(engine_url, 
     assert all(o["meta_info"]["completion_tokens"] == 120 for o in outs)
 
 
+async def test_a_batch_seeded_at_the_int64_edge_runs(engine_url, engine_key):
+    """Row j of a batch draws with seed + j, wrapped into int64: the last valid seed cannot overflow."""
+    seeded = {"temperature": 1.0, "max_new_tokens": 3, "sampling_seed": 2**63 - 1}
+    async with EngineClient(engine_url, api_key=engine_key) as engine:
+        outs = await engine.request("POST", "/generate", {"input_ids": [[5, 6]] * 3, "sampling_params": seeded})
+    assert [len(o["output_ids"]) for o in outs] == [3, 3, 3]
+
+
 async def test_a_huge_prompt_is_refused_and_health_stays_responsive(engine_url, engine_key):
     """30 MB of text used to hold the event loop for minutes (tokenized there; 1 GiB bodies accepted)."""
     import time

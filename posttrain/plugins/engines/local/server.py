@@ -246,8 +246,9 @@ class EngineServer:
         if batched and not isinstance(sp, list) and params[0].sampling_seed is not None:
             # One shared sampling_params with a seed: row j draws with seed + j, so the samples of one
             # prompt differ (sglang-router forwards one sampling_params per request). SGLang would give
-            # every row the seed itself.
-            params = [dataclasses.replace(p, sampling_seed=p.sampling_seed + j) for j, p in enumerate(params)]
+            # every row the seed itself. Wrapped into int64, so a seed near 2**63 cannot overflow a row's.
+            params = [dataclasses.replace(p, sampling_seed=(p.sampling_seed + j + 2**63) % 2**64 - 2**63)
+                      for j, p in enumerate(params)]
         prompts = await asyncio.to_thread(  # tokenizing a long text must not stall the event loop
             lambda: [self._prompt(texts[i] if text is not None else None,
                                   ids_list[i] if input_ids is not None else None) for i in range(n)])
