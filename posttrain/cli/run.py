@@ -41,13 +41,16 @@ def run(config: Path = typer.Argument(None, help="run config (YAML); optional wi
             cfg = load_config(None, overrides + list(cfg.mode.cls.smoke_overrides), plugins, data=run.read_config())
         run.base_dir = Path(config).parent if config else Path(".")
     else:
-        dataset, data_errors = inspect_config_data(config, overrides) if dry_run else (None, [])
+        dataset, data_errors = inspect_config_data(config, overrides, plugins=plugins) if dry_run else (None, [])
         try:
             cfg = load_config(config, overrides, plugins)
             if smoke:
                 cfg = load_config(config, overrides + list(cfg.mode.cls.smoke_overrides), plugins)
         except ConfigError as exc:
             raise ConfigError(exc.errors + data_errors, exc.source) from None
+        summary = dataset.summary() if dataset is not None else None
+        if dry_run and not cfg.mode.cls.generates:  # a mode that reads its data its own way checks it so
+            summary, data_errors = cfg.mode.create(plugins).inspect_data(cfg)
         if data_errors:
             raise ConfigError(data_errors, str(config))
     missing = cfg.missing_for_training()
@@ -56,8 +59,8 @@ def run(config: Path = typer.Argument(None, help="run config (YAML); optional wi
     console.print(plugins.header())
     if dry_run:
         console.print(yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip(), markup=False)
-        if dataset is not None:
-            console.print(f"[green]data OK[/]: {dataset.summary()}", highlight=False)
+        if summary is not None:
+            console.print(f"[green]data OK[/]: {summary}", highlight=False)
         console.print(f"[green]config OK[/]: {config}")
         for line in missing:
             console.print(f"[yellow]note[/]: {line}", highlight=False)
