@@ -12,7 +12,7 @@ from posttrain.core.errors import UsageError
 # (title, metric keys drawn on that panel); keys absent from a run are skipped
 PANELS = [
     ("reward", ["rollout/reward_mean", "eval/reward_mean"]),
-    ("KL / entropy", ["train/kl", "train/entropy"]),
+    ("KL / entropy", ["train/kl", "train/entropy", "estimator/reverse_kl"]),
     ("response length", ["rollout/response_len_mean"]),
     ("throughput (tokens/s)", ["perf/rollout_tokens_per_s", "perf/train_tokens_per_s"]),
 ]
@@ -39,6 +39,9 @@ def write_curves(rows: list[dict], out: Path, title: str = "") -> None:
 
     eval_keys = sorted({k for r in rows for k in r if k.startswith("eval/") and k.endswith("reward_mean")})
     panels = [(t, keys + eval_keys if t == "reward" else keys) for t, keys in PANELS]
+    if not any("rollout/reward_mean" in r for r in rows):  # no rollouts (an SFT run): its losses instead
+        loss_keys = sorted({k for r in rows for k in r if k.startswith("eval/") and k.endswith("/loss")})
+        panels[0] = ("loss", ["train/loss", *loss_keys])
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     for ax, (name, keys) in zip(axes.flat, panels):
         drawn = False

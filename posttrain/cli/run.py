@@ -67,9 +67,14 @@ def run(config: Path = typer.Argument(None, help="run config (YAML); optional wi
     if dry_run:
         from posttrain.core.secrets import redact
 
+        summary = findings.dataset.summary() if findings.dataset is not None else None
+        if not cfg.mode.cls.generates:  # a mode that reads its data its own way checks it so
+            summary, data_errors = cfg.mode.create(plugins).inspect_data(cfg)
+            if data_errors:
+                raise ConfigError(data_errors, plan.source)
         console.print(yaml.safe_dump(redact(cfg.to_dict()), sort_keys=False).rstrip(), markup=False)
-        if findings.dataset is not None:
-            console.print(f"[green]data OK[/]: {escape(findings.dataset.summary())}", highlight=False, soft_wrap=True)
+        if summary is not None:
+            console.print(f"[green]data OK[/]: {escape(summary)}", highlight=False, soft_wrap=True)
         console.print(f"[green]config OK[/]: {escape(plan.source)}", highlight=False, soft_wrap=True)
         return
     run = plan.run

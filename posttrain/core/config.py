@@ -483,7 +483,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     errors += errs
     if config is not None:
         errors += config.component_errors(plugins)
-    elif isinstance(raw, dict) and _generates(raw, plugins):  # still report the batch identity if its
+    elif isinstance(raw, dict) and mode_generates(raw, plugins):  # still report the batch identity if its
         rollout, e1 = build(RolloutConfig, raw.get("rollout"), "rollout", context=plugins)  # sections are valid
         trainer, e2 = build(TrainerConfig, raw.get("trainer"), "trainer", context=plugins)
         if not (e1 or e2):
@@ -493,7 +493,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     return config
 
 
-def _generates(raw: dict[str, Any], plugins: Any) -> bool:
+def mode_generates(raw: dict[str, Any], plugins: Any) -> bool:
     """Whether the (possibly invalid) config's mode generates with engines (True when it is invalid too)."""
     parse = next(f for f in fields(RunConfig) if f.name == "mode").metadata["parse"]
     mode, errors = parse(raw.get("mode", {}), "mode", plugins)

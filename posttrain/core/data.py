@@ -421,13 +421,14 @@ def check_config_data(config_path: str | Path | None, overrides: list[str] | tup
 
 
 def inspect_config_data(config_path: str | Path | None, overrides: list[str] | tuple[str, ...] = (),
-                        tokenizer: Any = None) -> tuple[PromptDataset | None, list[str]]:
+                        tokenizer: Any = None, plugins: Any = None) -> tuple[PromptDataset | None, list[str]]:
     """``(dataset or None, problems)`` for the ``data:`` section of a run config file, for
     ``rl-cli run --dry-run``: read straight from the YAML, so they are reported even when other
     sections are invalid. Without a ``tokenizer``, chat templates and ``max_prompt_len`` are not
-    checked. A missing file or an invalid ``data:`` section is left to ``load_config`` (no duplicates).
+    checked. A missing file or an invalid ``data:`` section is left to ``load_config`` (no duplicates), and
+    so is the data of a run mode that does not read prompts (``RunMode.inspect_data``; needs ``plugins``).
     """
-    from posttrain.core.config import DataConfig, apply_overrides, read_yaml
+    from posttrain.core.config import DataConfig, apply_overrides, mode_generates, read_yaml
     from posttrain.core.schema import build
 
     try:
@@ -435,6 +436,8 @@ def inspect_config_data(config_path: str | Path | None, overrides: list[str] | t
     except UsageError:
         return None, []  # load_config reports it
     apply_overrides(raw, overrides)
+    if plugins is not None and not mode_generates(raw, plugins):
+        return None, []
     cfg, errors = build(DataConfig, raw.get("data"), "data")
     if errors or cfg is None or not cfg.path:
         return None, []

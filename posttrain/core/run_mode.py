@@ -47,6 +47,14 @@ class RunMode:
         with every other config error before anything starts. Default: none."""
         return []
 
+    def inspect_data(self, run: Any) -> tuple[str | None, list[str]]:
+        """``(summary, problems)`` of the mode's data for ``rl-cli run --dry-run``. Default: the prompt data
+        of ``data:``, as the RL loop reads it (``posttrain.core.data``)."""
+        from posttrain.core.data import check_data, load_prompts
+
+        problems = check_data(run.data)
+        return (None if problems else load_prompts(run.data).summary()), problems
+
     def total_steps(self, run: Any) -> int:
         """Steps the run will take (progress display and ETA only)."""
         raise NotImplementedError

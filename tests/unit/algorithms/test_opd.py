@@ -59,3 +59,16 @@ def test_missing_teacher_log_probs_is_a_clear_error():
     batch.metadata = {}
     with pytest.raises(ValueError, match="teacher"):
         OnPolicyDistillation().advantages(batch)
+
+
+def test_leave_one_out_baseline_subtracts_the_other_samples_mean_kl():
+    plain, _ = OnPolicyDistillation().advantages(_batch())
+    loo, _ = OnPolicyDistillation(OnPolicyDistillation.Config(baseline="leave_one_out")).advantages(_batch())
+    # sample 0's baseline is sample 1's token-mean KL (one token) and vice versa (sample 0: two tokens)
+    kl0, kl1 = -plain[0].mean().item(), -plain[1, 0].item()
+    expected = plain + torch.tensor([[kl1, kl1], [kl0, 0.0]])
+    torch.testing.assert_close(loo, expected)
+    alone = _batch()
+    alone.group_index = torch.tensor([0, 1])  # groups of one: no baseline
+    torch.testing.assert_close(OnPolicyDistillation(OnPolicyDistillation.Config(baseline="leave_one_out"))
+                               .advantages(alone)[0], plain)

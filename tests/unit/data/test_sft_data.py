@@ -93,3 +93,25 @@ def test_an_sft_config_needs_no_estimator_and_no_rollout_batch_identity(write):
     assert "data.path: required by mode sft (the labelled rows to train on)" in info.value.errors
     assert any(e.startswith("trainer.kl_loss_coef: mode sft") for e in info.value.errors)
     assert not any("batch identity" in e for e in info.value.errors)
+
+
+def test_dry_run_checks_sft_rows_as_the_mode_reads_them(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "d.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "1+1="},
+                                                               {"role": "assistant", "content": "2"}]}) + "\n")
+    (tmp_path / "c.yaml").write_text(SFT)
+
+    def dry_run():
+        return subprocess.run([sys.executable, "-m", "posttrain.cli.main", "run", "c.yaml", "--dry-run"],
+                              capture_output=True, text=True, cwd=tmp_path, timeout=120)
+
+    out = dry_run()  # chat rows have no `prompt` key: not prompt data, and not an error here
+    assert out.returncode == 0, out.stderr
+    assert "data OK: d.jsonl: 1 samples, 26 tokens (3 trained)" in " ".join(out.stdout.split())
+    with (tmp_path / "d.jsonl").open("a") as f:
+        f.write('{"messages": []}\n')
+    out = dry_run()
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "d.jsonl:2: 'messages' must be a non-empty list of chat messages" in " ".join(out.stderr.split())

@@ -6,6 +6,7 @@ loss masks, chat templates, the batches of each epoch), ``loop`` (the training l
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,22 @@ class SFTMode(RunMode):
             errors.append("trainer.steps_per_rollout: mode sft takes one optimizer step per global_batch_size "
                           "samples; set 1")
         return errors
+
+    def inspect_data(self, run: Any) -> tuple[str | None, list[str]]:
+        """The training rows and the eval sets, encoded as training will (tokenizer and chat template)."""
+        from posttrain.core.data import DataError
+        from posttrain.plugins.modes.sft.data import load_sft
+        from posttrain.plugins.modes.sft.loop import load_tokenizer
+
+        tokenizer, summaries, errors = load_tokenizer(run), [], []
+        for ds in [None, *run.eval.datasets]:
+            data = run.data if ds is None else dataclasses.replace(run.data, input_key=ds.input_key,
+                                                                   apply_chat_template=ds.apply_chat_template)
+            try:
+                summaries.append(load_sft(ds.path if ds else run.data.path, data, self.config, tokenizer).summary())
+            except DataError as exc:
+                errors += exc.errors
+        return (None if errors else "; ".join(summaries)), errors
 
     def total_steps(self, run: Any) -> int:
         """From the number of rows in ``data.path`` (bad or empty rows, dropped later, still counted)."""
