@@ -72,10 +72,13 @@ class TestEngines(EngineContract):
         if name == "external":
             from posttrain.testing.contracts.engine import live_engine
 
+            import os
+
             local = _instance("engines", "local")
             cls = PLUGINS.registry("engines")[name]
-            url = live_engine(local, request, tmp_path_factory).url
-            return cls(cls.Config(urls=[url], device="cpu"))
+            live = live_engine(local, request, tmp_path_factory)
+            os.environ["POSTTRAIN_TEST_EXTERNAL_KEY"] = live.api_key  # a name of its own: engines never read it
+            return cls(cls.Config(urls=[live.url], device="cpu", api_key_env="POSTTRAIN_TEST_EXTERNAL_KEY"))
         return _instance("engines", name)
 
     @pytest.fixture

@@ -30,10 +30,20 @@ def engine_url(tmp_path_factory):
     from posttrain.testing.engine import start_local_engine
     from posttrain.testing.tiny import make_tiny_checkpoint
 
+    import os
+
+    from posttrain.core.rollout.backend import API_KEY_ENV
+
     ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("engine") / "qwen3", family="qwen3", seed=0)
     server = start_local_engine(ckpt, context_length=64, max_running_requests=16)
+    before = os.environ.get(API_KEY_ENV)
+    os.environ[API_KEY_ENV] = server.api_key  # the external backend reads the engines' key from there
     yield server.base_url
     server.stop()
+    if before is None:
+        os.environ.pop(API_KEY_ENV, None)
+    else:
+        os.environ[API_KEY_ENV] = before
 
 
 def _run(tmp_path, engine_url, **sections):

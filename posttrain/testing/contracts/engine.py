@@ -44,12 +44,13 @@ class LiveEngine:
     model_path: str
     workdir: Path
     server: Any = None  # a ManagedServer when the contract started it
+    api_key: str | None = None  # the key every request carries (SGLang's Authorization: Bearer)
 
     def get(self, path: str) -> tuple[int, Any]:
-        return _http(self.url + path)
+        return _http(self.url + path, api_key=self.api_key)
 
     def post(self, path: str, payload: Any) -> tuple[int, Any]:
-        return _http(self.url + path, payload)
+        return _http(self.url + path, payload, api_key=self.api_key)
 
     def generate(self, input_ids: Any, **sampling: Any) -> Any:
         status, body = self.post("/generate", {"input_ids": input_ids, "sampling_params": sampling,
@@ -58,9 +59,12 @@ class LiveEngine:
         return body
 
 
-def _http(url: str, payload: Any = None, timeout: float = 120.0) -> tuple[int, Any]:
+def _http(url: str, payload: Any = None, timeout: float = 120.0, api_key: str | None = None) -> tuple[int, Any]:
     data = None if payload is None else json.dumps(payload).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
+    headers = {"Content-Type": "application/json"} if data else {}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(url, data=data, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             status, raw = resp.status, resp.read()
@@ -83,14 +87,18 @@ def _start(backend: Any, workdir: Path) -> LiveEngine:
     if urls is not None:
         if not urls:
             pytest.skip(f"engine backend {backend.name!r} gives no running servers: configure their URLs")
-        status, info = _http(urls[0].rstrip("/") + "/model_info")
+        key = backend.api_key()
+        status, info = _http(urls[0].rstrip("/") + "/model_info", api_key=key)
         assert status == 200 and isinstance(info, dict), f"{urls[0]}/model_info: HTTP {status}: {info}"
-        return LiveEngine(urls[0].rstrip("/"), info["model_path"], workdir)
+        return LiveEngine(urls[0].rstrip("/"), info["model_path"], workdir, api_key=key)
     ckpt = make_tiny_checkpoint(workdir / "tiny-qwen3", "qwen3")
     resources = ResourcesConfig()
     port = free_port()
+    import secrets
+
+    key = secrets.token_urlsafe(16)  # as the fleet makes one per run
     slot = EngineSlot(index=0, port=port, host="127.0.0.1", model_path=str(ckpt), seed=0, resources=resources,
-                      gpus=gpu_ids(resources, 0) if backend.on_gpu(resources) else [])
+                      gpus=gpu_ids(resources, 0) if backend.on_gpu(resources) else [], api_key=key)
     launch = backend.launch(slot)
     log = workdir / "engine.log"
     server = ManagedServer(launch.command, f"http://127.0.0.1:{port}", log_path=log, env={**ENGINE_ENV, **launch.env},
@@ -100,7 +108,7 @@ def _start(backend: Any, workdir: Path) -> LiveEngine:
     except Exception as exc:
         tail = log.read_text()[-3000:] if log.exists() else ""
         raise AssertionError(f"{backend.name}: the engine server did not become ready ({exc}); log:\n{tail}") from None
-    return LiveEngine(server.base_url, str(ckpt), workdir, server)
+    return LiveEngine(server.base_url, str(ckpt), workdir, server, api_key=key)
 
 
 def live_engine(backend: Any, request: Any, tmp_path_factory: Any) -> LiveEngine:
@@ -242,11 +250,12 @@ class EngineContract(ComponentContract):
     def test_sglang_router_fronts_it(self, engine):
         from posttrain.core.rollout.router import RouterProcess
 
-        router = RouterProcess([engine.url], model_path=engine.model_path,
-                               log_path=engine.workdir / "router.log").start(timeout_s=120)
+        router = RouterProcess([engine.url], model_path=engine.model_path, log_path=engine.workdir / "router.log",
+                               api_key=engine.api_key).start(timeout_s=120)
         try:
             status, out = _http(router.url + "/generate", {"input_ids": PROMPTS[0], "return_logprob": True,
-                                                           "sampling_params": {"temperature": 0.0, "max_new_tokens": 4}})
+                                                           "sampling_params": {"temperature": 0.0, "max_new_tokens": 4}},
+                                api_key=engine.api_key)
         finally:
             router.stop()
         assert status == 200, f"through sglang-router: HTTP {status}: {out}"
