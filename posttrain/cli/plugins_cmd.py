@@ -103,7 +103,10 @@ def check(name: str, plugin: list[str] = PluginFiles, disable: list[str] = Disab
                 @pytest.fixture
                 def {fixture}(self):
                     cls = PLUGINS.{plural}[{comp!r}]
-                    return cls(cls.Config())
+                    obj = cls(cls.Config())
+                    if callable(getattr(obj, "bind", None)):  # built as a run builds it
+                        obj.bind(PLUGINS)
+                    return obj
             """))
     with tempfile.TemporaryDirectory() as tmp:
         test_file = Path(tmp) / "test_contract_check.py"

@@ -16,8 +16,12 @@ def _ours(kind: str) -> list:
 
 
 def _instance(kind: str, name: str):
+    """Built as a run builds it: ``Cls(Cls.Config())``, then ``bind(plugins)`` where a component has it."""
     cls = PLUGINS.registry(kind)[name]
-    return cls(cls.Config())
+    obj = cls(cls.Config())
+    if callable(getattr(obj, "bind", None)):
+        obj.bind(PLUGINS)
+    return obj
 
 
 class TestEstimators(EstimatorContract):
