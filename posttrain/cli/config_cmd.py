@@ -56,6 +56,9 @@ def sections(cls: type | None = None, prefix: str = "") -> list[Section]:
             here.rows.append({**row, "type": f"list[{item.__name__}]", "default": row["default"],
                               "help": row["help"] + f" (keys: section {name}[])"})
             nested += sections(item, f"{name}[]")
+        elif _optional_dataclass(tp) is not None:  # a section that may be left out (teacher:)
+            here.rows.append({**row, "help": row["help"] + f" (keys: section {name})"})
+            nested += sections(_optional_dataclass(tp), name)
         elif kind is not None:
             many = f.default_factory is list
             required = f.metadata.get("required", False)
@@ -66,6 +69,14 @@ def sections(cls: type | None = None, prefix: str = "") -> list[Section]:
         else:
             here.rows.append(row)
     return ([here] if here.rows else []) + nested
+
+
+def _optional_dataclass(tp: typing.Any) -> typing.Any:
+    """``X`` of an ``X | None`` annotation whose ``X`` is a dataclass, else None."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if type(None) in typing.get_args(tp) and len(args) == 1 and dataclasses.is_dataclass(args[0]):
+        return args[0]
+    return None
 
 
 def _list_item(tp: typing.Any) -> typing.Any:

@@ -26,7 +26,8 @@ def test_sections_left_out_select_the_registered_default_backends(plugins):
     assert (cfg.rollout.engine.name, cfg.trainer.backend.name) == ("local", "megatron")
     assert cfg.rollout.engine.config.device == "cpu" and cfg.trainer.backend.config.tp == 1
     # an override into a section that is not there yet keeps the default name
-    cfg = load_config(None, ["rollout.engine.device=cuda", "trainer.backend.tp=2"], plugins=plugins, data=BASE)
+    cfg = load_config(None, ["rollout.engine.device=cuda", "trainer.backend.tp=2",
+                             "resources.trainer_procs_per_node=2"], plugins=plugins, data=BASE)
     assert cfg.rollout.engine.name == "local" and cfg.rollout.engine.config.device == "cuda"
     assert cfg.trainer.backend.config.tp == 2
     # the resolved config names them, and round-trips
