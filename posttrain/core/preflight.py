@@ -71,11 +71,14 @@ def check_run(cfg: Any, raw: dict[str, Any], plugins: Any, base_dir: str | Path 
 
 def _missing_sections(cfg: Any, raw: dict[str, Any], plugins: Any) -> list[str]:
     kinds = {"model": "models", "generator": "generators", "loss": "losses"}
-    if cfg is not None:
-        missing = [key for key in REQUIRED_SECTIONS if getattr(cfg, key) is None]
+    if cfg is not None:  # what the run mode needs (the RL loop: model, generator, loss; SFT: model, loss)
+        missing = [key for key in cfg.mode.cls.needed_to_train if key in kinds and getattr(cfg, key) is None]
         no_data = not cfg.data.path
     else:  # the config did not validate: judge from the mapping, so these come with its errors
-        missing = [key for key in REQUIRED_SECTIONS if not raw.get(key)]
+        from posttrain.core.config import mode_generates
+
+        needed = REQUIRED_SECTIONS if plugins is None or mode_generates(raw, plugins) else ("model", "loss")
+        missing = [key for key in needed if not raw.get(key)]
         data = raw.get("data")
         no_data = isinstance(data, dict) and not data.get("path") or data is None
     errors = []

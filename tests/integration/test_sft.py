@@ -17,11 +17,11 @@ LEARN = ["trainer.global_batch_size=100", "trainer.micro_batch_size=100", "train
          "trainer.lr_warmup_steps=10", "trainer.lr_decay_style=cosine", "trainer.lr_decay_steps=80"]
 
 
-async def _greedy_accuracy(url: str, tokenizer) -> float:
+async def _greedy_accuracy(url: str, tokenizer, api_key: str | None = None) -> float:
     from posttrain.core.rollout.client import EngineClient
 
     rows = [json.loads(line) for line in (ROOT / "examples" / "quickstart" / "prompts.jsonl").read_text().splitlines()]
-    async with EngineClient(url) as engine:
+    async with EngineClient(url, api_key=api_key) as engine:
         outs = await asyncio.gather(*[engine.generate(input_ids=tokenizer.encode(r["prompt"], add_special_tokens=False),
                                                       sampling_params={"temperature": 0.0, "max_new_tokens": 1})
                                       for r in rows])
@@ -45,7 +45,8 @@ def test_sft_learns_the_quickstart_task_without_engines(tmp_path):
     assert [p.name for p in (run / "checkpoints").glob("step_*")] and (run / "hf-final" / "config.json").exists()
     server = start_local_engine(run / "hf-final", tmp_path)
     try:
-        accuracy = asyncio.run(_greedy_accuracy(server.base_url, AutoTokenizer.from_pretrained(run / "hf-final")))
+        accuracy = asyncio.run(_greedy_accuracy(server.base_url, AutoTokenizer.from_pretrained(run / "hf-final"),
+                                                server.api_key))
     finally:
         server.stop()
     assert accuracy >= 0.95

@@ -50,8 +50,8 @@ class TrainerGroup:
     def save_hf(self, out_dir: str) -> str:
         return self.ranks.call("save_hf", out_dir)
 
-    def connect_engines(self, engine_urls: list[str], backend: str | None = None) -> None:
-        self.ranks.call("connect_engines", engine_urls, backend)
+    def connect_engines(self, engine_urls: list[str], backend: str | None = None, api_key: str | None = None) -> None:
+        self.ranks.call("connect_engines", engine_urls, backend, api_key)
 
     def push_weights(self, version: int, disk_dir: str | None = None) -> float:
         return self.ranks.call("push_weights", version, disk_dir)
