@@ -102,12 +102,16 @@ BODIES = {
     def launch(self, slot):
         """Engine ``slot.index``'s server: argv and environment (the fleet starts, watches and restarts it).
 
-        TODO: start your server here. This scaffold starts posttrain's own engine server on the checkpoint."""
+        TODO: start your server here. This scaffold starts posttrain's own engine server on the checkpoint.
+        Rule: the server requires the run's API key (``slot.api_key``, SGLang's ``Authorization: Bearer``)
+        on every endpoint but ``/health*``; hand it over by environment, never on the command line."""
         import sys
+
+        from posttrain.core.rollout.backend import API_KEY_ENV
 
         return EngineLaunch([sys.executable, "-m", "posttrain.cli.main", "engine", "serve", slot.model_path,
                              "--host", slot.host, "--port", str(slot.port), "--device", self.config.device],
-                            env={"OMP_NUM_THREADS": "1"})
+                            env={"OMP_NUM_THREADS": "1", API_KEY_ENV: slot.api_key})
 '''),
     "trainer": ("posttrain_register_trainers", "TrainerContract", "trainer_backend", '''
     @dataclass

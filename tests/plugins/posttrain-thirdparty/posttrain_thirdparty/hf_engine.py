@@ -31,7 +31,7 @@ class HFGenerateEngine(EngineBackend):
         device: str = option("cpu", help="cpu | cuda (GPU index from the run's placement) | cuda:N")
         max_batch_size: int = option(256, ge=1, help="rows decoded together")
 
-    def check(self, run: Any, plugins: Any) -> list[str]:
+    def check_config(self, run: Any, plugins: Any) -> list[str]:
         errors = []  # an explicit rollout.weight_sync other than disk is reported by posttrain (weight_sync_modes)
         device = self.config.device
         if device != "cpu" and not (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):

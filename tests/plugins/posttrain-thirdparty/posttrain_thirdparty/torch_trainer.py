@@ -28,7 +28,7 @@ class TorchSimpleTrainer(TrainerBackend):
     class Config:
         device: str = option("auto", help="auto (cuda when available, else cpu) | cpu | cuda | cuda:N")
 
-    def check(self, run: Any, plugins: Any) -> list[str]:
+    def check_config(self, run: Any, plugins: Any) -> list[str]:
         device = self.config.device
         if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
             return [f"trainer.backend.device: expected auto, cpu, cuda or cuda:N, got {device!r}"]
