@@ -55,6 +55,8 @@ def check_run(cfg: Any, raw: dict[str, Any], plugins: Any, base_dir: str | Path 
     if cfg is not None and cfg.model is not None:
         out.errors += _model_paths(cfg.model.config)
     data = cfg.data if cfg is not None else _build_data(raw)
+    if cfg is not None and not cfg.mode.cls.generates:  # a mode with its own data (SFT rows) checks them itself
+        data = None
     count = None
     if data is not None and data.path:
         keys_ok, count = _check_keys(out, "data", data, _data_keys(data), base_dir)

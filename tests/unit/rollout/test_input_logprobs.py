@@ -22,9 +22,9 @@ def _forward_logprobs(hf_model, ids):
     return [logp[t - 1, ids[t]].item() for t in range(1, len(ids))]
 
 
-async def test_teacher_query_equals_the_forward_pass(engine_url, hf_model):
+async def test_teacher_query_equals_the_forward_pass(engine_url, engine_key, hf_model):
     samples = SAMPLES * 5  # more than the engine's 8 slots: scoring-only prefills, then the waiting ones
-    async with EngineClient(engine_url) as engine:  # all at once: they share prefill batches
+    async with EngineClient(engine_url, api_key=engine_key) as engine:  # all at once: they share prefill batches
         outs = await asyncio.gather(*[engine.generate(input_ids=ids, sampling_params=SCORE, logprob_start_len=0)
                                       for ids in samples])
     for ids, out in zip(samples, outs):
@@ -35,9 +35,9 @@ async def test_teacher_query_equals_the_forward_pass(engine_url, hf_model):
         assert out["meta_info"]["output_token_logprobs"] == []
 
 
-async def test_a_start_inside_the_prompt_and_generation_in_the_same_request(engine_url, hf_model):
+async def test_a_start_inside_the_prompt_and_generation_in_the_same_request(engine_url, engine_key, hf_model):
     ids = SAMPLES[2]
-    async with EngineClient(engine_url) as engine:
+    async with EngineClient(engine_url, api_key=engine_key) as engine:
         scored, plain = await asyncio.gather(
             engine.generate(input_ids=ids, sampling_params={"temperature": 0.0, "max_new_tokens": 3,
                                                             "ignore_eos": True}, logprob_start_len=5),
@@ -50,8 +50,8 @@ async def test_a_start_inside_the_prompt_and_generation_in_the_same_request(engi
     assert plain["meta_info"]["input_token_logprobs"] == []  # the default -1: none
 
 
-async def test_batched_request_with_one_start_per_prompt(engine_url, hf_model):
-    async with EngineClient(engine_url) as engine:
+async def test_batched_request_with_one_start_per_prompt(engine_url, engine_key, hf_model):
+    async with EngineClient(engine_url, api_key=engine_key) as engine:
         outs = await engine.request("POST", "/generate", {"input_ids": SAMPLES[:2], "sampling_params": SCORE,
                                                           "return_logprob": True, "logprob_start_len": [1, 0]})
     assert [t for _, t, _ in outs[0]["meta_info"]["input_token_logprobs"]] == SAMPLES[0][1:]
@@ -60,21 +60,21 @@ async def test_batched_request_with_one_start_per_prompt(engine_url, hf_model):
 
 
 @pytest.mark.parametrize("start", [3, -2, 1.5, True])
-async def test_a_start_outside_the_prompt_is_a_bad_request(engine_url, start):
-    async with EngineClient(engine_url) as engine:
+async def test_a_start_outside_the_prompt_is_a_bad_request(engine_url, engine_key, start):
+    async with EngineClient(engine_url, api_key=engine_key) as engine:
         with pytest.raises(EngineRequestError) as info:
             await engine.generate(input_ids=[1, 2, 3], sampling_params=SCORE, logprob_start_len=start)
     assert info.value.status == 400 and "logprob_start_len" in info.value.message
 
 
-async def test_the_teacher_scores_a_samples_response_tokens(engine_url, hf_model):
+async def test_the_teacher_scores_a_samples_response_tokens(engine_url, engine_key, hf_model):
     from posttrain.core.estimator_inputs import estimator_metadata
     from posttrain.core.rollout.teacher import Teacher, add_teacher_log_probs
     from posttrain.core.types import Sample
 
     samples = [Sample(prompt="", tokens=ids, response_length=n) for ids, n in zip(SAMPLES[:3], (3, 1, 4))]
     failed = Sample(prompt="", tokens=[7, 8], response_length=0)  # nothing generated: not scored
-    async with EngineClient(engine_url) as client:
+    async with EngineClient(engine_url, api_key=engine_key) as client:
         await add_teacher_log_probs(samples + [failed], Teacher(client))
     for s in samples:
         forward = _forward_logprobs(hf_model, s.tokens)[-s.response_length:]

@@ -96,7 +96,7 @@ async def test_server_greedy_matches_hf_generate_and_returns_sglang_routed_exper
     server = start_local_engine(path, tmp_path)
     prompts = [[5, 6, 7, 8], [30, 31], [9, 10, 11, 12, 13, 14]]
     try:
-        async with EngineClient(server.base_url) as engine:
+        async with EngineClient(server.base_url, api_key=server.api_key) as engine:
             outs = await asyncio.gather(*[engine.generate(
                 input_ids=p, sampling_params={"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True},
                 return_routed_experts=True) for p in prompts])
