@@ -31,15 +31,12 @@ def main() -> None:
         init_parallel(1, 1, ep=2)
         results = {"verify": verify_checkpoint(spec_for("qwen3_moe", path), path, attention="sdpa")}
         trainer = MegatronTrainer(spec_for("qwen3_moe", path), **trainer_configs(
-            lr=1e-3, micro_batch_size=1, global_batch_size=2, ep=2))
-        rank = dist.get_rank()
-        batch = tp_batch().select(2 * rank, 2 * rank + 2)
-        batch.old_log_probs = trainer.log_probs(batch)[0]
-        metrics = trainer.train_step(batch, local_loss)
+            lr=1e-3, micro_batch_size=1, global_batch_size=4, ep=2))
+        batch = tp_batch()  # every rank is given the whole batch and takes its replica's share
+        batch.old_log_probs = trainer.log_probs(batch)[0]  # gathered back: [4, T] on every rank
+        metrics = trainer.train_step(batch, local_loss)  # reduced over DP: the whole step's
         exported = {k: v.clone() for bucket in trainer.export_hf(1 << 20) for k, v in bucket}
-        parts: list = [None, None]
-        dist.all_gather_object(parts, (batch.old_log_probs, metrics["loss"]))
-        results.update(lp=[p[0] for p in parts], loss=sum(p[1] for p in parts), metrics=metrics,
+        results.update(lp=batch.old_log_probs, loss=metrics["loss"], metrics=metrics,
                        params=exported, local_experts=trainer.gpt.decoder.layers[0].mlp.experts.num_local_experts)
     if dist.get_rank() == 0:
         torch.save(results, out_file)
