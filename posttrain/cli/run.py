@@ -81,7 +81,9 @@ def run(config: Path = typer.Argument(None, help="run config (YAML); optional wi
     if run is None:
         from posttrain.core.run_dir import RunDirectory
 
-        run = RunDirectory.create(run_dir, config.stem)
+        run = RunDirectory.create(run_dir, config.stem)  # locked by its creation
+    else:
+        run.lock()  # one writer per run directory: a second exits 2 naming the holder's PID
     run.base_dir = plan.base_dir
     if plan.checkpoint is None:  # a new run, or one started over in place: its config is this one
         run.logs.mkdir(parents=True, exist_ok=True)
