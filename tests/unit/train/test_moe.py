@@ -18,7 +18,7 @@ from posttrain.core.model_spec import count_params
 from posttrain.core.plugins import load_plugins
 from posttrain.plugins.trainers.megatron.convert import verify_checkpoint
 from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
-from train_helpers import local_loss, spec_for, tp_batch, trainer_configs
+from train_helpers import local_loss, spec_for, torchrun, tp_batch, trainer_configs
 
 HERE = Path(__file__).parent
 FAMILIES = ("qwen3_moe", "glm4_moe")
@@ -62,21 +62,8 @@ def test_verify_tp1_matches_transformers_and_round_trips(tiny_ckpts, megatron_tp
     assert result["passed"] and result["max_abs_diff"] < 1e-4, result
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(*args: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(_free_port()), str(HERE / "moe_worker.py"), *args],
-                          env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun("moe_worker.py", *args, timeout=400)
 
 
 @pytest.mark.slow

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,26 +9,13 @@ import torch
 
 from posttrain.core.config import TrainerConfig
 from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
-from train_helpers import local_loss, spec_for, tp_batch
+from train_helpers import local_loss, spec_for, torchrun, tp_batch
 
 HERE = Path(__file__).parent
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(*args: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(_free_port()), str(HERE / "tp_worker.py"), *args],
-                          env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun("tp_worker.py", *args, timeout=240)
 
 
 @pytest.mark.slow

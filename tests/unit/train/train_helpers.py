@@ -110,3 +110,23 @@ def trainer_configs(**kw):
     own = {f.name for f in fields(MegatronBackend.Config)}
     return {"config": TrainerConfig(**{k: v for k, v in kw.items() if k not in own}),
             "backend": MegatronBackend.Config(**{k: v for k, v in kw.items() if k in own})}
+
+
+def torchrun(script: str, *args: str, timeout: float = 240) -> None:
+    """``tests/unit/train/SCRIPT args`` under ``torchrun --nproc_per_node 2`` (Gloo on CPU); asserts it exits 0."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(port), str(here / script), *args],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
