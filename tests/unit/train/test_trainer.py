@@ -136,6 +136,22 @@ def test_save_load_then_step_equals_step_without_round_trip(tiny_ckpts, tmp_path
         fresh.load(tmp_path / "missing")
 
 
+def test_a_checkpoint_of_another_model_is_refused(tiny_ckpts, tmp_path):
+    """Dist-checkpointing loads whatever subset a model asks for: a 3-layer checkpoint would fill a
+    2-layer model silently. The model's every tensor key and global shape are compared first."""
+    from posttrain.testing.tiny import make_tiny_checkpoint
+
+    deeper = MegatronTrainer(spec_for("qwen3", make_tiny_checkpoint(tmp_path / "deep", "qwen3", num_hidden_layers=3)),
+                             **trainer_configs(lr=1e-3, micro_batch_size=2, global_batch_size=4))
+    deeper.save(tmp_path / "ckpt")
+    trainer = _trainer(tiny_ckpts)
+    before = _params(trainer)
+    with pytest.raises(UsageError, match=r"written by another model: model\.decoder\.layers\..* is \(3, .* there "
+                                         r"and \(2, .* in this model"):
+        trainer.load(tmp_path / "ckpt")
+    assert _max_diff(_params(trainer), before) == 0.0
+
+
 def test_export_hf_buckets_and_save_hf(tiny_ckpts, tmp_path):
     from safetensors.torch import load_file
 

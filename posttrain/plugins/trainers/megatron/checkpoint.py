@@ -70,6 +70,26 @@ def torch_adams(self: Any) -> list[torch.optim.Optimizer]:
     return [o for o in inners if isinstance(o, torch.optim.Adam | torch.optim.AdamW)]
 
 
+def check_same_model(self: Any, ckpt_dir: str | Path) -> None:
+    """Refuse a checkpoint of another model (UsageError) before loading anything: every model tensor
+    the checkpoint holds must be one of this model's, with the same global shape (layers stacked, so a
+    checkpoint with more or fewer layers differs too), and the other way round. Dist-checkpointing
+    alone would load the subset this model asks for and ignore the rest."""
+    from megatron.core.dist_checkpointing import load_tensors_metadata
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    saved = {k: tuple(v.global_shape) for k, v in load_tensors_metadata(str(ckpt_dir)).items()
+             if k.startswith("model.") and isinstance(v, ShardedTensor)}
+    mine = self.gpt.sharded_state_dict(prefix="model.")
+    apply_factories(mine)  # fused weights (SwiGLU's fc1) become the tensors that are saved
+    want = {v.key: tuple(v.global_shape) for v in nested_values(mine) if isinstance(v, ShardedTensor)}
+    diff = sorted(set(saved) ^ set(want)) or sorted(k for k in want if saved[k] != want[k])
+    if diff:
+        raise UsageError(f"{ckpt_dir}: written by another model: {diff[0]} is {saved.get(diff[0], 'absent')} "
+                         f"there and {want.get(diff[0], 'absent')} in this model ({len(diff)} tensor(s) differ)")
+
+
 def save(self: Any, ckpt_dir: str | Path) -> None:
     """Model + optimizer + step with Megatron dist-checkpointing (torch_dist); collective."""
     from megatron.core import dist_checkpointing
@@ -88,8 +108,10 @@ def load(self: Any, ckpt_dir: str | Path) -> None:
 
     if not Path(ckpt_dir).is_dir():
         raise UsageError(f"{ckpt_dir}: no such checkpoint directory")
+    check_same_model(self, ckpt_dir)
     loaded = dist_checkpointing.load(sharded_state(self, is_loading=True), str(ckpt_dir))
     model_sd = {k.removeprefix("model."): v for k, v in loaded["model"].items()}
+    # not strict only for TE's _extra_state entries; check_same_model compared every tensor already
     result = self.gpt.load_state_dict(model_sd, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing:
