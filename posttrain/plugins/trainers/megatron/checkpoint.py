@@ -83,8 +83,14 @@ def check_same_model(self: Any, ckpt_dir: str | Path) -> None:
              if k.startswith("model.") and isinstance(v, ShardedTensor)}
     mine = self.gpt.sharded_state_dict(prefix="model.")
     apply_factories(mine)  # fused weights (SwiGLU's fc1) become the tensors that are saved
-    want = {v.key: tuple(v.global_shape) for v in nested_values(mine) if isinstance(v, ShardedTensor)}
-    diff = sorted(set(saved) ^ set(want)) or sorted(k for k in want if saved[k] != want[k])
+    tensors = [v for v in nested_values(mine) if isinstance(v, ShardedTensor)]
+    want = {v.key: tuple(v.global_shape) for v in tensors}
+    # Megatron marks the vocabulary-padded tensors (embedding, output layer) allow_shape_mismatch: their
+    # rows are padded to a multiple of 128 x TP, so a layout change changes dim 0 and the rows load as saved
+    rows_may_differ = {v.key for v in tensors if getattr(v, "allow_shape_mismatch", False)}
+    diff = sorted(set(saved) ^ set(want)) or sorted(
+        k for k in want if (saved[k][1:] if k in rows_may_differ else saved[k]) !=
+        (want[k][1:] if k in rows_may_differ else want[k]))
     if diff:
         raise UsageError(f"{ckpt_dir}: written by another model: {diff[0]} is {saved.get(diff[0], 'absent')} "
                          f"there and {want.get(diff[0], 'absent')} in this model ({len(diff)} tensor(s) differ)")
