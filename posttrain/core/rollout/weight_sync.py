@@ -80,8 +80,17 @@ def open_group(backend: str, master_address: str, master_port: int, world_size: 
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((master_address, int(master_port)))
         listener.listen()
-    store = dist.TCPStore(master_address, int(master_port), world_size, rank == 0, timeout=timeout,
-                          **({"master_listen_fd": listener.fileno()} if listener else {}))
+    try:
+        store = dist.TCPStore(master_address, int(master_port), world_size, rank == 0, timeout=timeout,
+                              **({"master_listen_fd": listener.fileno()} if listener else {}))
+    except BaseException:
+        if listener is not None:
+            listener.close()
+        raise
+    if listener is not None:
+        # the store's server owns the descriptor now and closes it when the store goes: a socket object
+        # still holding it would close it a second time, by then perhaps another file's descriptor
+        listener.detach()
     store = dist.PrefixStore(group_name, store)
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
@@ -96,7 +105,7 @@ def open_group(backend: str, master_address: str, master_port: int, world_size: 
         group = dist.ProcessGroupNCCL(store, rank, world_size, opts)
     else:
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    _KEEP[id(group)] = (store, listener)  # the store (and its socket) must live as long as the group
+    _KEEP[id(group)] = store  # the store (and its listening socket) must live as long as the group
     return group
 
 
@@ -104,10 +113,8 @@ _KEEP: dict[int, Any] = {}
 
 
 def close_group(group) -> None:
-    """Drop the store and listening socket kept for ``group``."""
-    store, listener = _KEEP.pop(id(group), (None, None))
-    if listener is not None:
-        listener.close()
+    """Drop the store kept for ``group`` (its listening socket closes with the last reference to it)."""
+    _KEEP.pop(id(group), None)
 
 
 def broadcast(group, tensor) -> None:

@@ -200,3 +200,23 @@ async def test_sglang_check_weights_reads_sampled_rows_back(tiny_ckpt):
             f"tensor {named[8][0]}: its first 100 rows differ from what was pushed"
     finally:
         await runner.cleanup()
+
+
+def test_a_closed_group_never_closes_another_files_descriptor(tmp_path):
+    """The TCP store owns rank 0's listening socket: once the group is dropped, nothing else may close that
+    descriptor number again (a file opened meanwhile may hold it; CI once lost an event loop's epoll this way)."""
+    import gc
+    import os
+
+    from posttrain.core.rollout.procs import free_port
+    from posttrain.core.rollout.weight_sync import close_group, open_group
+
+    for _ in range(3):  # descriptor numbers are reused lowest first: several rounds give the bug its chance
+        group = open_group("gloo", "127.0.0.1", free_port(), 1, 0, timeout_s=5.0)
+        close_group(group)
+        files = [open(tmp_path / f"f{i}", "w") for i in range(4)]  # take the lowest free numbers
+        del group
+        gc.collect()
+        for f in files:
+            os.fstat(f.fileno())  # EBADF if the group's teardown closed a number it no longer owned
+            f.close()
