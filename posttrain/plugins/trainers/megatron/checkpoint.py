@@ -88,7 +88,12 @@ def check_same_model(self: Any, ckpt_dir: str | Path) -> None:
     # Megatron marks the vocabulary-padded tensors (embedding, output layer) allow_shape_mismatch: their
     # rows are padded to a multiple of 128 x TP, so a layout change changes dim 0 and the rows load as saved
     rows_may_differ = {v.key for v in tensors if getattr(v, "allow_shape_mismatch", False)}
-    diff = sorted(set(saved) ^ set(want)) or sorted(
+    from megatron.core import parallel_state
+
+    # a pipeline stage holds only its own layers: the checkpoint's others are not this rank's to compare
+    whole = parallel_state.get_pipeline_model_parallel_world_size() == 1
+    missing = (set(saved) ^ set(want)) if whole else (set(want) - set(saved))
+    diff = sorted(missing) or sorted(
         k for k in want if (saved[k][1:] if k in rows_may_differ else saved[k]) !=
         (want[k][1:] if k in rows_may_differ else want[k]))
     if diff:
