@@ -73,8 +73,10 @@ def torch_adams(self: Any) -> list[torch.optim.Optimizer]:
 def check_same_model(self: Any, ckpt_dir: str | Path) -> None:
     """Refuse a checkpoint of another model (UsageError) before loading anything: every model tensor
     the checkpoint holds must be one of this model's, with the same global shape (layers stacked, so a
-    checkpoint with more or fewer layers differs too), and the other way round. Dist-checkpointing
-    alone would load the subset this model asks for and ignore the rest."""
+    checkpoint with more or fewer layers differs too), and the other way round (on one pipeline stage:
+    only the tensors it holds). Dist-checkpointing alone would load the subset this model asks for and
+    ignore the rest."""
+    from megatron.core import parallel_state
     from megatron.core.dist_checkpointing import load_tensors_metadata
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
@@ -88,14 +90,14 @@ def check_same_model(self: Any, ckpt_dir: str | Path) -> None:
     # Megatron marks the vocabulary-padded tensors (embedding, output layer) allow_shape_mismatch: their
     # rows are padded to a multiple of 128 x TP, so a layout change changes dim 0 and the rows load as saved
     rows_may_differ = {v.key for v in tensors if getattr(v, "allow_shape_mismatch", False)}
-    from megatron.core import parallel_state
+
+    def compared(key: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return shape[1:] if key in rows_may_differ else shape
 
     # a pipeline stage holds only its own layers: the checkpoint's others are not this rank's to compare
     whole = parallel_state.get_pipeline_model_parallel_world_size() == 1
-    missing = (set(saved) ^ set(want)) if whole else (set(want) - set(saved))
-    diff = sorted(missing) or sorted(
-        k for k in want if (saved[k][1:] if k in rows_may_differ else saved[k]) !=
-        (want[k][1:] if k in rows_may_differ else want[k]))
+    unmatched = (set(saved) ^ set(want)) if whole else (set(want) - set(saved))
+    diff = sorted(unmatched) or sorted(k for k in want if compared(k, saved[k]) != compared(k, want[k]))
     if diff:
         raise UsageError(f"{ckpt_dir}: written by another model: {diff[0]} is {saved.get(diff[0], 'absent')} "
                          f"there and {want.get(diff[0], 'absent')} in this model ({len(diff)} tensor(s) differ)")
