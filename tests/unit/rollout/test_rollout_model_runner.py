@@ -118,3 +118,35 @@ def test_a_request_that_breaks_a_step_fails_alone(runner):
         assert "error" not in results[name]
         assert results[name]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
         assert len(results[name]["output_ids"]) == 6
+
+
+def test_auto_dtype_follows_the_checkpoint_on_a_gpu_and_is_float32_on_the_cpu(tmp_path):
+    """A float32 policy is sampled in float32 on a GPU too (issue 24: a bf16 engine copy of a float32
+    trainer parted from its log-probs by ~1e-3); a bf16 checkpoint or one that names no dtype runs bf16."""
+    import json
+
+    import torch
+
+    from posttrain.plugins.engines.local.model_runner import resolve_dtype
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for named, expected in (("float32", "float32"), ("bfloat16", "bfloat16"), (None, "bfloat16")):
+        (tmp_path / "config.json").write_text(json.dumps({} if named is None else {"torch_dtype": named}))
+        assert resolve_dtype("auto", cuda, str(tmp_path)) == expected
+        assert resolve_dtype("auto", cpu, str(tmp_path)) == "float32"
+        assert resolve_dtype("float16", cuda, str(tmp_path)) == "float16"
+    assert resolve_dtype("auto", cuda, None) == "bfloat16"
+
+
+def test_local_engine_backend_passes_an_explicit_dtype_only():
+    from types import SimpleNamespace
+
+    from posttrain.core.rollout.backend import EngineSlot
+    from posttrain.plugins.engines.local import LocalEngine
+
+    slot = EngineSlot(index=0, port=30000, host="127.0.0.1", model_path="/ckpt", seed=0,
+                      resources=SimpleNamespace(), api_key="k")
+    argv = LocalEngine(LocalEngine.Config()).launch(slot).command
+    assert "--dtype" not in argv  # auto: the server resolves it from the checkpoint
+    argv = LocalEngine(LocalEngine.Config(dtype="float32")).launch(slot).command
+    assert argv[argv.index("--dtype") + 1] == "float32"

@@ -43,7 +43,7 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
           port: int = typer.Option(30000, "--port", help="TCP port"),
           host: str = typer.Option("127.0.0.1", "--host", help="address to bind (loopback by default)"),
           device: str = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N"),
-          dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16"),
+          dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU; on GPU the checkpoint's torch_dtype, else bfloat16) | float32 | bfloat16 | float16"),
           max_running_requests: int = typer.Option(32, "--max-running-requests", help="KV-cache slots (requests decoded together)"),
           context_length: int = typer.Option(0, "--context-length", help="tokens per request (prompt + output); 0: the model's max_position_embeddings, at most 4096"),
           cuda_graphs: bool = typer.Option(False, "--cuda-graphs", help="capture the decode step in CUDA graphs (GPU only)"),

@@ -165,6 +165,25 @@ def _bmm_fp32_out_supported(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
+def resolve_dtype(dtype: str, device: torch.device, model_dir: str | None) -> str:
+    """``dtype`` with ``auto`` resolved: float32 on the CPU; on a GPU the checkpoint's own ``torch_dtype``
+    (``config.json``), bfloat16 when it names none. A float32 policy (the trainer's export says so) is
+    then sampled in float32 too: a bf16 copy of it parts from the trainer's log-probs by ~1e-3 per
+    token, which is an off-policy gap of the engine's making."""
+    if dtype != "auto":
+        return dtype
+    if device.type != "cuda":
+        return "float32"
+    import json
+
+    try:
+        hf = json.loads((Path(model_dir) / "config.json").read_text()) if model_dir else {}
+    except (OSError, ValueError):
+        hf = {}
+    named = hf.get("torch_dtype") or hf.get("dtype")
+    return named if named in ("float32", "bfloat16", "float16") else "bfloat16"
+
+
 class ModelRunner:
     """Owns the model and its slot KV cache. Not thread-safe: the engine thread alone calls it."""
 
@@ -189,9 +208,7 @@ class ModelRunner:
 
         self.model_dir = str(model_dir) if model_dir is not None else None
         self.device = torch.device(device)
-        if dtype == "auto":
-            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
-        self.dtype = getattr(torch, dtype)
+        self.dtype = getattr(torch, resolve_dtype(dtype, self.device, self.model_dir))
         if model is None:  # ``model``: an already built HF model (benchmarks of random large shapes)
             model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
