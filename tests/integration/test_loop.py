@@ -44,6 +44,18 @@ def leftovers(run_dir):
     return found
 
 
+def describe(procs):
+    """Pid, parent, age and command line of each process, for an assertion message."""
+    out = []
+    for p in procs:
+        try:
+            out.append(f"pid {p.pid} (parent {p.ppid()}, {time.time() - p.create_time():.0f} s old): "
+                       f"{' '.join(p.cmdline())[:300]}")
+        except psutil.Error:
+            pass
+    return "; ".join(out)
+
+
 def test_smoke_run_writes_the_run_directory(tmp_path):
     run = tmp_path / "run"
     out = rl_cli(QUICKSTART, "--smoke", "--run-dir", run, *SMALL)
@@ -78,7 +90,7 @@ def test_kill_9_then_resume_loses_and_repeats_no_step(tmp_path):
     deadline = time.monotonic() + 30
     while leftovers(run) and time.monotonic() < deadline:  # engines and router die with their parent
         time.sleep(0.2)
-    assert not leftovers(run)
+    assert not leftovers(run), describe(leftovers(run))
 
     out = rl_cli("--resume", run)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]

@@ -49,6 +49,9 @@ def serve() -> None:
     """A rank process: connect to the driver, answer until told to exit or until the driver is gone."""
     from multiprocessing.connection import Client
 
+    from posttrain.core.rollout.procs import exit_with_parent
+
+    exit_with_parent()
     host, port = os.environ["POSTTRAIN_GROUP_DRIVER"].rsplit(":", 1)
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ.pop("POSTTRAIN_GROUP_KEY")))
     conn.send_bytes(pickle.dumps(int(os.environ["RANK"])))

@@ -21,7 +21,30 @@ def spawn(command: list[str], log_path=None, env: dict[str, str] | None = None) 
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL
     parent = os.getpid()
     return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, **(env or {})}, preexec_fn=lambda: _die_with_parent(parent))
+                            env={**os.environ, **(env or {}), PARENT_ENV: str(parent)},
+                            preexec_fn=lambda: _die_with_parent(parent))
+
+
+PARENT_ENV = "POSTTRAIN_PARENT_PID"
+
+
+def exit_with_parent(poll_s: float = 0.5) -> None:
+    """In a process that :func:`spawn` started (engine servers, trainer ranks): a daemon thread that ends
+    it once the process that started it is gone. Defence in depth for ``PR_SET_PDEATHSIG``, which the
+    kernel ties to the *thread* that forked (a server restarted from a worker thread) and which a
+    reparenting to a subreaper does not trigger; this depends on neither. A no-op without the variable."""
+    import threading
+
+    parent = int(os.environ.pop(PARENT_ENV, "0") or 0)
+    if parent <= 1:
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def _die_with_parent(parent: int) -> None:

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -117,3 +118,20 @@ def test_sglang_spec_from_the_run_config():
     assert cmd[cmd.index("--tp-size") + 1] == "2" and cmd[cmd.index("--mem-fraction-static") + 1] == "0.6"
     assert cmd[cmd.index("--random-seed") + 1] == "16" and "--enable-memory-saver" in cmd
     assert cmd[cmd.index("--attention-backend") + 1] == "fa3" and "--enable-metrics" in cmd
+
+
+def test_a_spawned_server_exits_once_its_parent_is_gone_without_pdeathsig():
+    """``exit_with_parent``: the child of a parent that exits goes too, though nothing set
+    PR_SET_PDEATHSIG for it (plain Popen here): a kill -9 of a run leaves no engine or rank behind."""
+    import psutil
+
+    child = ("import time; from posttrain.core.rollout.procs import exit_with_parent; exit_with_parent(0.05); "
+             "time.sleep(60)")
+    parent = (f"import os, subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {child!r}], "
+              "env={**os.environ, 'POSTTRAIN_PARENT_PID': str(os.getpid())}); print(p.pid, flush=True); time.sleep(2)")
+    out = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=60)
+    pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, "the child outlived its parent"

@@ -70,6 +70,9 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
         raise UsageError(f"--device: expected cpu or cuda[:N], got {device!r}")
     quiet_http2_probes()
     from posttrain.core.rollout.backend import API_KEY_ENV
+    from posttrain.core.rollout.procs import exit_with_parent
+
+    exit_with_parent()  # started by a run: gone with it, whatever thread started it
 
     api_key = os.environ.pop(API_KEY_ENV, "") or None  # popped: nothing this process starts inherits it
     if api_key is None and not no_api_key:
