@@ -174,6 +174,7 @@ def main() -> None:
         "megatron": megatron,
         "step_s": round(seconds, 4), "tokens_per_s": round(tokens_per_step / seconds, 1),
         "model_tflops_per_s": round(flops / seconds / 1e12, 3),  # MoE: on active parameters
+        "model_flops_per_token": model_flops_per_token(hf, args.seq_len),
         "active_params": count_params(hf, active=True), "total_params": count_params(hf),
         "active_matmul_params": active_matmul, "total_matmul_params": total_matmul,
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None,
