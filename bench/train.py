@@ -180,8 +180,11 @@ def main() -> None:
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None,
     }
     if args.profile or args.kernel_table:
-        result["gpu_ms_by_kind"] = profile_step(lambda: trainer.train_step(batch, ppo_loss), sync, args.kernel_table)
-    print(json.dumps(result))
+        try:
+            result["gpu_ms_by_kind"] = profile_step(lambda: trainer.train_step(batch, ppo_loss), sync, args.kernel_table)
+        except Exception as exc:  # instrumentation must not cost the step's numbers
+            result["profile_error"] = repr(exc)[:300]
+    print(json.dumps(result), flush=True)
 
 
 KINDS = (("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),  # before gemm: flash names hold "gemm"

@@ -3,7 +3,8 @@
 A model-spec plugin (``posttrain/plugins/models/<family>.py``) registers a subclass with
 ``posttrain_register_models``. The backend-independent part lives here: the HF ``model_type`` values a
 spec accepts, ``presets`` (real ``config.json`` shapes by name, and a ``tiny`` one for CPU tests),
-``hf_config()`` and the checkpoint lookup. A trainer backend adds its own mapping on top: Megatron's is
+``hf_config()`` (the preset's or checkpoint's ``config.json`` with ``model.overrides`` on top, e.g.
+``{num_hidden_layers: 8}`` to cut a real shape to one GPU) and the checkpoint lookup. A trainer backend adds its own mapping on top: Megatron's is
 :class:`posttrain.plugins.trainers.megatron.spec.DenseGPTSpec` (TransformerConfig, layer spec, weight
 mapping per Megatron parameter), which the built-in dense families subclass. An engine backend serves
 the HF checkpoint a spec describes (``hf_architecture``).
