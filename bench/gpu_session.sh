@@ -19,7 +19,7 @@
 #               TFLOP/s on active parameters
 #   moe_rollout local-engine decode at that shape (MOE_ROLLOUT_LAYERS, default MOE_LAYERS), 256 x 128 prompt,
 #               256 new tokens, triton decode attention
-#   moe_grpo    3-step colocated GRPO, examples/gpu/qwen3-30b-a3b-grpo.yaml, routing replay on
+#   moe_grpo    3-step colocated GRPO, examples/gpu/qwen3-30b-a3b-grpo.yaml (16 x 8 x 128 new), routing replay on
 # needs: .whl/ with megatron-core 0.16.1 (cp312), math-verify, latex2sympy2_extended, antlr4-python3-runtime;
 #        optional .whl/extra/ with sglang-router and what its launcher imports (fastapi, uvicorn, orjson, ...),
 #        for the parts with rollout.use_router: true (sync4b, shrunk); without it they fail, the rest run
@@ -94,7 +94,7 @@ for part in "${PARTS[@]}"; do case $part in
   gputests) step gputests 170 python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
   moe_train) step moe_train 120 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 bench/train.py \
                --device cuda --spec qwen3_moe --preset qwen3-30B-A3B --layers $MOE_LAYERS --micro-batch 4 \
-               --seq-len 2048 --grad-accum 2 --steps 3 --warmup 1 --sdpa-gqa --keep-logits --fused-adam \
+               --seq-len 2048 --grad-accum 2 --steps 2 --warmup 1 --sdpa-gqa --keep-logits --fused-adam \
                --profile --kernel-table $LOGS/kt_moe_train.txt ;;
   moe_rollout) step moe_rollout 100 python3 bench/rollout.py --device cuda --shape qwen3-30b-a3b \
                  --layers $MOE_ROLLOUT_LAYERS --prompts 256 --prompt-len 128 --new-tokens 256 --skip-hf --profile \
