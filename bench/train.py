@@ -9,15 +9,15 @@ fp32 logits). One optimizer step = ``--grad-accum`` micro-batches.
 
 Model FLOPs per token (the convention of Megatron's and PaLM's MFU): ``6 * P + 12 * L * (n_q * d_head) * s``
 with ``P`` the matmul parameters (attention, MLP, output layer; not the embedding lookup) and the
-attention term counting the full ``s x s`` score matrix. For a MoE model ``P`` is the ACTIVE count: per
-MoE layer the router, the ``num_experts_per_tok`` routed experts a token goes to and the shared experts
-(:func:`active_matmul_params`); the JSON line gives ``active_params``/``total_params`` (every parameter,
-embeddings included, as `rl-cli models list` counts them) and ``active_matmul_params``.
+attention term counting the full ``s x s`` score matrix. Recomputation (the chunked log-softmax's
+backward) is not counted: TFLOP/s is model FLOPs over wall time. For a MoE model ``P`` is the ACTIVE
+count: per MoE layer the router, the ``num_experts_per_tok`` routed experts a token goes to and the
+shared experts (:func:`active_matmul_params`); the JSON line also gives ``active_params``/``total_params``
+(every parameter, embeddings included, as `rl-cli models list` counts them) and the matmul counts.
 
-    python bench/train.py --spec qwen3_moe --preset qwen3-30B-A3B --layers 12 --micro-batch 4 --seq-len 2048 --device cuda
+    python bench/train.py --spec qwen3_moe --preset qwen3-30B-A3B --layers 8 --micro-batch 4 --seq-len 2048 --device cuda
 
-``--layers N`` cuts the preset to its first ``N`` layers (``model.overrides: {num_hidden_layers: N}``). Recomputation (the chunked log-softmax's
-backward) is not counted: TFLOP/s is model FLOPs over wall time.
+``--layers N`` cuts the preset to its first ``N`` layers (``model.overrides: {num_hidden_layers: N}``).
 Options ``--megatron key=value`` set TransformerConfig/DDP/optimizer fields (e.g.
 ``bias_activation_fusion=true`` for the fused SwiGLU, ``recompute_granularity=selective``).
 Levers with their own flags: ``--compile``, ``--sdpa-gqa``, ``--fused-adam`` (torch's fused AdamW inside
