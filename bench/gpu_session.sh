@@ -92,10 +92,16 @@ for part in "${PARTS[@]}"; do case $part in
           ROLLOUT_VARIANTS=triton,triton+compile; step rollout_triton 120 python3 bench/rollout.py --device cuda \
             --shape qwen3-1.7b --prompts 256 --prompt-len 128 --new-tokens 256 --skip-hf --profile --variants triton,triton+compile ;;
   gputests) step gputests 170 python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
-  moe_train) step moe_train 120 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 bench/train.py \
-               --device cuda --spec qwen3_moe --preset qwen3-30B-A3B --layers $MOE_LAYERS --micro-batch 4 \
-               --seq-len 2048 --grad-accum 2 --steps 2 --warmup 1 --sdpa-gqa --keep-logits --fused-adam \
-               --profile --kernel-table $LOGS/kt_moe_train.txt ;;
+  moe_train)
+    M="--device cuda --spec qwen3_moe --preset qwen3-30B-A3B --layers $MOE_LAYERS --seq-len 2048 --steps 2 --warmup 1
+       --sdpa-gqa --keep-logits --fused-adam"
+    step moe_train 120 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 bench/train.py $M \
+      --micro-batch 4 --grad-accum 2 --profile --kernel-table $LOGS/kt_moe_train.txt
+    if ! grep -q '^{' "$LOGS/moe_train.log" && grep -q "out of memory\|OutOfMemoryError" "$LOGS/moe_train.log"; then
+      # no line and out of memory: the same tokens per step in smaller micro-batches
+      step moe_train_mb2 120 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 bench/train.py $M \
+        --micro-batch 2 --grad-accum 4
+    fi ;;
   moe_rollout) step moe_rollout 100 python3 bench/rollout.py --device cuda --shape qwen3-30b-a3b \
                  --layers $MOE_ROLLOUT_LAYERS --prompts 256 --prompt-len 128 --new-tokens 256 --skip-hf --profile \
                  --variants triton --kernel-tables $LOGS/kernels_moe ;;
