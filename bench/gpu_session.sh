@@ -16,7 +16,7 @@
 #   shrunk    issue 9 shrunk: trainer GPU 0, two engines on GPU 1 behind sglang-router
 #   moe       moe_train moe_rollout moe_grpo (issue 16's H200 measurement, one H200, ~3.5 min together):
 #   moe_train   train step of Qwen3-30B-A3B cut to MOE_LAYERS (8) layers, bf16, micro-batch 4 x 2048 x 2,
-#               TFLOP/s on active parameters
+#               TFLOP/s on active parameters (out of memory without a result: again at micro-batch 2 x 4)
 #   moe_rollout local-engine decode at that shape (MOE_ROLLOUT_LAYERS, default MOE_LAYERS), 256 x 128 prompt,
 #               256 new tokens, triton decode attention
 #   moe_grpo    3-step colocated GRPO, examples/gpu/qwen3-30b-a3b-grpo.yaml (16 x 8 x 128 new), routing replay on
