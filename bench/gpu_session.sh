@@ -14,19 +14,34 @@
 #   colocated GRPO, Qwen3-1.7B shape, 64 x 8 x 512 new tokens, trainer and engine on GPU 0
 #   disagg    the same, trainer GPU 0 / engine GPU 1, synchronous then async
 #   shrunk    issue 9 shrunk: trainer GPU 0, two engines on GPU 1 behind sglang-router
-# needs: .whl/ with megatron-core 0.16.1 (cp312), math-verify, latex2sympy2_extended, antlr4-python3-runtime,
-#        and .whl/extra/ with sglang-router and what its launcher imports (fastapi, uvicorn, orjson, ...)
+#   moe       moe_train moe_rollout moe_grpo (issue 16's H200 measurement, one H200, ~3.5 min together):
+#   moe_train   train step of Qwen3-30B-A3B cut to MOE_LAYERS (8) layers, bf16, micro-batch 4 x 2048 x 2,
+#               TFLOP/s on active parameters (out of memory without a result: again at micro-batch 2 x 4)
+#   moe_rollout local-engine decode at that shape (MOE_ROLLOUT_LAYERS, default MOE_LAYERS), 256 x 128 prompt,
+#               256 new tokens, triton decode attention
+#   moe_grpo    3-step colocated GRPO, examples/gpu/qwen3-30b-a3b-grpo.yaml (16 x 8 x 128 new), routing replay on
+# needs: .whl/ with megatron-core 0.16.1 (cp312), math-verify, latex2sympy2_extended, antlr4-python3-runtime;
+#        optional .whl/extra/ with sglang-router and what its launcher imports (fastapi, uvicorn, orjson, ...),
+#        for the parts with rollout.use_router: true (sync4b, shrunk); without it they fail, the rest run
 set -u
 OUT=${OUT:-/tmp/out}; LOGS=/tmp/gpu-logs; mkdir -p "$OUT" "$LOGS"  # logs come back as $OUT/logs.tgz
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/extra .whl/extra/*.whl || exit 1
+extra=(.whl/extra/*.whl)  # optional: only the parts with rollout.use_router: true need the router's web stack
+if [ -e "${extra[0]}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/extra "${extra[@]}" || exit 1
+else
+  echo "no .whl/extra/*.whl: sglang-router not installed (parts with rollout.use_router: true will fail)"
+fi
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site . || exit 1
 # /tmp/extra last: it only fills what the image lacks (the router's web stack)
 export PYTHONPATH=/tmp/site:/tmp/extra PATH=/tmp/site/bin:$PATH OMP_NUM_THREADS=8 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, transformers, megatron.core; print('torch', torch.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
-python3 -c "import sglang_router.launch_router" 2>&1 | tail -1 && echo "router importable"
+if python3 -c "import sglang_router.launch_router" 2>/dev/null; then echo "router importable"; else echo "router not importable"; fi
 CFG=examples/gpu/qwen3-1.7b-grpo.yaml
+MOE_CFG=examples/gpu/qwen3-30b-a3b-grpo.yaml
+MOE_LAYERS=${MOE_LAYERS:-8}                            # the cut of MOE_CFG (its memory arithmetic: 8 layers)
+MOE_ROLLOUT_LAYERS=${MOE_ROLLOUT_LAYERS:-$MOE_LAYERS}  # decode alone fits all 48 (57 GiB of weights)
 declare -A RC; ORDER=()
 step() {  # step NAME TIMEOUT_S CMD...: run, keep the log, remember the exit code and wall time
   local name=$1 limit=$2; shift 2
@@ -35,7 +50,8 @@ step() {  # step NAME TIMEOUT_S CMD...: run, keep the log, remember the exit cod
   echo "== $name: rc ${RC[$name]}"; grep -h '^{' "$LOGS/$name.log" | cut -c1-1500; tail -n 3 "$LOGS/$name.log" | cut -c1-300
 }
 e2e() { local name=$1 limit=$2; shift 2; step "$name" "$limit" python3 bench/e2e.py --config $CFG --name "$name" --keep "$LOGS/runs" "$@"; }
-for part in "$@"; do case $part in
+PARTS=(); for p in "$@"; do if [ "$p" = moe ]; then PARTS+=(moe_train moe_rollout moe_grpo); else PARTS+=("$p"); fi; done
+for part in "${PARTS[@]}"; do case $part in
   tests) step tests 240 python3 -m pytest -q -p no:cacheprovider tests/unit/rollout/test_rollout_gpu.py tests/unit/rollout/test_decode_variants.py tests/gpu ;;
   diag) step diag 150 python3 -m pytest -q -x -p no:cacheprovider tests/gpu -k disaggregated
         grep -h -A12 "engine step failed" $LOGS/diag.log | head -40 ;;
@@ -76,6 +92,21 @@ for part in "$@"; do case $part in
           ROLLOUT_VARIANTS=triton,triton+compile; step rollout_triton 120 python3 bench/rollout.py --device cuda \
             --shape qwen3-1.7b --prompts 256 --prompt-len 128 --new-tokens 256 --skip-hf --profile --variants triton,triton+compile ;;
   gputests) step gputests 170 python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
+  moe_train)
+    M="--device cuda --spec qwen3_moe --preset qwen3-30B-A3B --layers $MOE_LAYERS --seq-len 2048 --steps 2 --warmup 1
+       --sdpa-gqa --keep-logits --fused-adam"
+    step moe_train 120 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 bench/train.py $M \
+      --micro-batch 4 --grad-accum 2 --profile --kernel-table $LOGS/kt_moe_train.txt
+    if ! grep -q '^{' "$LOGS/moe_train.log" && grep -q "out of memory\|OutOfMemoryError" "$LOGS/moe_train.log"; then
+      # no line and out of memory: the same tokens per step in smaller micro-batches
+      step moe_train_mb2 120 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 bench/train.py $M \
+        --micro-batch 2 --grad-accum 4
+    fi ;;
+  moe_rollout) step moe_rollout 100 python3 bench/rollout.py --device cuda --shape qwen3-30b-a3b \
+                 --layers $MOE_ROLLOUT_LAYERS --prompts 256 --prompt-len 128 --new-tokens 256 --skip-hf --profile \
+                 --variants triton --kernel-tables $LOGS/kernels_moe ;;
+  moe_grpo) step moe_grpo 210 python3 bench/e2e.py --config $MOE_CFG --name moe_grpo --keep "$LOGS/runs" \
+              model.overrides.num_hidden_layers=$MOE_LAYERS ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac; done
 tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null

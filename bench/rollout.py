@@ -30,6 +30,14 @@ Memory-bandwidth bound (``--bandwidth-gbs``, default 4800 on CUDA for an H200, n
 decode step must read every weight once plus the KV cache of every running sequence, so
 ``bound = prompts / ((weight_bytes + kv_bytes_per_token x prompts x mean_context) / bandwidth)`` with
 ``mean_context = prompt_len + new_tokens / 2``; ``fraction_of_bound = engine_tok_s / bound``.
+``weight_bytes`` (``decode_weight_bytes`` in the line) counts what a step reads (:func:`decode_read_bytes`):
+an untied input embedding only its ``prompts`` rows, and for a MoE the routed experts that the batch's
+tokens reach, expected ``E (1 - (1 - k/E)^prompts)`` per layer (``experts_read_per_layer``): at 256
+prompts with top-8 of 128 that is all 128, so the bound counts every expert's weights each step; the
+run's own last decode step's count is ``experts_hit_last_step``.
+
+MoE: ``--shape qwen3-30b-a3b --layers N`` (``transformers.Qwen3MoeConfig``, random init; the engine runs
+HF's grouped expert matmuls), ``--shape tiny-moe`` on the CPU.
 
 Target on one H200, Qwen3-1.7B shape, 256 x 128 prompt tokens, 256 new tokens: >= 25k tok/s (HF
 ``generate`` measured 8.6k tok/s warm there).
@@ -50,19 +58,64 @@ SHAPES = {
     "qwen3-1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                        tie_word_embeddings=True, rope_theta=1000000.0),
+    # MoE shapes (transformers.Qwen3MoeConfig): 8 experts of width 32, 2 per token
+    "tiny-moe": dict(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+                     num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=False),
+    "qwen3-30b-a3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
+                          tie_word_embeddings=False, rope_theta=1000000.0),
 }
 
 
-def build_model(shape: str, device: str, dtype):
+def shape_config(shape: str, layers: int | None = None):
+    """The ``transformers`` config of ``shape`` (``Qwen3MoeConfig`` for a MoE shape), cut to ``layers``."""
+    import transformers
+
+    kw = {**SHAPES[shape], **({"num_hidden_layers": layers} if layers else {})}
+    cls = transformers.Qwen3MoeConfig if "num_experts" in kw else transformers.Qwen3Config
+    return cls(**kw, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+def build_model(shape: str, device: str, dtype, layers: int | None = None):
     import torch
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.Qwen3Config(**SHAPES[shape], rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0,
-                                      pad_token_id=0)
+    config = shape_config(shape, layers)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
+
+
+def decode_read_bytes(model, batch: int) -> dict:
+    """Weight bytes one decode step at ``batch`` running sequences reads (the bandwidth bound's numerator,
+    KV cache aside): every matmul weight once, the input embedding only its ``batch`` rows (an untied table
+    is not read whole; a tied one is, as the output layer), and of each MoE layer's ``E`` routed experts
+    the expected number that at least one of the ``batch`` tokens picks with top-``k`` routing, taken as
+    uniform and independent: ``E (1 - (1 - k/E)^batch)`` (at batch 256, top-8 of 128: 128.0, i.e. every
+    expert; at batch 1: 8). Returns ``{weight_bytes, experts_read_per_layer}`` (the latter None if dense)."""
+    cfg = model.config
+    params = dict(model.named_parameters())
+    size = lambda t: t.numel() * t.element_size()  # noqa: E731
+    embed = model.get_input_embeddings().weight
+    tied = embed is model.get_output_embeddings().weight
+    experts = int(getattr(cfg, "num_experts", 0) or 0)
+    k = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
+    read = 0.0
+    expert_bytes = 0
+    for name, p in params.items():
+        if p is embed and not tied:
+            read += size(p) * min(batch, p.shape[0]) / p.shape[0]
+        elif ".mlp.experts." in name:  # stacked [E, ...] tensors of one layer's routed experts
+            expert_bytes += size(p)
+        else:
+            read += size(p)
+    hit = experts * (1 - (1 - k / experts) ** batch) if experts else None
+    if experts:
+        read += expert_bytes * hit / experts
+    return {"weight_bytes": int(read), "experts_read_per_layer": None if hit is None else round(hit, 2)}
 
 
 def sync(device: str) -> None:
@@ -195,6 +248,17 @@ def kernel_table(runner, batch: int, position: int, device: str, path: str) -> N
         f.write(table if table is not None else averages.table(row_limit=40))
 
 
+def experts_hit(routed) -> float | None:
+    """Mean over MoE layers of the distinct experts that ``routed`` (``[n, L, k]`` expert ids of one
+    forward pass, -1 on dense layers) sends tokens to."""
+    if routed is None:
+        return None
+    per_layer = routed.reshape(-1, routed.shape[-2], routed.shape[-1]).transpose(0, 1).reshape(routed.shape[-2], -1)
+    counts = [int((ids[ids >= 0]).unique().numel()) for ids in per_layer]
+    counts = [c for c in counts if c]
+    return round(sum(counts) / len(counts), 2) if counts else None
+
+
 def bench_variant(model, prompts: list[list[int]], args, name: str, opts: dict, out: dict) -> None:
     """Build a runner with ``opts`` around ``model``, warm it up, time one full run into ``out``; with
     ``--profile``, add the step breakdown and the decode/sampling timings. ``out`` is filled as results
@@ -219,6 +283,8 @@ def bench_variant(model, prompts: list[list[int]], args, name: str, opts: dict, 
         engine.call_in_engine(engine.stats.reset)
         engine_s = run_engine(engine, prompts, args.new_tokens)
         out.update(engine_s=round(engine_s, 3), engine_tok_s=round(len(prompts) * args.new_tokens / engine_s, 1))
+        if runner.moe_top_k:  # the routing of the run's last decode step: how many experts it read
+            out["experts_hit_last_step"] = engine.call_in_engine(lambda: experts_hit(runner.routed_experts))
         if args.profile:
             stats = engine.call_in_engine(engine.stats.summary)
             out.update(step_ms=stats["step_ms"], step_launch_ms=stats["launch_ms"],
@@ -246,6 +312,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
+    ap.add_argument("--layers", type=int, default=None, help="cut the shape to its first N layers")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -276,14 +343,15 @@ def main() -> None:
     except ValueError as exc:
         ap.error(str(exc))
     bandwidth = args.bandwidth_gbs if args.bandwidth_gbs is not None else (4800.0 if cuda else None)
-    model = build_model(args.shape, args.device, dtype)
+    model = build_model(args.shape, args.device, dtype, args.layers)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(1, vocab, (args.prompts, args.prompt_len), generator=gen).tolist()
     total = args.prompts * args.new_tokens
 
     common = {"bench": "rollout", "device": torch.cuda.get_device_name() if cuda else f"cpu {platform.machine()} "
-              f"{torch.get_num_threads()} threads", "shape": args.shape, "dtype": str(dtype).removeprefix("torch."),
+              f"{torch.get_num_threads()} threads", "shape": args.shape, "layers": model.config.num_hidden_layers,
+              "dtype": str(dtype).removeprefix("torch."),
               "prompts": args.prompts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
     hf: dict = {}
     if not args.skip_hf:  # first, once: its numbers go on every variant's line
@@ -293,7 +361,10 @@ def main() -> None:
         if cuda:
             torch.cuda.empty_cache()
     cfg = model.config
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    read = decode_read_bytes(model, args.prompts)
+    weight_bytes = read["weight_bytes"]
+    common.update(params=sum(p.numel() for p in model.parameters()), decode_weight_bytes=weight_bytes,
+                  experts_read_per_layer=read["experts_read_per_layer"])
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
     mean_context = args.prompt_len + args.new_tokens / 2
     bound = None

@@ -10,7 +10,14 @@ fp32 logits). One optimizer step = ``--grad-accum`` micro-batches.
 Model FLOPs per token (the convention of Megatron's and PaLM's MFU): ``6 * P + 12 * L * (n_q * d_head) * s``
 with ``P`` the matmul parameters (attention, MLP, output layer; not the embedding lookup) and the
 attention term counting the full ``s x s`` score matrix. Recomputation (the chunked log-softmax's
-backward) is not counted: TFLOP/s is model FLOPs over wall time.
+backward) is not counted: TFLOP/s is model FLOPs over wall time. For a MoE model ``P`` is the ACTIVE
+count: per MoE layer the router, the ``num_experts_per_tok`` routed experts a token goes to and the
+shared experts (:func:`active_matmul_params`); the JSON line also gives ``active_params``/``total_params``
+(every parameter, embeddings included, as `rl-cli models list` counts them) and the matmul counts.
+
+    python bench/train.py --spec qwen3_moe --preset qwen3-30B-A3B --layers 8 --micro-batch 4 --seq-len 2048 --device cuda
+
+``--layers N`` cuts the preset to its first ``N`` layers (``model.overrides: {num_hidden_layers: N}``).
 Options ``--megatron key=value`` set TransformerConfig/DDP/optimizer fields (e.g.
 ``bias_activation_fusion=true`` for the fused SwiGLU, ``recompute_granularity=selective``).
 Levers with their own flags: ``--compile``, ``--sdpa-gqa``, ``--fused-adam`` (torch's fused AdamW inside
@@ -31,14 +38,41 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def model_flops_per_token(hf: dict, seq_len: int) -> float:
-    h, layers, ffn, vocab = hf["hidden_size"], hf["num_hidden_layers"], hf["intermediate_size"], hf["vocab_size"]
+def active_matmul_params(hf: dict) -> tuple[int, int]:
+    """``(active, total)`` matmul parameters of one token's forward pass: attention projections, the MLP
+    of each layer and the output layer (the embedding lookup is not a matmul).
+
+    A MoE layer (:func:`moe_layer_flags`: not among GLM's ``first_k_dense_replace`` first layers, not in
+    Qwen's ``mlp_only_layers``, on every ``decoder_sparse_step``-th layer) counts its router ``E x h``,
+    ``k = num_experts_per_tok`` routed experts and ``n_shared_experts`` shared ones, each a SwiGLU of width
+    ``F = moe_intermediate_size`` (``3 h F``): active ``E h + (k + s) 3 h F``, total ``E h + (E + s) 3 h F``.
+    A dense layer counts ``3 h intermediate_size``."""
+    from posttrain.core.model_spec import moe_layer_flags, num_experts
+
+    h, ffn, vocab = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
     heads = hf["num_attention_heads"]
     groups = hf.get("num_key_value_heads") or heads
     hd = hf.get("head_dim") or h // heads
-    attn_params = h * hd * (heads + 2 * groups) + heads * hd * h
-    matmul_params = layers * (attn_params + 3 * h * ffn) + vocab * h
-    return 6.0 * matmul_params + 12.0 * layers * heads * hd * seq_len
+    attn = h * hd * (heads + 2 * groups) + heads * hd * h
+    experts, topk = num_experts(hf), int(hf.get("num_experts_per_tok", 0) or 0)
+    shared, moe_ffn = int(hf.get("n_shared_experts", 0) or 0), int(hf.get("moe_intermediate_size", 0) or 0)
+    active = total = vocab * h
+    for moe in moe_layer_flags(hf):
+        if moe:
+            active += attn + experts * h + (topk + shared) * 3 * h * moe_ffn
+            total += attn + experts * h + (experts + shared) * 3 * h * moe_ffn
+        else:
+            active += attn + 3 * h * ffn
+            total += attn + 3 * h * ffn
+    return active, total
+
+
+def model_flops_per_token(hf: dict, seq_len: int) -> float:
+    """``6 P_active + 12 L (n_q d_head) s``: :func:`active_matmul_params` (a dense model's are all its
+    matmul parameters) plus the full ``s x s`` attention score and value matmuls, forward and backward."""
+    heads = hf["num_attention_heads"]
+    hd = hf.get("head_dim") or hf["hidden_size"] // heads
+    return 6.0 * active_matmul_params(hf)[0] + 12.0 * hf["num_hidden_layers"] * heads * hd * seq_len
 
 
 def ppo_loss(log_probs, old_log_probs, advantages, response_mask, is_weights=None, global_tokens=None,
@@ -54,6 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spec", default="qwen3")
     parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--layers", type=int, default=None, help="cut the preset to N layers (model.overrides)")
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--seq-len", type=int, default=128)
@@ -82,6 +117,7 @@ def main() -> None:
     import yaml
 
     from posttrain.core.config import TrainerConfig
+    from posttrain.core.model_spec import count_params
     from posttrain.core.plugins import load_plugins
     from posttrain.core.train_batch import TrainBatch
     from posttrain.plugins.trainers.megatron import MegatronBackend
@@ -91,7 +127,8 @@ def main() -> None:
         raise SystemExit("--device cuda: no CUDA device")
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     cls = load_plugins().registry("model")[args.spec]
-    spec = cls(cls.Config(preset=args.preset, dtype=dtype))
+    overrides = {"num_hidden_layers": args.layers} if args.layers else {}
+    spec = cls(cls.Config(preset=args.preset, dtype=dtype, overrides=overrides))
     megatron = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.megatron)}
     if args.device == "cuda":
         megatron.setdefault("bias_activation_fusion", True)  # jit-fused SwiGLU (no TE needed)
@@ -126,20 +163,28 @@ def main() -> None:
     seconds = (time.perf_counter() - start) / args.steps
     tokens_per_step = batch_size * args.seq_len
     flops = model_flops_per_token(hf, args.seq_len) * tokens_per_step / args.tp
+    active_matmul, total_matmul = active_matmul_params(hf)
     result = {
-        "bench": "train_step", "spec": args.spec, "preset": args.preset, "device": args.device,
+        "bench": "train_step", "spec": args.spec, "preset": args.preset, "layers": hf["num_hidden_layers"],
+        "device": args.device,
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "dtype": dtype, "tp": args.tp,
         "micro_batch": args.micro_batch, "grad_accum": args.grad_accum, "seq_len": args.seq_len,
         "attention": args.attention, "compile": args.compile, "sdpa_gqa": args.sdpa_gqa,
         "fused_adam": args.fused_adam, "keep_logits": args.keep_logits, "packing": not args.no_packing,
         "megatron": megatron,
         "step_s": round(seconds, 4), "tokens_per_s": round(tokens_per_step / seconds, 1),
-        "model_tflops_per_s": round(flops / seconds / 1e12, 3),
+        "model_tflops_per_s": round(flops / seconds / 1e12, 3),  # MoE: on active parameters
+        "model_flops_per_token": model_flops_per_token(hf, args.seq_len),
+        "active_params": count_params(hf, active=True), "total_params": count_params(hf),
+        "active_matmul_params": active_matmul, "total_matmul_params": total_matmul,
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None,
     }
     if args.profile or args.kernel_table:
-        result["gpu_ms_by_kind"] = profile_step(lambda: trainer.train_step(batch, ppo_loss), sync, args.kernel_table)
-    print(json.dumps(result))
+        try:
+            result["gpu_ms_by_kind"] = profile_step(lambda: trainer.train_step(batch, ppo_loss), sync, args.kernel_table)
+        except Exception as exc:  # instrumentation must not cost the step's numbers
+            result["profile_error"] = repr(exc)[:300]
+    print(json.dumps(result), flush=True)
 
 
 KINDS = (("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),  # before gemm: flash names hold "gemm"

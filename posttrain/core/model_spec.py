@@ -3,7 +3,8 @@
 A model-spec plugin (``posttrain/plugins/models/<family>.py``) registers a subclass with
 ``posttrain_register_models``. The backend-independent part lives here: the HF ``model_type`` values a
 spec accepts, ``presets`` (real ``config.json`` shapes by name, and a ``tiny`` one for CPU tests),
-``hf_config()`` and the checkpoint lookup. A trainer backend adds its own mapping on top: Megatron's is
+``hf_config()`` (the preset's or checkpoint's ``config.json`` with ``model.overrides`` on top, e.g.
+``{num_hidden_layers: 8}`` to cut a real shape to one GPU) and the checkpoint lookup. A trainer backend adds its own mapping on top: Megatron's is
 :class:`posttrain.plugins.trainers.megatron.spec.DenseGPTSpec` (TransformerConfig, layer spec, weight
 mapping per Megatron parameter), which the built-in dense families subclass. An engine backend serves
 the HF checkpoint a spec describes (``hf_architecture``).
@@ -13,13 +14,14 @@ This module is import-light (no torch).
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from posttrain.core.errors import ConfigError, UsageError, unknown
+from posttrain.core.errors import ConfigError, UsageError, did_you_mean, unknown
 from posttrain.core.schema import option
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -41,18 +43,46 @@ class ModelSpec:
         make_vocab_size_divisible_by: int = option(128, ge=1, help="vocab padding multiple (times TP)")
         tokenizer: str | None = option(None, help="tokenizer directory (default: `path`); 'char' builds posttrain's "
                                                   "character-level tokenizer (for the tiny presets)")
+        overrides: dict[str, Any] = option(default_factory=dict,
+                                           help="HF config.json keys set on top of the preset's or checkpoint's "
+                                                "config, e.g. {num_hidden_layers: 6} (a preset cut to fit a "
+                                                "benchmark); each key must already be in that config")
 
     def __init__(self, config: Any = None):
         self.config = config or self.Config()
 
     # ---------------------------------------------------------------- HF config
     def hf_config(self) -> dict[str, Any]:
-        """The HF ``config.json`` mapping: read from ``config.path`` or the named preset."""
+        """The HF ``config.json`` mapping: read from ``config.path`` or the named preset, with
+        ``config.overrides`` applied on top. Every role builds its model from this mapping (the trainer,
+        and the engines through the trainer's HF export), so an override cuts every copy the same way."""
+        hf = self._base_hf_config()
+        errors = override_errors(hf, self.config.overrides, self._source())
+        if errors:
+            raise ConfigError(errors)
+        hf.update(copy.deepcopy(self.config.overrides))
+        return hf
+
+    def _base_hf_config(self) -> dict[str, Any]:
         if self.config.path:
             return read_hf_config(self.config.path)
         if self.config.preset not in self.presets:
             raise ConfigError([f"model.preset: {unknown('preset', self.config.preset, self.presets)}"])
-        return dict(self.presets[self.config.preset])
+        return copy.deepcopy(self.presets[self.config.preset])
+
+    def _source(self) -> str:
+        return str(self.config.path) if self.config.path else f"preset {self.config.preset!r}"
+
+    def check_config(self, run: Any = None, plugins: Any = None) -> list[str]:
+        """Config-time errors (``RunConfig.component_errors`` asks): an unknown ``model.preset``, an
+        ``model.overrides`` key the preset's or checkpoint's config does not have. A ``model.path``
+        without a ``config.json`` is left to the preflight's path check."""
+        if self.config.path and not (Path(self.config.path).expanduser() / "config.json").is_file():
+            return []
+        try:
+            return override_errors(self._base_hf_config(), self.config.overrides, self._source())
+        except (ConfigError, UsageError) as exc:
+            return list(getattr(exc, "errors", None) or [str(exc)])
 
     def padded_vocab_size(self, hf: dict[str, Any], tp: int = 1) -> int:
         multiple = self.config.make_vocab_size_divisible_by * tp
@@ -85,6 +115,13 @@ class ModelSpec:
 
     def to_hf(self, hf: dict[str, Any], mname: str, tensor: Any) -> list[tuple[str, Any]]:
         raise NotImplementedError
+
+
+def override_errors(hf: dict[str, Any], overrides: dict[str, Any], what: str = "the model") -> list[str]:
+    """One ``model.overrides.<key>: ...`` error per override key that ``hf`` (``what``'s config, the one
+    it overrides) lacks: a misspelled key would otherwise be written to config.json and ignored."""
+    return [f"model.overrides.{key}: not a key of the HF config of {what}.{did_you_mean(key, sorted(hf))}"
+            for key in overrides if key not in hf]
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:

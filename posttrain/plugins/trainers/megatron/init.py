@@ -14,8 +14,9 @@ At TP=1 on the CPU the result is bit-identical to Megatron's own CPU initializat
 runs keep the weights they had.
 
 Which init function a tensor gets follows Megatron's layers: embeddings ``embedding_init_method``,
-column-parallel weights ``init_method``, row-parallel weights (attention and MLP output projections)
-``output_layer_init_method``, biases zero; norm weights keep what their constructors set (no draws).
+column-parallel weights and MoE router weights ``init_method``, row-parallel weights (attention, MLP and
+expert output projections) ``output_layer_init_method``, biases zero; norm weights keep what their
+constructors set (no draws). (A router weight left out stays ``torch.empty``: garbage, NaN or zeros.)
 """
 
 from __future__ import annotations
@@ -34,13 +35,18 @@ def _inner(model: Any) -> Any:
 
 
 def _kind(module: Any, attr: str) -> str | None:
-    """``"embedding" | "column" | "row" | "zero"`` for a Megatron parallel layer's parameter, or None."""
+    """``"embedding" | "column" | "row" | "zero"`` for a Megatron parallel layer's parameter, or None.
+    A MoE router's ``[E, H]`` weight is a plain parameter, drawn like a column-parallel weight
+    (Megatron's ``Router.reset_parameters``: ``init_method``)."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from megatron.core.transformer.moe.router import Router
 
     if attr == "bias" and isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
         return "zero"
     if attr != "weight":
         return None
+    if isinstance(module, Router):
+        return "column"
     if isinstance(module, VocabParallelEmbedding):
         return "embedding"
     if isinstance(module, RowParallelLinear):  # checked first: keep the two linear kinds apart
