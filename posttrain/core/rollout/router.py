@@ -134,6 +134,9 @@ def main(argv: list[str] | None = None) -> None:
     ``api_key`` read from the environment (``POSTTRAIN_ENGINE_API_KEY``), which is then cleared."""
     from sglang_router.launch_router import launch_router, parse_router_args
 
+    from posttrain.core.rollout.procs import exit_with_parent
+
+    exit_with_parent()
     args = parse_router_args(sys.argv[1:] if argv is None else argv)
     args.api_key = os.environ.pop(API_KEY_ENV, "") or None
     launch_router(args)
