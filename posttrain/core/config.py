@@ -121,6 +121,9 @@ class DataConfig:
     tools_key: str = option("tools", help="key holding tool schemas (a list or a JSON string); -> metadata['tools']")
     apply_chat_template: bool = option(False, help="render prompts with the model's chat template "
                                                    "(add_generation_prompt=True)")
+    system_prompt: str | None = option(None, help="a system message put before each prompt (a string prompt becomes "
+                                                  "a system and a user message; chat prompts keep their own "
+                                                  "system message); rendered by either chat-template switch")
     chat_template_kwargs: dict[str, Any] = option(default_factory=dict,
                                                   help="extra keyword arguments for apply_chat_template")
     max_prompt_len: int | None = option(None, ge=1, help="drop prompts longer than this many tokens")
@@ -306,6 +309,7 @@ class EvalDataset:
     label_key: str = "label"
     metadata_key: str = "metadata"
     apply_chat_template: bool = False
+    system_prompt: str | None = option(None, help="default: data.system_prompt")
     n_samples_per_prompt: int = option(1, ge=1)
     temperature: float = option(0.0, ge=0.0, help="0: greedy")
     top_p: float = option(1.0, gt=0.0, le=1.0)
