@@ -77,3 +77,10 @@ def test_error_lines_keep_brackets(tmp_path):
     cfg.write_text("estimator: grpo\ndata: {path: 'x[low, high].jsonl'}\n")
     out = rl_cli("run", str(cfg), "--dry-run")
     assert out.returncode == 2 and "no such file or directory: x[low, high].jsonl" in out.stderr
+
+
+def test_every_core_key_has_a_help_text():
+    from posttrain.cli.config_cmd import sections
+
+    missing = [f"{s.name}.{r['name']}" for s in sections() for r in s.rows if not r["help"].strip()]
+    assert not missing, missing
