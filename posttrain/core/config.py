@@ -119,11 +119,12 @@ class DataConfig:
     label_key: str = option("label", help="key holding the reference answer")
     metadata_key: str = option("metadata", help="key holding per-sample metadata (a mapping)")
     tools_key: str = option("tools", help="key holding tool schemas (a list or a JSON string); -> metadata['tools']")
-    apply_chat_template: bool = option(False, help="render prompts with the model's chat template "
-                                                   "(add_generation_prompt=True)")
+    apply_chat_template: bool = option(False, help="the chat-template switch: render string prompts as a user "
+                                                   "message with the model's chat template (add_generation_prompt="
+                                                   "True); chat-message prompts always are")
     system_prompt: str | None = option(None, help="a system message put before each prompt (a string prompt becomes "
                                                   "a system and a user message; chat prompts keep their own "
-                                                  "system message); rendered by either chat-template switch")
+                                                  "system message)")
     chat_template_kwargs: dict[str, Any] = option(default_factory=dict,
                                                   help="extra keyword arguments for apply_chat_template")
     max_prompt_len: int | None = option(None, ge=1, help="drop prompts longer than this many tokens")
