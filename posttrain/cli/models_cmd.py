@@ -228,6 +228,8 @@ def export(run_dir: Path = typer.Argument(..., help="a run directory (rl-cli run
     plugins = load(plugin, disable)
     run = RunDirectory(run_dir)
     ckpt = run.checkpoint_after(step)
+    if not (run.path / "config.yaml").is_file():
+        raise UsageError(f"{run.path}: no config.yaml there (not a run directory of rl-cli run)")
     if out.exists() and any(out.iterdir()):
         raise UsageError(f"{out}: exists and is not empty; give a new directory")
     cfg = load_config(None, data=run.read_config(), plugins=plugins)
