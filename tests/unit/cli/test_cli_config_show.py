@@ -84,3 +84,10 @@ def test_every_core_key_has_a_help_text():
 
     missing = [f"{s.name}.{r['name']}" for s in sections() for r in s.rows if not r["help"].strip()]
     assert not missing, missing
+
+
+def test_plugins_show_of_a_config_section_points_at_config_show():
+    out = rl_cli("plugins", "show", "trainer")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "'trainer' is a run-config section, not a component: its keys are in `rl-cli config show trainer`" in \
+        out.stderr.replace("\n", " ")
