@@ -64,11 +64,17 @@ def sections(cls: type | None = None, prefix: str = "") -> list[Section]:
             required = f.metadata.get("required", False)
             here.rows.append({"name": row["name"], "type": f"{'list of ' if many else ''}{KINDS[kind]} component",
                               "default": "(required)" if required else ("[]" if many else "None"),
-                              "help": f"{f.metadata.get('help', '')}; `rl-cli plugins list --kind {KINDS[kind]}`, "
-                                      f"its keys: `rl-cli plugins show NAME`"})
+                              "help": _component_help(f.metadata.get("help", ""), KINDS[kind])})
         else:
             here.rows.append(row)
     return ([here] if here.rows else []) + nested
+
+
+def _component_help(text: str, kind: str) -> str:
+    """A component key's help with where its choices and their keys are (once, if the help says it already)."""
+    listing = f"`rl-cli plugins list --kind {kind}`"
+    text = text.replace(f"; see {listing}", "").replace(f"see {listing}", "").rstrip("; ")
+    return f"{text}; choices: {listing}, their keys: `rl-cli plugins show NAME`"
 
 
 def _optional_dataclass(tp: typing.Any) -> typing.Any:

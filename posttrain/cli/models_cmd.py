@@ -1,4 +1,5 @@
-"""``rl-cli models``: model-spec families and presets, checkpoint conversion, conversion verification.
+"""``rl-cli models``: model-spec families and presets, checkpoint conversion, conversion verification, and
+the export of a run's checkpoint as an HF checkpoint (``rl-cli models export RUN_DIR [--step N] OUT``).
 
 ``--tp N`` / ``--ep M`` (more than one rank) re-launch the command under ``torchrun --nproc_per_node N*M``
 (gloo on CPU, NCCL on GPUs; the M data-parallel replicas hold M expert shards); rank 0 reports.
@@ -24,7 +25,7 @@ from posttrain.core.errors import UsageError, unknown
 # Megatron announces on import that Apex / Transformer Engine are absent: noise for a CLI user.
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|transformer_engine|full scope is deprecated).*")
 
-app = typer.Typer(help="Model specs: list families and presets, convert and verify checkpoints.",
+app = typer.Typer(help="Model specs: list families and presets, convert and verify checkpoints, export a run's.",
                   no_args_is_help=True)
 
 SpecOption = typer.Option(None, "--spec", help="model spec name (default: chosen by config.json's model_type)")
@@ -206,3 +207,42 @@ def convert(src: str = typer.Argument(..., help="HF directory (--to megatron) or
 def _dtype_of(hf: dict) -> str:
     value = str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
     return value if value in ("float32", "bfloat16", "float16") else "float32"
+
+
+@app.command()
+def export(run_dir: Path = typer.Argument(..., help="a run directory (rl-cli run's)", show_default=False),
+           out: Path = typer.Argument(..., help="the HF directory to write", show_default=False),
+           step: int = typer.Option(None, "--step", min=1, show_default=False,
+                                    help="the checkpoint written after this many steps (default: the latest)"),
+           plugin: list[str] = PluginFiles, disable: list[str] = Disabled) -> None:
+    """The policy of one of a run's checkpoints as an HF checkpoint (config.json, safetensors, tokenizer):
+    what ``transformers`` loads, ``rl-cli engine serve`` serves and a next run takes as ``model.path``.
+
+    The trainer is built from the run's ``config.yaml`` as the run built it (its ranks too, in processes
+    of this machine), loads the checkpoint and writes what a finished run writes to ``RUN_DIR/hf-final``.
+    """
+    from posttrain.core.config import load_config
+    from posttrain.core.executors import EXECUTORS
+    from posttrain.core.run_dir import RunDirectory
+
+    plugins = load(plugin, disable)
+    run = RunDirectory(run_dir)
+    ckpt = run.checkpoint_after(step)
+    if not (run.path / "config.yaml").is_file():
+        raise UsageError(f"{run.path}: no config.yaml there (not a run directory of rl-cli run)")
+    if out.exists() and any(out.iterdir()):
+        raise UsageError(f"{out}: exists and is not empty; give a new directory")
+    cfg = load_config(None, data=run.read_config(), plugins=plugins)
+    executor = EXECUTORS["local"](cfg, **plugins.load_args)
+    try:
+        with tempfile.TemporaryDirectory() as logs:
+            trainer = executor.trainer(logs)
+            try:
+                trainer.load(str(ckpt / "trainer"))
+                trainer.save_hf(str(out))
+            finally:
+                trainer.close()
+    finally:
+        executor.close()
+    console.print(f"wrote {out} (HF checkpoint of {ckpt}, {run.checkpoint_step(ckpt) + 1} steps)", soft_wrap=True,
+                  markup=False)

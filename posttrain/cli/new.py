@@ -26,14 +26,13 @@ BODIES = {
         self.config = config or self.Config()
 
     def advantages(self, batch):
-        """``batch.rewards [B]`` -> advantages and returns ``[B, T]``, 0 outside ``response_mask``."""
-        import torch
+        """``batch.rewards [B]`` (plus each sample's summed ``token_rewards``) -> advantages and returns
+        ``[B, T]``: the group-centred score on every response token, 0 outside ``response_mask``."""
+        from posttrain.core.group_stats import group_mean_std, sequence_scores
 
-        _, inverse = torch.unique(batch.group_index, return_inverse=True)
-        rewards = batch.rewards.float()
-        count = torch.zeros(int(inverse.max()) + 1).index_add_(0, inverse, torch.ones_like(rewards))
-        mean = torch.zeros_like(count).index_add_(0, inverse, rewards) / count
-        adv = (self.config.scale * (rewards - mean[inverse])).unsqueeze(-1) * batch.response_mask
+        scores = sequence_scores(batch)  # checks shapes and NaN (ValueError naming the sample), adds token_rewards
+        mean, _ = group_mean_std(scores, batch.group_index)
+        adv = (self.config.scale * (scores - mean)).unsqueeze(-1) * batch.response_mask
         return adv, adv.clone()
 '''),
     "reward": ("posttrain_register_rewards", "RewardContract", "reward", '''
@@ -74,6 +73,66 @@ BODIES = {
             ids, logprobs = tokens_and_logprobs(out)
             fill(sample, prompt, ids, [1] * len(ids), logprobs, out["text"], finish_type(out), weight_version_int(out))
         return group
+'''),
+    "loss": ("posttrain_register_losses", "LossContract", "loss", '''
+    # PolicyLoss does the shape checks, padding, is_weights, aggregation and the standard metrics;
+    # token_losses is the part that is yours.
+    @dataclass
+    class Config:
+        aggregation: AggregationMode = option("token-mean", help="how per-token losses become one scalar")
+        max_response_len: int | None = option(None, ge=1, help="normalizer of seq-mean-token-sum-norm")
+        clip: float = option(0.2, gt=0.0, help="the ratio is clipped to [1 - clip, 1 + clip]")
+
+    def token_losses(self, log_probs, old_log_probs, advantages, mask):
+        """``(per-token loss, ratio, {flag: bool [B, T]})``, all ``[B, T]``: PPO's clipped surrogate
+        ``-min(r A, clip(r, 1 - clip, 1 + clip) A)`` with ``r = exp(logp - logp_old)``."""
+        import torch
+
+        from posttrain.core.losses import clamped_log_ratio
+
+        ratio = clamped_log_ratio(log_probs, old_log_probs).exp()
+        clipped = ratio.clamp(1 - self.config.clip, 1 + self.config.clip)
+        loss = -torch.minimum(ratio * advantages, clipped * advantages)
+        return loss, ratio, {"clipfrac": ratio * advantages > clipped * advantages}
+'''),
+    "correction": ("posttrain_register_corrections", "CorrectionContract", "correction", '''
+    @dataclass
+    class Config:
+        high: float = option(2.0, gt=0.0, help="weights above this are truncated to it")
+
+    def __init__(self, config=None):
+        self.config = config or self.Config()
+
+    def __call__(self, train_log_probs, rollout_log_probs, response_mask):
+        """``(is_weights, metrics)``: ``w = min(exp(logp_train - logp_rollout), high)`` per token, ``[B, T]``,
+        0 outside ``response_mask``, without gradient."""
+        import torch
+
+        from posttrain.core.losses import clamped_log_ratio, mismatch_metrics
+
+        with torch.no_grad():
+            mask = response_mask.to(train_log_probs.dtype)
+            ratio = clamped_log_ratio(train_log_probs.detach(), rollout_log_probs.detach()).exp()
+            weights = torch.where(mask > 0, ratio.clamp(max=self.config.high), 0.0)
+            clipped = ratio > self.config.high
+            metrics = mismatch_metrics(train_log_probs, rollout_log_probs, mask, weights,
+                                       torch.zeros_like(clipped), clipped)
+        return weights, metrics
+'''),
+    "filter": ("posttrain_register_filters", "FilterContract", "filter_", '''
+    @dataclass
+    class Config:
+        min_scored: int = option(2, ge=1, help="keep groups with at least this many scored samples")
+
+    def __init__(self, config=None):
+        self.config = config or self.Config()
+
+    def __call__(self, group):
+        """``None`` keeps the rewarded group; a short reason (a metric name part) drops it."""
+        scored = [s.reward for s in group if s.reward is not None]  # failed samples have no reward
+        if len(scored) < self.config.min_scored:
+            return "too_few_scored"
+        return None if max(scored) > min(scored) else "equal_rewards"
 '''),
     "model": ("posttrain_register_models", "ModelSpecContract", "model_spec", '''
     # A Llama-layout family: DenseGPTSpec maps HF <-> Megatron (fused QKV per query group, fused
@@ -133,8 +192,9 @@ BODIES = {
 
 
 # kinds whose scaffold builds on a posttrain base class (the class line and its import)
-BASES = {"model": "(DenseGPTSpec)", "engine": "(EngineBackend)", "trainer": "(TrainerBackend)"}
-IMPORTS = {"model": "from posttrain.plugins.trainers.megatron.spec import DenseGPTSpec\n",
+BASES = {"loss": "(PolicyLoss)", "model": "(DenseGPTSpec)", "engine": "(EngineBackend)", "trainer": "(TrainerBackend)"}
+IMPORTS = {"loss": "from posttrain.core.losses import AggregationMode, PolicyLoss\n",
+           "model": "from posttrain.plugins.trainers.megatron.spec import DenseGPTSpec\n",
            "engine": "from posttrain.core.rollout.backend import EngineBackend, EngineLaunch\n",
            "trainer": "from posttrain.core.trainer_backend import TrainerBackend\n"}
 DOCS = {"engine": "TODO: one line on what runs behind SGLang's protocol, then where it runs and what it serves.",
@@ -145,7 +205,7 @@ MODULES = {"trainer": ("model.py", "new_trainer_model.py.tmpl")}
 
 @app.command()
 def plugin(directory: Path = typer.Argument(..., help="where to create the package", show_default=False),
-           kind: str = typer.Option(..., "--kind", help="estimator | reward | generator | model | engine | trainer",
+           kind: str = typer.Option(..., "--kind", help=" | ".join(BODIES),
                                show_default=False),
            name: str = typer.Option(..., "--name", help="the component name used in run configs", show_default=False),
            force: bool = typer.Option(False, "--force", help="write into a non-empty directory")) -> None:
@@ -181,7 +241,13 @@ test = ["pytest>=8"]
 [tool.setuptools]
 packages = ["{package}"]
 ''',
-        f"{package}/__init__.py": f'''"""posttrain plugin: the {kind} `{name}`."""
+        f"{package}/__init__.py": f'''"""posttrain plugin: the {kind} `{name}`.
+
+The rules posttrain's {contract} checks (`pytest tests/`, and `rl-cli plugins check {name}` once
+installed); posttrain's own {kind}s pass the same suite.
+
+{_rules(contract)}
+"""
 
 from dataclasses import dataclass
 
@@ -244,6 +310,16 @@ Use it in a run config:
                   f"pytest {directory}")
 
 
+def _rules(contract: str) -> str:
+    """The contract module's docstring: the rules, from where the checks are (so they cannot drift apart)."""
+    import importlib
+
+    from posttrain.testing import _LAZY
+
+    doc = importlib.import_module(f"posttrain.testing.contracts.{_LAZY[contract]}").__doc__ or ""
+    return doc.strip().replace("\\", "\\\\").replace('"' * 3, "'" * 3)
+
+
 def _yaml_snippet(kind: str, name: str) -> str:
     if kind == "reward":
         return f"rewards:\n  - name: {name}\n    weight: 1.0"
@@ -251,5 +327,6 @@ def _yaml_snippet(kind: str, name: str) -> str:
         return f"rollout:\n  engine:\n    name: {name}"
     if kind == "trainer":
         return f"trainer:\n  backend:\n    name: {name}"
-    section = {"estimator": "estimator", "generator": "generator", "model": "model"}[kind]
-    return f"{section}:\n  name: {name}"
+    if kind == "filter":
+        return f"filters:\n  - name: {name}"
+    return f"{kind}:\n  name: {name}"

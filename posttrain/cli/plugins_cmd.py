@@ -62,7 +62,15 @@ def show(name: str, plugin: list[str] = PluginFiles, disable: list[str] = Disabl
     plugins = load(plugin, disable)
     found = [(plural, reg) for plural, reg in plugins.registries().items() if name in reg]
     if not found:
-        every = [n for reg in plugins.registries().values() for n in reg]
+        from posttrain.cli.config_cmd import TOP, sections
+
+        config_names = {s.name for s in sections()} | {r["name"] for s in sections() if s.name == TOP for r in s.rows}
+        config_names |= {f"{s.name}.{r['name']}" for s in sections() for r in s.rows}
+        if name in config_names or name in KINDS.values():  # a config section or key, or a kind: not a component
+            what = f"`rl-cli plugins list --kind {name}`" if name in KINDS.values() else "`rl-cli plugins list`"
+            raise UsageError(f"{name!r} is a run-config {'section' if '.' not in name else 'key'}, not a component: "
+                             f"its keys are in `rl-cli config show {name.split('.')[0]}`; components: {what}")
+        every = sorted({n for reg in plugins.registries().values() for n in reg})
         raise UsageError(unknown("component", name, every, " (see `rl-cli plugins list`)"))
     for plural, registry in found:
         component, info = registry[name], registry.provider(name)

@@ -189,3 +189,6 @@ def _finish(run: Any) -> None:
         write_curves(rows, run.path / "curves.png", title=run.path.name)
         console.print(f"done: {len(rows)} steps; curves: {run.path / 'curves.png'}; "
                       f"metrics: {run.path / 'metrics.jsonl'}", soft_wrap=True, markup=False)
+    if (run.path / "hf-final" / "config.json").is_file():
+        console.print(f"final model (HF checkpoint): {run.path / 'hf-final'}; any checkpoint's: "
+                      f"rl-cli models export {run.path} --step N OUT", soft_wrap=True, markup=False)

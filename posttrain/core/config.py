@@ -119,8 +119,12 @@ class DataConfig:
     label_key: str = option("label", help="key holding the reference answer")
     metadata_key: str = option("metadata", help="key holding per-sample metadata (a mapping)")
     tools_key: str = option("tools", help="key holding tool schemas (a list or a JSON string); -> metadata['tools']")
-    apply_chat_template: bool = option(False, help="render prompts with the model's chat template "
-                                                   "(add_generation_prompt=True)")
+    apply_chat_template: bool = option(False, help="the chat-template switch: render string prompts as a user "
+                                                   "message with the model's chat template (add_generation_prompt="
+                                                   "True); chat-message prompts always are")
+    system_prompt: str | None = option(None, help="a system message put before each prompt (a string prompt becomes "
+                                                  "a system and a user message; chat prompts keep their own "
+                                                  "system message)")
     chat_template_kwargs: dict[str, Any] = option(default_factory=dict,
                                                   help="extra keyword arguments for apply_chat_template")
     max_prompt_len: int | None = option(None, ge=1, help="drop prompts longer than this many tokens")
@@ -143,9 +147,9 @@ class RolloutConfig:
     n_samples_per_prompt: int = option(8, ge=1, help="samples per prompt (the group size)")
     num_rollouts: int = option(100, ge=1, help="rollout steps in the run")
     temperature: float = option(1.0, ge=0.0, help="0: greedy; else at least 1e-5 (smaller ones overflow the logits)")
-    top_p: float = option(1.0, gt=0.0, le=1.0)
+    top_p: float = option(1.0, gt=0.0, le=1.0, help="nucleus sampling: the smallest token set of this total probability")
     top_k: int = option(-1, help="-1 disables; else >= 1")
-    max_new_tokens: int = option(128, ge=1)
+    max_new_tokens: int = option(128, ge=1, help="tokens generated per sample at most (a longer answer is truncated)")
     mode: Literal["sync", "async"] = option("sync", help="async overlaps generation N+1 with training N")
     min_p: float = option(0.0, ge=0.0, le=1.0, help="drop tokens below min_p x the top probability")
     stop: list[str] = option(default_factory=list, help="stop strings")
@@ -209,7 +213,7 @@ class TrainerConfig:
     global_batch_size: int = option(64, ge=1, help="samples per optimizer step")
     micro_batch_size: int = option(8, ge=1, help="samples per forward/backward pass")
     steps_per_rollout: int = option(1, ge=1, help="optimizer steps per rollout step")
-    lr: float = option(1e-6, gt=0.0)
+    lr: float = option(1e-6, gt=0.0, help="peak learning rate (after warm-up)")
     kl_loss_coef: float = option(0.0, ge=0.0, help="weight of the KL(policy || reference) loss term")
     kl_kind: Literal["k1", "k2", "k3", "abs", "k1+", "k3+"] = option(
         "k3", help="KL estimator of the loss term and the reward penalty (posttrain.core.losses.kl_divergence)")
@@ -219,14 +223,14 @@ class TrainerConfig:
                                      "(one more forward pass per step)")
     entropy_coef: float = option(0.0, help="weight of the entropy bonus")
     grad_clip: float = option(1.0, ge=0.0, help="max global grad norm; 0 disables")
-    weight_decay: float = option(0.0, ge=0.0)
-    adam_beta1: float = option(0.9, ge=0.0, lt=1.0)
-    adam_beta2: float = option(0.98, ge=0.0, lt=1.0)
-    adam_eps: float = option(1e-8, gt=0.0)
+    weight_decay: float = option(0.0, ge=0.0, help="AdamW decoupled weight decay")
+    adam_beta1: float = option(0.9, ge=0.0, lt=1.0, help="Adam first-moment decay")
+    adam_beta2: float = option(0.98, ge=0.0, lt=1.0, help="Adam second-moment decay")
+    adam_eps: float = option(1e-8, gt=0.0, help="Adam denominator epsilon")
     lr_warmup_steps: int = option(0, ge=0, help="linear warm-up from 0 over this many optimizer steps")
     lr_decay_style: Literal["constant", "linear", "cosine"] = option("constant", help="after warm-up")
     lr_decay_steps: int | None = option(None, ge=1, help="steps from start to min_lr (linear/cosine)")
-    min_lr: float = option(0.0, ge=0.0)
+    min_lr: float = option(0.0, ge=0.0, help="the learning rate at the end of the decay")
     value_clip: float = option(0.2, ge=0.0, help="critic value clipping range; 0 disables")
     deterministic: bool | None = option(None, help="deterministic CUDA kernels, so a seeded GPU run repeats (slower "
                                                     "attention backward); None: on with rollout.seed_sampling")
@@ -256,9 +260,9 @@ class ResourcesConfig:
     trainer_procs_per_node: int | None = option(
         None, ge=1, help="trainer ranks per node (one process each); default: trainer_gpus_per_node on GPUs, 1 "
                          "on CPU. World size = trainer_nodes x this; DP = world / (TP x PP x CP)")
-    rollout_gpus: int = option(0, ge=0)
-    gpus_per_engine: int = option(1, ge=1)
-    num_engines: int = option(1, ge=1)
+    rollout_gpus: int = option(0, ge=0, help="GPUs of the engines (0: engines on the CPU, or on the trainer's GPUs when colocated)")
+    gpus_per_engine: int = option(1, ge=1, help="GPUs per engine server (its tensor parallelism)")
+    num_engines: int = option(1, ge=1, help="engine servers behind the router")
     colocate: bool = option(False, help="trainer and engines share GPUs (engine memory released while training)")
 
     @property
@@ -285,9 +289,9 @@ class ResourcesConfig:
 @dataclass
 class LoggingConfig:
     interval: int = option(1, ge=1, help="steps between progress lines (metrics.jsonl gets every step)")
-    tensorboard: bool = True
-    wandb: bool = False
-    wandb_project: str | None = None
+    tensorboard: bool = option(True, help="write TensorBoard events to RUN_DIR/tensorboard")
+    wandb: bool = option(False, help="log to Weights & Biases (pip install wandb; offline with WANDB_MODE=offline)")
+    wandb_project: str | None = option(None, help="the W&B project (default: W&B's)")
 
 
 @dataclass
@@ -300,15 +304,16 @@ class CheckpointConfig:
 class EvalDataset:
     """One eval set: prompts read like ``data`` (same keys), sampled with its own settings."""
 
-    name: str
-    path: str
-    input_key: str = "prompt"
-    label_key: str = "label"
-    metadata_key: str = "metadata"
-    apply_chat_template: bool = False
-    n_samples_per_prompt: int = option(1, ge=1)
+    name: str = field(metadata={"help": "logged as eval/<name>/..."})
+    path: str = field(metadata={"help": "the eval prompts (formats as data.path)"})
+    input_key: str = option("prompt", help="key holding the prompt")
+    label_key: str = option("label", help="key holding the reference answer")
+    metadata_key: str = option("metadata", help="key holding per-sample metadata")
+    apply_chat_template: bool = option(False, help="render prompts with the chat template, as data.apply_chat_template")
+    system_prompt: str | None = option(None, help="default: data.system_prompt")
+    n_samples_per_prompt: int = option(1, ge=1, help="samples per prompt (the metrics average over them)")
     temperature: float = option(0.0, ge=0.0, help="0: greedy")
-    top_p: float = option(1.0, gt=0.0, le=1.0)
+    top_p: float = option(1.0, gt=0.0, le=1.0, help="nucleus sampling")
     max_new_tokens: int | None = option(None, ge=1, help="default: rollout.max_new_tokens")
     limit: int | None = option(None, ge=1, help="evaluate the first N prompts only")
 
@@ -349,7 +354,7 @@ class TeacherConfig:
 class RunConfig:
     """The whole run. Component sections hold a :class:`Component`; the others plain dataclasses."""
 
-    seed: int = 0
+    seed: int = option(0, help="seeds the trainer's init, the data order and (rollout.seed_sampling) sampling")
     mode: Any = component("modes", default=True, help="what the run does: the RL loop (the default), supervised "
                           "fine-tuning, ...; see `rl-cli plugins list --kind mode`")
     model: Any = component("models", optional=True, help="model spec and checkpoint")

@@ -9,6 +9,7 @@
       metadata_key: metadata              # a mapping (or a JSON string of one)
       tools_key: tools                    # a list or JSON string; copied to metadata["tools"]
       apply_chat_template: true           # rendered with the model's tokenizer, add_generation_prompt=True
+      system_prompt: "Reason step by step."   # a system message before each prompt
       max_prompt_len: 1024                # longer prompts are dropped (the count is reported)
       on_bad_row: error                   # or skip
 
@@ -240,6 +241,15 @@ def parse_row(record: Any, cfg: Any) -> tuple[PromptRow | None, str | None]:
     return PromptRow(prompt=prompt, label=record.get(cfg.label_key), metadata=metadata), None
 
 
+def with_system_prompt(prompt: str | list, system: str) -> list:
+    """Chat messages with ``system`` first: a string prompt becomes a system and a user message; a
+    conversation that has its own system message keeps it."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if messages and messages[0].get("role") == "system":
+        return messages
+    return [{"role": "system", "content": system}, *messages]
+
+
 def render_prompt(row: PromptRow, tokenizer: Any, template_kwargs: dict[str, Any]) -> str:
     """The prompt as text through the tokenizer's chat template (a string becomes one user message)."""
     messages = [{"role": "user", "content": row.prompt}] if isinstance(row.prompt, str) else row.prompt
@@ -286,6 +296,8 @@ def _collect(cfg: Any, tokenizer: Any, base_dir: str | Path) -> tuple[PromptData
         row = None
         if problem is None:
             row, problem = parse_row(record, cfg)
+        if problem is None and getattr(cfg, "system_prompt", None):
+            row.prompt = with_system_prompt(row.prompt, cfg.system_prompt)
         if problem is None and cfg.apply_chat_template:
             try:
                 row.prompt = render_prompt(row, tokenizer, cfg.chat_template_kwargs)

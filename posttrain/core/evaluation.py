@@ -21,7 +21,8 @@ async def evaluate(cfg: Any, engine: Any, generator: Any, rewards: Any, base_dir
     out: dict[str, float] = {}
     for ds in cfg.eval.datasets:
         data = DataConfig(path=ds.path, input_key=ds.input_key, label_key=ds.label_key,
-                          metadata_key=ds.metadata_key, apply_chat_template=ds.apply_chat_template, shuffle=False)
+                          metadata_key=ds.metadata_key, apply_chat_template=ds.apply_chat_template, shuffle=False,
+                          system_prompt=cfg.data.system_prompt if ds.system_prompt is None else ds.system_prompt)
         rows = load_prompts(data, tokenizer=tokenizer, base_dir=base_dir).rows[: ds.limit]
         sampling = dataclasses.replace(cfg.rollout.sampling_params(seed=cfg.seed), temperature=ds.temperature,
                                        top_p=ds.top_p, max_new_tokens=ds.max_new_tokens or cfg.rollout.max_new_tokens)

@@ -2,7 +2,7 @@
 
     prompts (data buffer) -> generate (generator -> engines) -> rewards -> dynamic-sampling filters
     -> log-probs (old policy, reference, critic values) -> advantages (estimator) -> train (loss)
-    -> push weights to the engines -> log, checkpoint, eval
+    -> push weights to the engines -> log, checkpoint, eval; at the end the policy in RUN_DIR/hf-final
 
 Every component comes from the plugin registries by the name the run config gives; nothing here names
 one. ``rollout.mode: async`` starts generating step N+1 before training step N (one step off-policy,
@@ -203,4 +203,5 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
             end_step(step, last, groups, samples)
         if pending is not None:
             pending.cancel()
+        trainer.save_hf(str(run.path / "hf-final"))  # the final policy: transformers loads it, engines serve it
         return last

@@ -12,6 +12,7 @@
       tensorboard/  logs/  # TensorBoard events; engine, router and trainer logs
       checkpoints/step_000010/   # trainer state (Megatron dist-checkpointing) + state.json
       checkpoints/latest         # name of the newest complete checkpoint
+      hf-init/  hf-final/  # HF checkpoints of the initial and the final policy (rl-cli models export: any step's)
       curves.png           # written at the end (rl-cli plot RUN_DIR redraws it)
 
 A checkpoint is written into ``checkpoints/.tmp-step_N`` and renamed into place, and ``latest`` is
@@ -128,6 +129,33 @@ class RunDirectory:
     def checkpoint_step(self, path: Path) -> int:
         """The 0-based step a checkpoint was written after (read without restoring anything)."""
         return int(json.loads((path / "state.json").read_text())["step"])
+
+    def checkpoints_by_step(self) -> dict[int, Path]:
+        """Every complete checkpoint by the number of steps it holds (``step_000009`` holds 10 steps)."""
+        found = {}
+        for path in sorted(self.checkpoints.glob("step_*")):
+            if (path / "state.json").is_file():
+                found[self.checkpoint_step(path) + 1] = path
+        return found
+
+    def checkpoint_after(self, steps: int | None = None) -> Path:
+        """The checkpoint written after ``steps`` steps (1-based, as ``rl-cli run`` counts them), or the latest.
+
+        :raises UsageError: there is no such checkpoint (naming the ones there are).
+        """
+        if not self.path.is_dir():
+            raise UsageError(f"{self.path}: no such run directory")
+        found = self.checkpoints_by_step()
+        have = ", ".join(f"{n} ({p.name})" for n, p in found.items()) or "none"
+        if steps is None:
+            latest = self.latest_checkpoint()
+            if latest is None:
+                raise UsageError(f"{self.path}: no checkpoint there (checkpoint.interval: 0, or it stopped before "
+                                 f"the first); its final weights, if it finished, are in {self.path / 'hf-final'}")
+            return latest
+        if steps not in found:
+            raise UsageError(f"--step {steps}: no checkpoint after {steps} steps in {self.path}; steps with one: {have}")
+        return found[steps]
 
     def resume_point(self) -> tuple[Path, int]:
         """``(checkpoint, step)`` that ``--resume`` continues from.

@@ -6,7 +6,8 @@ from posttrain import hookimpl, option
 
 
 class SignedAdvantage:
-    """``A_i = scale * sign(r_i - mean_g)`` on every response token of sample ``i`` (group ``g``).
+    """``A_i = scale * sign(s_i - mean_g)`` on every response token of sample ``i`` (group ``g``), where
+    ``s_i`` is the reward plus the sample's summed ``token_rewards``.
 
     Shapes: ``rewards [B]``, ``group_index [B]``, ``response_mask [B, T]`` -> ``[B, T]`` twice.
     """
@@ -25,11 +26,13 @@ class SignedAdvantage:
     def advantages(self, batch):
         import torch
 
-        _, inverse = torch.unique(batch.group_index, return_inverse=True)
-        rewards = batch.rewards.float()
-        count = torch.zeros(int(inverse.max()) + 1).index_add_(0, inverse, torch.ones_like(rewards))
-        mean = torch.zeros_like(count).index_add_(0, inverse, rewards) / count
-        centred = rewards - mean[inverse]
+        from posttrain.core.group_stats import group_mean_std, sequence_scores
+
+        # sequence_scores: rewards [B] plus each sample's summed token_rewards, after the input checks
+        # (shapes, NaN/inf: a ValueError naming the sample) that posttrain's EstimatorContract asks for
+        scores = sequence_scores(batch)
+        mean, _ = group_mean_std(scores, batch.group_index)
+        centred = scores - mean
         # a tolerance, so float noise in the mean of equal rewards does not become +-1
         sign = torch.where(centred.abs() < 1e-6, torch.zeros_like(centred), centred.sign())
         adv = (self.config.scale * sign).unsqueeze(-1) * batch.response_mask

@@ -36,7 +36,9 @@ async def engine_tokenizer(engine) -> Any:
 
 
 def prompt_ids(sample: Sample, tokenizer: Any, chat_template: bool = True) -> list[int]:
-    """Token ids of the prompt: chat messages go through the chat template (with the generation prompt)."""
+    """Token ids of the prompt: chat messages go through the chat template (with the generation prompt),
+    a string is tokenized as it is (``data.apply_chat_template``, the one switch, rendered it at load time
+    if asked). ``chat_template=False`` refuses chat messages (kept for callers that passed it)."""
     if sample.tokens and sample.response_length == 0:
         return list(sample.tokens)
     if isinstance(sample.prompt, list):

@@ -31,7 +31,6 @@ class MultiTurn:
         tool_timeout_s: float = option(10.0, gt=0, help="seconds each tool call may take")
         tools: list[str] = option(default_factory=list, help="tool names to offer; empty: all registered")
         parser: str = option("hermes", help="tool-call parser name (posttrain.core.rollout.tools.PARSERS)")
-        chat_template: bool = option(True, help="apply the chat template to chat-message prompts")
         tool_response_template: str = option(
             "<|im_end|>\n<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
             help="text appended after a turn with tool calls; {result} is the tools' answers joined by newlines")
@@ -75,7 +74,7 @@ class MultiTurn:
 
         parser = PARSERS[self.config.parser]
         tools = self.tools()
-        prompt = prompt_ids(sample, tokenizer, self.config.chat_template)
+        prompt = prompt_ids(sample, tokenizer)
         ids: list[int] = []
         mask: list[int] = []
         lps: list[float] = []

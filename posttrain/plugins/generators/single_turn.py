@@ -23,7 +23,6 @@ class SingleTurn:
 
     @dataclass
     class Config:
-        chat_template: bool = option(True, help="apply the tokenizer's chat template to chat-message prompts")
         batch_group: bool = option(True, help="send a group as one batched /generate (SGLang's list input) "
                                               "instead of one request per sample (seeded runs on SGLang "
                                               "engines send one per sample: each has its own seed)")
@@ -42,7 +41,7 @@ class SingleTurn:
             return fill(sample, prompt, ids, [1] * len(ids), lps or [0.0] * len(ids), out.get("text", ""),
                         finish_type(out), weight_version_int(out), last_response=out)
 
-        prompts = [prompt_ids(s, tokenizer, self.config.chat_template) for s in group]
+        prompts = [prompt_ids(s, tokenizer) for s in group]
         params = sampling.for_group(group) if self.config.batch_group and len(group) > 1 else None
         if params is not None:  # None: seeded on engines that cannot seed a batch by row
             outs = await engine.request("POST", "/generate", {"input_ids": prompts, "return_logprob": True,

@@ -1,4 +1,19 @@
-"""The estimator contract: shapes, masks, purity, input checks and group invariances."""
+"""The estimator contract: shapes, masks, purity, input checks and group invariances.
+
+The rules, for every estimator (``advantages(batch) -> (advantages, returns)``, both ``[B, T]``):
+
+- finite, exactly 0 outside ``response_mask``; the batch is not mutated; permuting samples permutes the
+  result; ``group_baseline = True`` means a constant added to one group's rewards changes nothing;
+- padding may hold NaN (``values``, ``token_rewards``, log-probs outside the mask): it never leaks;
+- a NaN or inf reward, or a NaN ``token_rewards`` entry on a response token, raises ``ValueError``
+  naming the sample (never a NaN advantage);
+- dense ``token_rewards`` (the KL penalty in the reward, reward shaping) change the result: an estimator
+  never ignores them silently (estimators with ``needs_teacher``, whose signal is the teacher's, are exempt);
+- ``rewards``/``group_index`` that are not ``[B]`` and ``token_rewards``/``values`` that are not ``[B, T]``
+  raise ``ValueError`` naming the tensor and its shape.
+
+``posttrain.core.group_stats.check_batch`` does the input checks in one call (the built-ins use it).
+"""
 
 from __future__ import annotations
 
@@ -110,3 +125,46 @@ class EstimatorContract(ComponentContract):
             batch.values = torch.where(outside, float("nan"), batch.values)
         adv, ret = estimator.advantages(batch)
         assert torch.isfinite(adv).all() and torch.isfinite(ret).all()
+
+    @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+    def test_non_finite_reward_raises_naming_the_sample(self, estimator, bad):
+        batch = self._batch(estimator)
+        batch.rewards = batch.rewards.clone()
+        batch.rewards[2] = bad
+        with pytest.raises(ValueError) as info:
+            estimator.advantages(batch)
+        assert "2" in str(info.value), f"the error should name sample 2: {info.value}"
+
+    def test_nan_token_reward_on_a_response_token_raises(self, estimator):
+        import torch
+
+        batch = self._batch(estimator)
+        batch.token_rewards = torch.zeros_like(batch.response_mask)
+        batch.token_rewards[4, 0] = float("nan")  # every sample has at least one response token
+        with pytest.raises(ValueError):
+            estimator.advantages(batch)
+
+    def test_token_rewards_are_never_silently_ignored(self, estimator):
+        """Dense token rewards (a KL penalty in the reward) must change the result."""
+        import torch
+
+        if getattr(estimator, "needs_teacher", False):
+            pytest.skip("learns from a teacher's log-probs (needs_teacher), not from rewards")
+        batch = self._batch(estimator)
+        adv, ret = estimator.advantages(batch)
+        gen = torch.Generator().manual_seed(2)
+        batch.token_rewards = torch.randn(batch.response_mask.shape, generator=gen) * batch.response_mask
+        adv_t, ret_t = estimator.advantages(batch)
+        assert not (torch.allclose(adv_t, adv) and torch.allclose(ret_t, ret)), "token_rewards were ignored"
+
+    def test_wrong_shapes_raise_a_clear_error(self, estimator):
+        import torch
+
+        batch = self._batch(estimator)
+        batch.rewards = batch.rewards[:-1]
+        with pytest.raises(ValueError, match="rewards"):
+            estimator.advantages(batch)
+        batch = self._batch(estimator)
+        batch.token_rewards = torch.zeros(3, 3)
+        with pytest.raises(ValueError, match="token_rewards"):
+            estimator.advantages(batch)

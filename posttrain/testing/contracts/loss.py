@@ -1,5 +1,21 @@
 """The policy-loss contract: a scalar with gradient, finite, no gradient through masked tokens,
-importance weights applied, and micro-batch invariance for every aggregation mode."""
+importance weights applied, and micro-batch invariance for every aggregation mode.
+
+The rules, for every loss (``loss(log_probs, old_log_probs, advantages, response_mask, is_weights=None,
+global_tokens=None, global_seqs=None) -> (loss, metrics)``, tensors ``[B, T]``):
+
+- a finite scalar with a finite gradient; ``float`` metrics with at least ``clipfrac``, ``approx_kl`` and
+  ``ratio_mean`` (1, 0 and 0 on-policy);
+- no gradient through masked tokens, whatever padding holds (NaN included); inputs not mutated;
+- ``is_weights`` of 1 change nothing, a weight of 0 removes that token's gradient;
+- micro-batch invariance: micro-batch losses with the whole batch's counts sum to the full-batch loss
+  and gradient, in every aggregation mode the ``Config`` accepts;
+- bf16 inputs are reduced in float32 (a float32 loss, a finite bf16 gradient, the float32 result);
+- inputs of different shapes raise ``ValueError`` naming them.
+
+Subclassing ``posttrain.core.losses.PolicyLoss`` gives the shape checks, weights, aggregation modes and
+metrics.
+"""
 
 from __future__ import annotations
 
@@ -128,3 +144,26 @@ class LossContract(ComponentContract):
                 torch.testing.assert_close(total, full, atol=1e-6, rtol=1e-6, msg=f"loss differs: {what}")
                 torch.testing.assert_close(lp.grad, full_lp.grad, atol=1e-6, rtol=1e-6,
                                            msg=f"gradient differs: {what}")
+
+    def test_reports_the_standard_metrics(self, loss):
+        log_probs, old, adv, mask = make_inputs()
+        _, metrics = loss(log_probs, old, adv, mask)
+        missing = {"clipfrac", "approx_kl", "ratio_mean"} - set(metrics)
+        assert not missing, f"a loss reports clipfrac, approx_kl and ratio_mean; missing {sorted(missing)}"
+
+    def test_wrong_shapes_raise_a_clear_error(self, loss):
+        log_probs, old, adv, mask = make_inputs()
+        with pytest.raises(ValueError, match="old_log_probs"):
+            loss(log_probs, old[:, :-1], adv, mask)
+
+    def test_bf16_inputs_are_reduced_in_fp32(self, loss):
+        import torch
+
+        log_probs, old, adv, mask = make_inputs(seed=9)
+        reference, _ = loss(log_probs, old, adv, mask)
+        lp16 = log_probs.detach().bfloat16().requires_grad_(True)
+        value, _ = loss(lp16, old.bfloat16(), adv.bfloat16(), mask.bfloat16())
+        assert value.dtype == torch.float32, f"bf16 inputs: the loss is {value.dtype}, expected float32"
+        value.backward()
+        assert lp16.grad.dtype == torch.bfloat16 and torch.isfinite(lp16.grad.float()).all()
+        assert value.item() == pytest.approx(reference.item(), abs=0.05)

@@ -9,7 +9,7 @@ import torch
 
 from posttrain.core.plugins import load_plugins
 
-PLUGINS = load_plugins()
+PLUGINS = load_plugins(autoload=False)  # posttrain's own: a third-party plugin installed changes nothing
 LN = math.log
 
 

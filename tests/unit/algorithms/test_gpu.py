@@ -11,7 +11,7 @@ from posttrain.testing.contracts.estimator import make_batch
 from posttrain.testing.contracts.loss import make_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-PLUGINS = load_plugins()
+PLUGINS = load_plugins(autoload=False)  # posttrain's own: a third-party plugin installed changes nothing
 
 
 def _to(batch, device):

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from posttrain.core.plugins import load_plugins
 from posttrain.core.types import AdvantageBatch
 
-PLUGINS = load_plugins()
+PLUGINS = load_plugins(autoload=False)  # posttrain's own: a third-party plugin installed changes nothing
 
 
 def reference(name: str, rewards: list[float], groups: list[int], lengths: list[int]) -> list[float]:

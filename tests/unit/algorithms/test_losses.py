@@ -11,7 +11,7 @@ from posttrain.core.losses import (AGGREGATION_MODES, aggregate, batch_counts, e
                                    kl_penalty_rewards, value_loss)
 from posttrain.core.plugins import load_plugins
 
-PLUGINS = load_plugins()
+PLUGINS = load_plugins(autoload=False)  # posttrain's own: a third-party plugin installed changes nothing
 LN = math.log
 
 
@@ -251,20 +251,6 @@ def test_total_loss_combines_terms_and_refuses_missing_inputs():
     assert same is pg and "kl_loss" in metrics
 
 
-@pytest.mark.parametrize("name", sorted(PLUGINS.losses))
-def test_bf16_inputs_are_reduced_in_fp32(name):
-    from posttrain.testing.contracts.loss import make_inputs
-
-    lp, old, adv, mask = make_inputs(seed=9)
-    ref, _ = loss_of(name)(lp, old, adv, mask)
-    lp16 = lp.detach().bfloat16().requires_grad_(True)
-    value, _ = loss_of(name)(lp16, old.bfloat16(), adv.bfloat16(), mask.bfloat16())
-    assert value.dtype == torch.float32
-    value.backward()
-    assert lp16.grad.dtype == torch.bfloat16 and torch.isfinite(lp16.grad.float()).all()
-    assert value.item() == pytest.approx(ref.item(), abs=0.05)
-
-
 def test_ppo_opsm_masks_far_negative_sequences():
     # seq 0: log(old/new) = 0.2, 0.4 -> kl 0.3 > 0.1, A < 0 -> masked (loss 0, no gradient)
     # seq 1: same drift but A > 0 -> kept; seq 2: A < 0, kl 0.05 -> kept
@@ -293,12 +279,11 @@ def test_unbiased_kl_is_importance_weighted():
 
 
 @pytest.mark.parametrize("name", sorted(PLUGINS.losses))
-def test_builtin_losses_report_the_standard_metrics_and_check_shapes(name):
+def test_builtin_losses_name_the_tensor_and_both_shapes(name):
+    """Stricter than the contract's ``ValueError``: the message every built-in gives (PolicyLoss's)."""
     from posttrain.testing.contracts.loss import make_inputs
 
     lp, old, adv, mask = make_inputs()
-    _, metrics = loss_of(name)(lp, old, adv, mask)
-    assert {"pg_loss", "clipfrac", "approx_kl", "ratio_mean"} <= set(metrics), sorted(metrics)
     with pytest.raises(ValueError, match=r"old_log_probs has shape \(6, 8\), log_probs \(6, 9\); all must be \[B, T\]"):
         loss_of(name)(lp, old[:, :-1], adv, mask)
 

@@ -57,6 +57,19 @@ def test_example_package_passes_its_contract_tests(example_site):
     assert " passed" in out.stdout and "failed" not in out.stdout
 
 
+def test_our_parametrized_unit_tests_pass_with_a_third_party_plugin_installed(example_site):
+    """The tests over every registered component use posttrain's own plugins: an installed package (the
+    example's `signed` estimator and `keyword` reward) neither adds cases nor breaks exact-message checks."""
+    tests = [str(ROOT / "tests" / "unit" / "algorithms" / f) for f in ("test_estimators.py", "test_losses.py")]
+    args = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *tests, "-k",
+            "wrong_shapes or non_finite or name_the_tensor"]
+    listed = subprocess.run([*args, "--collect-only", "-q"], capture_output=True, text=True,
+                            env=env_with(example_site), cwd=ROOT)
+    assert "[grpo" in listed.stdout and "signed" not in listed.stdout, listed.stdout[-2000:]
+    out = subprocess.run([*args, "-q"], capture_output=True, text=True, env=env_with(example_site), cwd=ROOT)
+    assert out.returncode == 0 and " passed" in out.stdout, out.stdout[-3000:]
+
+
 def test_plugins_show():
     out = rl_cli("plugins", "show", "grpo")
     assert out.returncode == 0
@@ -104,6 +117,58 @@ def posttrain_register_estimators(registry):
     assert "test_shapes_finite_and_zero_outside_mask" in out.stdout
 
 
+def test_plugins_check_runs_the_rules_our_own_tests_keep(write):
+    """An estimator that passed `plugins check` before issue #20 and failed posttrain's own unit tests:
+    masked, finite, but NaN rewards pass through as 0, token_rewards are ignored, shapes go unchecked."""
+    path = write("lax_est.py", '''
+from dataclasses import dataclass
+from posttrain import hookimpl
+
+class Lax:
+    """Group-centred rewards with nan_to_num: no error for NaN, token_rewards ignored."""
+    name = "lax"
+    @dataclass
+    class Config:
+        pass
+    def __init__(self, config=None):
+        self.config = config
+    def advantages(self, batch):
+        import torch
+        _, inverse = torch.unique(batch.group_index, return_inverse=True)
+        r = torch.nan_to_num(batch.rewards.float(), nan=0.0, posinf=0.0)
+        n = int(inverse.max()) + 1
+        mean = torch.zeros(n).index_add_(0, inverse, r) / torch.zeros(n).index_add_(0, inverse, torch.ones_like(r))
+        adv = (r - mean[inverse[: len(r)]]).unsqueeze(-1)[: batch.response_mask.shape[0]] * batch.response_mask
+        return adv, adv.clone()
+
+@hookimpl
+def posttrain_register_estimators(registry):
+    registry.add(Lax)
+''')
+    out = rl_cli("plugins", "check", "lax", "--plugin", path)
+    assert out.returncode == 1, out.stdout
+    for rule in ("test_non_finite_reward_raises_naming_the_sample", "test_nan_token_reward_on_a_response_token_raises",
+                 "test_token_rewards_are_never_silently_ignored", "test_wrong_shapes_raise_a_clear_error"):
+        assert f"{rule}" in out.stdout and "FAILED" in out.stdout, rule
+    assert "test_shapes_finite_and_zero_outside_mask" not in out.stdout  # the rest of the contract holds
+
+
+def test_every_kind_with_a_contract_has_a_scaffold_that_states_its_rules(tmp_path):
+    from posttrain.cli.new import BODIES
+    from posttrain.core.registry import KINDS
+    from posttrain.testing import CONTRACTS
+
+    assert {KINDS[plural] for plural in CONTRACTS} <= set(BODIES)
+    for kind in ("loss", "filter"):
+        out = rl_cli("new", "plugin", tmp_path / kind, "--kind", kind, "--name", f"my_{kind}")
+        assert out.returncode == 0, out.stderr
+        module = (tmp_path / kind / f"posttrain_my_{kind}" / "__init__.py").read_text()
+        contract = {"loss": "LossContract", "filter": "FilterContract"}[kind]
+        assert f"The rules posttrain's {contract} checks" in module
+    assert "inputs of different shapes raise ``ValueError``" in (tmp_path / "loss" / "posttrain_my_loss" /
+                                                                  "__init__.py").read_text()
+
+
 def test_dry_run_reports_five_errors_without_traceback(write):
     cfg = write("bad.yaml", "estimator: {name: grop}\nrewards: [{name: exact_match, ignore_cse: true}]\n"
                             "rollout: {rollout_batch_size: -3}\ntrainer: {lrr: 1}\ndata: {path: missing.jsonl}\n"
@@ -140,7 +205,8 @@ def test_cli_imports_nothing_heavy():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["estimator", "reward", "generator", "model", "engine", "trainer"])
+@pytest.mark.parametrize("kind", ["estimator", "loss", "correction", "reward", "generator", "filter", "model",
+                                  "engine", "trainer"])
 def test_new_plugin_passes_its_own_tests(tmp_path, pip_target, kind):
     pkg = tmp_path / f"my-{kind}"
     out = rl_cli("new", "plugin", pkg, "--kind", kind, "--name", f"my_{kind}")

@@ -77,3 +77,17 @@ def test_error_lines_keep_brackets(tmp_path):
     cfg.write_text("estimator: grpo\ndata: {path: 'x[low, high].jsonl'}\n")
     out = rl_cli("run", str(cfg), "--dry-run")
     assert out.returncode == 2 and "no such file or directory: x[low, high].jsonl" in out.stderr
+
+
+def test_every_core_key_has_a_help_text():
+    from posttrain.cli.config_cmd import sections
+
+    missing = [f"{s.name}.{r['name']}" for s in sections() for r in s.rows if not r["help"].strip()]
+    assert not missing, missing
+
+
+def test_plugins_show_of_a_config_section_points_at_config_show():
+    out = rl_cli("plugins", "show", "trainer")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "'trainer' is a run-config section, not a component: its keys are in `rl-cli config show trainer`" in \
+        out.stderr.replace("\n", " ")

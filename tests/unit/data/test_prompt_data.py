@@ -143,3 +143,14 @@ def test_messages_with_tool_calls_and_bad_messages(tmp_path):
     errors = check_data(cfg(p))
     assert [e.split(": ")[0] for e in errors] == [f"{p}:2", f"{p}:3"]
     assert load_prompts(cfg(p, on_bad_row="skip")).rows[0].prompt == good
+
+
+def test_system_prompt_goes_before_each_prompt(tmp_path, tokenizer):
+    chat = [{"role": "system", "content": "own"}, {"role": "user", "content": "hi"}]
+    p = write_jsonl(tmp_path / "d.jsonl", [ROWS[0], {"prompt": chat, "label": "x"}])
+    plain, own = load_prompts(cfg(p, system_prompt="Think.")).rows  # the generator renders messages
+    assert plain.prompt == [{"role": "system", "content": "Think."}, {"role": "user", "content": "What is 0+0?"}]
+    assert own.prompt == chat, "a conversation's own system message is kept"
+    rendered = load_prompts(cfg(p, system_prompt="Think.", apply_chat_template=True), tokenizer).rows[0].prompt
+    assert rendered == ("<|im_start|>system\nThink.<|im_end|>\n<|im_start|>user\nWhat is 0+0?<|im_end|>\n"
+                        "<|im_start|>assistant\n")

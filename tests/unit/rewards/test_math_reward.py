@@ -126,3 +126,12 @@ def test_dapo_style_scores():
     assert reward(Sample(prompt="q", response=r"\boxed{5}", label="4"))["score"] == -1.0
     assert reward(Sample(prompt="q", response="<think>never ends", label="4"))["score"] == -1.0
     assert reward(Sample(prompt="q", response="nothing", label="4"))["score"] == -1.0
+
+
+def test_gsm8k_labels_are_the_number_after_the_marker():
+    label = "She sold 48 / 2 = <<48/2=24>>24 clips in May.\nAltogether 48 + 24 = <<48+24=72>>72.\n#### 1,072"
+    reward = MathReward()
+    assert reward(Sample(prompt="q", response=r"So \boxed{1072}", label=label))["score"] == 1.0
+    assert reward(Sample(prompt="q", response=r"\boxed{72}", label=label))["score"] == 0.0
+    marked = MathReward(MathReward.Config(label_marker="ANSWER:"))  # any marker: the text after it
+    assert marked(Sample(prompt="q", response=r"\boxed{6}", label="2 + 2 = 4, 3 + 3 = 6 ANSWER: 6"))["score"] == 1.0

@@ -19,7 +19,8 @@ class MathReward:
     but never wrote ``think_end`` scores ``wrong_score`` (the model never finished thinking), and so
     does any response without ``think_end`` when ``require_think_end`` is set.
 
-    A list label accepts any of its elements. Returns ``{"score": correct_score | wrong_score (1 | 0 by
+    A list label accepts any of its elements; a label holding ``label_marker`` (GSM8K's ``answer`` column,
+    a worked solution ending ``#### 72``) is the text after its last occurrence. Returns ``{"score": correct_score | wrong_score (1 | 0 by
     default), "format_ok": 0|1}``: ``format_ok`` is 1 when the answer came from a box (or from
     ``answer_pattern`` unless ``require_boxed``), 0 for the last-number fallback. With
     ``strict_format`` a correct answer without ``format_ok`` scores ``wrong_score``.
@@ -41,6 +42,8 @@ class MathReward:
         timeout: int = option(5, ge=0, help="math-verify parse/verify timeout in seconds (main thread only)")
         correct_score: float = option(1.0, help="score of a correct answer")
         wrong_score: float = option(0.0, help="score of a wrong or missing answer (DAPO uses -1)")
+        label_marker: str | None = option("####", help="a label holding it is the text after its last occurrence "
+                                                       "(GSM8K's '... #### 72'); null disables")
 
     def __init__(self, config: Config | None = None):
         self.config = config or self.Config()
@@ -73,6 +76,8 @@ class MathReward:
         if answer is None or (c.strict_format and not format_ok):
             return {"score": c.wrong_score, "format_ok": float(format_ok)}
         labels = sample.label if isinstance(sample.label, (list, tuple)) else [sample.label]
+        if c.label_marker:
+            labels = [str(label).rsplit(c.label_marker, 1)[-1].strip() for label in labels]
         right = any(math_equal(answer, str(label), c.timeout) for label in labels)
         return {"score": c.correct_score if right else c.wrong_score, "format_ok": float(format_ok)}
 
