@@ -71,8 +71,8 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         teacher = await stack.enter_async_context(open_teacher(cfg, executor, init_dir, run.logs))  # or None
         fully_async = cfg.rollout.mode == "fully_async"
         if fully_async:  # weight pushes pause the engines; interrupted requests continue (or restart)
-            engine = PausableEngine(engine, engine_urls, cfg.rollout.partial, key, cfg.rollout.weight_sync_timeout_s)
-            stack.push_async_callback(engine.close)
+            engine = PausableEngine(engine, lambda: engines.urls()[1], cfg.rollout.partial, key,
+                                    cfg.rollout.weight_sync_timeout_s)
 
         # -- data, rewards, algorithm
         from transformers import AutoTokenizer

@@ -29,12 +29,15 @@ from __future__ import annotations
 import asyncio
 import copy
 import hashlib
+import logging
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 from posttrain.core.rollout.client import EngineClient, weight_version_int
 
 VERSIONS_KEY = "output_token_weight_versions"
+log = logging.getLogger("posttrain.rollout")
 
 
 def token_weight_versions(response: dict[str, Any], n: int) -> list[int]:
@@ -81,7 +84,8 @@ def _continued_seed(seed: int, done: int) -> int:
 
 class PausableEngine:
     """An :class:`EngineClient` (``client``, a router or one engine) whose ``/generate`` calls survive weight
-    pushes; ``engine_urls``: every engine behind it (each is paused and continued).
+    pushes; ``engine_urls``: every engine behind it (each is paused and continued), or a function returning
+    them (asked at each pause: a restarted engine may have a new port).
 
     :param partial: continue an interrupted request from its partial tokens (else restart it).
     :param api_key: the engines' key.
@@ -89,10 +93,11 @@ class PausableEngine:
     ``continued``: requests sent again after a pause (metric ``rollout/partial_continued``).
     """
 
-    def __init__(self, client: EngineClient, engine_urls: list[str], partial: bool, api_key: str | None = None,
-                 timeout_s: float = 300.0):
+    def __init__(self, client: EngineClient, engine_urls: list[str] | Callable[[], list[str]], partial: bool,
+                 api_key: str | None = None, timeout_s: float = 300.0):
         self._client = client
-        self._engines = [EngineClient(u, api_key=api_key, timeout_s=timeout_s) for u in engine_urls]
+        self._urls = engine_urls if callable(engine_urls) else (lambda: list(engine_urls))
+        self._key, self._timeout_s = api_key, timeout_s
         self.partial = partial
         self.epoch = 0  # pauses begun
         self._pausing = False
@@ -106,23 +111,34 @@ class PausableEngine:
     generate = EngineClient.generate  # builds the body and calls self.request
 
     async def close(self) -> None:
-        for e in self._engines:
-            await e.close()
+        pass  # the wrapped client belongs to the caller
 
     @asynccontextmanager
     async def paused(self):
         """Pause every engine (aborting what is in flight) for the body of the ``async with``; then continue
-        them and send the interrupted requests again."""
+        them and send the interrupted requests again. An engine that does not answer (it died: the push
+        restarts it) is logged and skipped."""
         self.epoch += 1
         self._pausing = True
         self._running.clear()
+        engines = [EngineClient(u, api_key=self._key, timeout_s=self._timeout_s, max_retries=1) for u in self._urls()]
         try:
-            await asyncio.gather(*[e.pause_generation(mode="abort") for e in self._engines])
+            await self._each(engines, "pause_generation", mode="abort")
             yield
         finally:
-            await asyncio.gather(*[e.continue_generation() for e in self._engines])
+            await self._each([EngineClient(u, api_key=self._key, timeout_s=self._timeout_s, max_retries=1)
+                              for u in self._urls()], "continue_generation", close=engines)
             self._pausing = False
             self._running.set()
+
+    @staticmethod
+    async def _each(engines: list[EngineClient], method: str, close: list[EngineClient] = (), **kwargs: Any) -> None:
+        results = await asyncio.gather(*[getattr(e, method)(**kwargs) for e in engines], return_exceptions=True)
+        for e, r in zip(engines, results):
+            if isinstance(r, BaseException):
+                log.warning("%s %s: %r", e.base_url, method, r)
+        for e in [*engines, *close]:
+            await e.close()
 
     def _interrupted(self, response: Any, epoch: int) -> bool:
         return (isinstance(response, dict) and _finish(response) == "abort"
