@@ -41,7 +41,8 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from posttrain.core.buffer import DataBuffer, DataExhausted, _sample_from_dict, _sample_to_dict, apply_filters, fresh_copy
+from posttrain.core.buffer import (DataBuffer, DataExhausted, _sample_from_dict, _sample_to_dict, apply_filters,
+                                   fresh_copy)
 from posttrain.core.types import Sample
 
 log = logging.getLogger("posttrain.async")
@@ -96,8 +97,8 @@ class FullyAsyncRollout:
     """
 
     def __init__(self, buffer: DataBuffer, rollout: Callable[[Group], Awaitable[Group]], engine: Any,
-                 batch_size: int, filters: Sequence[Any] = (), *, max_staleness: int = 1, buffer_size: int | None = None,
-                 update_interval: int = 1, stale: str = "drop", over_sampling_batch_size: int | None = None,
+                 batch_size: int, filters: Sequence[Any] = (), *, max_staleness: int = 1,
+                 buffer_size: int | None = None, update_interval: int = 1, stale: str = "drop", over_sampling_batch_size: int | None = None,
                  max_sampled_groups: int | None = None, start: int = 0):
         self.buffer, self.rollout, self.engine, self.filters = buffer, rollout, engine, list(filters)
         self.batch_size, self.k, self.interval, self.stale = batch_size, max_staleness, update_interval, stale
@@ -127,8 +128,9 @@ class FullyAsyncRollout:
     # ---- the producer ----
     def _can_start(self) -> bool:
         busy = len(self.queue) + len(self.in_flight)
+        ahead = self.steps_taken * self.batch_size + busy  # groups in line, counted from the run's start
         return (not self.buffer.exhausted and busy < self.buffer_size and self.sampled < self.limit
-                and self.steps_taken * self.batch_size + busy < (self.version + self.k + 1) * self.batch_size + self.extra)
+                and ahead < (self.version + self.k + 1) * self.batch_size + self.extra)
 
     def _fill(self) -> None:
         """Start groups while the bounds allow (called whenever a slot may have opened)."""
@@ -232,8 +234,10 @@ class FullyAsyncRollout:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """After the data buffer's: the saved finished groups are queued, the in-flight prompts served first."""
-        self.queue = [([_from_json(d) for d in item["samples"]], int(item["version"])) for item in state.get("queue", [])]
-        flying = sorted(([_from_json(d) for d in g] for g in state.get("in_flight", [])), key=lambda g: g[0].group_index)
+        self.queue = [([_from_json(d) for d in item["samples"]], int(item["version"]))
+                      for item in state.get("queue", [])]
+        flying = sorted(([_from_json(d) for d in g] for g in state.get("in_flight", [])),
+                        key=lambda g: g[0].group_index)
         self.buffer.returned = flying + self.buffer.returned
         log.info("resume: %d finished group(s) to train first, %d prompt group(s) in flight issued again",
                  len(self.queue), len(flying))

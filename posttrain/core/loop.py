@@ -117,15 +117,22 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
             await add_teacher_log_probs(group, teacher)
             return group
 
-        feeder = FullyAsyncRollout.from_config(cfg, buffer, rollout_group, engine, filters, start) if fully_async else None
-        if feeder is not None:  # finished groups and in-flight prompts of the checkpoint come back first
+        feeder = None  # fully_async: the producer and its queue; the checkpoint's groups come back first
+        if fully_async:
+            feeder = FullyAsyncRollout.from_config(cfg, buffer, rollout_group, engine, filters, start)
             feeder.load_state_dict(state.get("fully_async", {}))
             stack.push_async_callback(feeder.close)
 
         def generate(step: int):
-            return asyncio.ensure_future(watching(engines, engine, feeder.next_batch(step) if feeder else collect_groups(
+            batch = feeder.next_batch(step) if feeder else collect_groups(
                 buffer, rollout_group, cfg.rollout.rollout_batch_size, filters,
-                cfg.data.over_sampling_batch_size, cfg.data.max_sampled_groups)))
+                cfg.data.over_sampling_batch_size, cfg.data.max_sampled_groups)
+            return asyncio.ensure_future(watching(engines, engine, batch))
+
+        async def push(version: int):  # new weights to every engine (fully_async pauses them for it)
+            def sync():
+                return push_weights(trainer, engines, version, str(run.path / "hf-latest"))
+            return await (feeder.push(sync, version) if feeder else asyncio.to_thread(sync))
 
         def end_step(step: int, last: dict[str, float], groups: list, samples: list) -> None:
             metrics_out.log(step, last)
@@ -135,9 +142,9 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
                 on_step(step, last, samples)
             if cfg.checkpoint.interval and ((step + 1) % cfg.checkpoint.interval == 0
                                             or step + 1 == cfg.rollout.num_rollouts):
+                queued = {"fully_async": feeder.state_dict()} if feeder else {}  # same instant as the buffer's
                 run.save_checkpoint(step, trainer.save, {"buffer": buffer.state_dict(), "empty_steps": empty_steps,
-                                                         "config": cfg.to_dict(), **({"fully_async": feeder.state_dict()}
-                                                                                     if feeder else {})}, cfg.checkpoint.keep)
+                                                         "config": cfg.to_dict(), **queued}, cfg.checkpoint.keep)
 
         last: dict[str, float] = {}
         timer = PhaseTimer()
@@ -162,7 +169,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
                         **timer.pop(), "rollout/samples": 0.0, "rollout/empty_steps": float(empty_steps),
                         "perf/step_time": time.perf_counter() - t0}
                 if feeder is not None:  # the same weights under the next version: staleness counts steps
-                    await feeder.push(lambda: push_weights(trainer, engines, step + 1, str(run.path / "hf-latest")), step + 1)
+                    await push(step + 1)
                 end_step(step, last, groups, samples)
                 continue
             if colocate:  # the trainer's turn on the shared GPUs
@@ -203,12 +210,8 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
                 if colocate:  # room for the engine's weights, the update, then its KV cache
                     await asyncio.to_thread(trainer.release_memory)
                     await asyncio.to_thread(engines.resume_memory, ["weights"])
-                hf_latest = str(run.path / "hf-latest")
-                if feeder is None:
-                    restarted, push_s = await asyncio.to_thread(push_weights, trainer, engines, version, hf_latest)
-                elif feeder.push_due(step, step + 1 == cfg.rollout.num_rollouts, eval_due):  # engines paused
-                    restarted, push_s = await feeder.push(lambda: push_weights(trainer, engines, version, hf_latest),
-                                                          version)
+                if feeder is None or feeder.push_due(step, step + 1 == cfg.rollout.num_rollouts, eval_due):
+                    restarted, push_s = await push(version)
                 if colocate:
                     await asyncio.to_thread(engines.resume_memory, ["kv_cache"])
 

@@ -38,8 +38,8 @@ def test_max_staleness_0_gives_the_samples_and_losses_of_sync_mode(tmp_path):
 def test_kill_9_then_resume_trains_every_prompt_once_per_epoch(tmp_path, write):
     """12 prompts, 2 epochs, 4 groups a step: 6 steps train every prompt exactly twice. Killed with finished
     groups queued (k = 2 lets the producer run two steps ahead), resumed from the last checkpoint."""
-    data = write("prompts.jsonl", "".join(json.dumps({"prompt": f"{i % 10}+{i // 10}=", "label": str((i % 10 + i // 10) % 10)})
-                                          + "\n" for i in range(12)))
+    rows = [{"prompt": f"{i % 10}+{i // 10}=", "label": str((i % 10 + i // 10) % 10)} for i in range(12)]
+    data = write("prompts.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     args = [QUICKSTART, f"data.path={data}", "data.epochs=2", "rollout.rollout_batch_size=4",
             "rollout.n_samples_per_prompt=4", "trainer.global_batch_size=16", "trainer.micro_batch_size=16",
             "rollout.num_rollouts=6", "checkpoint.interval=1", *FULLY, "rollout.max_staleness=2"]

@@ -206,7 +206,8 @@ async def test_checkpoint_holds_the_queue_and_the_prompts_in_flight():
     if done < steps - 1:  # the last resume runs to the end
         buf = DataBuffer(PROMPTS, 1, seed=0, epochs=epochs)
         box = {}
-        feeder = box["f"] = FullyAsyncRollout(buf, rollout_with(box, rng), Engines(), 2, max_staleness=2, start=done + 1)
+        feeder = box["f"] = FullyAsyncRollout(buf, rollout_with(box, rng), Engines(), 2, max_staleness=2,
+                                              start=done + 1)
         buf.load_state_dict(state["buffer"])
         feeder.load_state_dict(state["fully_async"])
         del trained[(done + 1) * 2:], step_log[done + 1:]
