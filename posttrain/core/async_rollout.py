@@ -25,7 +25,8 @@ continue from their partial tokens with ``rollout.partial``, else restart).
   to the front of the data buffer as fresh samples. A filtered group frees its slot at once.
 - Metrics of each batch: ``rollout/staleness_mean`` (over samples), ``rollout/staleness_max``,
   ``rollout/dropped_stale``, ``rollout/async_queue_groups`` (finished groups waiting after the batch was
-  taken), ``rollout/async_in_flight`` and the ``dynamic_sampling/*`` counts since the last batch.
+  taken), ``rollout/async_in_flight``, ``rollout/partial_continued`` (requests sent again after a pause,
+  summed over the run) and the ``dynamic_sampling/*`` counts since the last batch.
 
 **Checkpoints.** :meth:`state_dict` (taken in the same instant as the data buffer's) holds the finished
 groups not yet trained and the prompts in flight. :meth:`load_state_dict` queues the finished groups again

@@ -42,7 +42,8 @@ def test_kill_9_then_resume_trains_every_prompt_once_per_epoch(tmp_path, write):
     data = write("prompts.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     args = [QUICKSTART, f"data.path={data}", "data.epochs=2", "rollout.rollout_batch_size=4",
             "rollout.n_samples_per_prompt=4", "trainer.global_batch_size=16", "trainer.micro_batch_size=16",
-            "rollout.num_rollouts=6", "checkpoint.interval=1", *FULLY, "rollout.max_staleness=2"]
+            "rollout.num_rollouts=6", "checkpoint.interval=1", *FULLY, "rollout.max_staleness=2",
+            "eval.interval=3", f"eval.datasets=[{{name: held, path: {data}, limit: 4}}]"]
     run = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "posttrain.cli.main", "run", *map(str, args), "--run-dir", str(run)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -66,6 +67,9 @@ def test_kill_9_then_resume_trains_every_prompt_once_per_epoch(tmp_path, write):
     rows = jsonl(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(6))
     assert all(r["rollout/staleness_max"] <= 2 for r in rows)
+    # eval at its interval, on the weights the step just pushed, while the producer kept generating
+    evals = [(r["step"], r["eval/held/weight_version"]) for r in rows if "eval/held/weight_version" in r]
+    assert evals == [(2, 3), (5, 6)]
     served = [r["step"] for r in jsonl(run / "rollouts.jsonl")]
     assert served == list(range(6))
     trained = Counter(p for r in jsonl(run / "rollouts.jsonl") for p in r["prompts"])
