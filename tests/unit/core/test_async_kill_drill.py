@@ -21,8 +21,11 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.slow
 PROMPTS = [SimpleNamespace(prompt=f"p{i}", label=str(i), metadata={}) for i in range(16)]
 EPOCHS, BATCH = 3, 2
 STEPS = len(PROMPTS) * EPOCHS // BATCH  # 24: every prompt exactly EPOCHS times
