@@ -150,7 +150,24 @@ class RolloutConfig:
     top_p: float = option(1.0, gt=0.0, le=1.0, help="nucleus sampling: the smallest token set of this total probability")
     top_k: int = option(-1, help="-1 disables; else >= 1")
     max_new_tokens: int = option(128, ge=1, help="tokens generated per sample at most (a longer answer is truncated)")
-    mode: Literal["sync", "async"] = option("sync", help="async overlaps generation N+1 with training N")
+    mode: Literal["sync", "async", "fully_async"] = option(
+        "sync", help="async overlaps generation N+1 with training N; fully_async never stops generating: a "
+                     "background producer fills a queue of finished groups, the trainer takes a batch as soon as "
+                     "one is ready (staleness bounded by max_staleness)")
+    async_buffer_size: int | None = option(
+        None, ge=1, help="fully_async: finished plus in-flight prompt groups at most (default (max_staleness + 1) "
+                         "x rollout_batch_size; at least rollout_batch_size)")
+    update_weights_interval: int = option(1, ge=1, help="fully_async: push the weights to the engines every this "
+                                                        "many train steps (and before each eval)")
+    max_staleness: int = option(1, ge=0, help="fully_async: a sample whose oldest token is more than this many "
+                                              "weight versions behind the trainer is not trained on (0: sync mode's "
+                                              "samples); at least update_weights_interval - 1")
+    stale: Literal["drop", "recompute"] = option("drop", help="fully_async: what happens to a group with a stale "
+                                                              "sample: dropped (counted in rollout/dropped_stale), or "
+                                                              "recompute (its prompt is generated again)")
+    partial: bool = option(False, help="fully_async: requests in flight at a weight push are paused and continue "
+                                       "from their partial tokens under the new weights (each token's version is "
+                                       "recorded); off: they restart")
     min_p: float = option(0.0, ge=0.0, le=1.0, help="drop tokens below min_p x the top probability")
     stop: list[str] = option(default_factory=list, help="stop strings")
     stop_token_ids: list[int] = option(default_factory=list, help="stop token ids (EOS always stops)")
@@ -175,6 +192,19 @@ class RolloutConfig:
 
     def validate(self) -> list[str]:
         errors = sampling_errors(self.temperature, "temperature")
+        if self.mode == "fully_async":
+            size = self.async_buffer_size
+            if size is not None and size < self.rollout_batch_size:
+                errors.append(f"async_buffer_size: {size} groups cannot hold one batch (rollout_batch_size "
+                              f"{self.rollout_batch_size})")
+            if self.max_staleness < self.update_weights_interval - 1:
+                errors.append(f"max_staleness: {self.max_staleness} is below update_weights_interval - 1 "
+                              f"({self.update_weights_interval - 1}): samples between two pushes are that stale")
+        else:
+            errors += [f"{key}: only with rollout.mode: fully_async (it is {self.mode})"
+                       for key, on in (("partial", self.partial), ("update_weights_interval",
+                                       self.update_weights_interval != 1), ("stale", self.stale != "drop"),
+                                       ("async_buffer_size", self.async_buffer_size is not None)) if on]
         if self.top_k != -1 and not 1 <= self.top_k < 2**63:
             errors.append(f"top_k: {self.top_k} is out of range (-1 disables; else 1 <= top_k < 2**63)")
         return errors
@@ -382,8 +412,8 @@ class RunConfig:
         if mode.generates:
             errors += batch_identity(self.rollout, self.trainer)
         r, colocate = self.rollout, self.resources.colocate
-        if colocate and r.mode == "async":
-            errors.append("rollout.mode: async overlaps generation with training, which needs their own GPUs "
+        if colocate and r.mode in ("async", "fully_async"):
+            errors.append(f"rollout.mode: {r.mode} overlaps generation with training, which needs their own GPUs "
                           "(resources.colocate: false)")
         engine = r.engine.create() if r.engine is not None else None
         if colocate and r.weight_sync == "distributed" and engine is not None and engine.on_gpu(self.resources):
@@ -468,6 +498,19 @@ def batch_identity(r: RolloutConfig, t: TrainerConfig) -> list[str]:
             f"{t.global_batch_size * t.steps_per_rollout}"]
 
 
+def _fully_async_correction(raw: Any, plugins: Any) -> None:
+    """A ``fully_async`` run that names no ``correction`` gets the one registered with
+    ``fully_async_default = True`` (``tis``): its off-policy tokens are reweighted against the rollout
+    log-probs. ``correction: null`` keeps none."""
+    if not (isinstance(raw, dict) and isinstance(raw.get("rollout"), dict)
+            and raw["rollout"].get("mode") == "fully_async" and "correction" not in raw):
+        return
+    registry = plugins.registries().get("corrections", {})
+    marked = [n for n in registry if getattr(registry.get_or_raise(n), "fully_async_default", False)]
+    if marked:
+        raw["correction"] = marked[0]
+
+
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), plugins: Any = None,
                 data: dict | None = None) -> RunConfig:
     """Read ``path`` (or take ``data``), apply ``key.sub=value`` overrides, validate against the plugins.
@@ -484,6 +527,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     errors = apply_overrides(raw, overrides)
     errors += moved_keys(raw)
     errors += _resolve_files(raw, Path(path).parent if path else Path("."))
+    _fully_async_correction(raw, plugins)
     config, errs = build(RunConfig, raw, "", context=plugins)
     errors += errs
     if config is not None:

@@ -1,5 +1,6 @@
 """Eval during training: each ``eval.datasets`` entry is generated with its own sampling and scored with
-the run's rewards; logged as ``eval/<name>/reward_mean`` (and the other reward parts)."""
+the run's rewards; logged as ``eval/<name>/reward_mean`` (and the other reward parts), and
+``eval/<name>/weight_version``: the oldest weight version among the eval's tokens."""
 
 from __future__ import annotations
 
@@ -33,4 +34,6 @@ async def evaluate(cfg: Any, engine: Any, generator: Any, rewards: Any, base_dir
         for key, value in reward_metrics(groups).items():
             out[f"eval/{ds.name}/{key.removeprefix('reward/')}"] = value
         out[f"eval/{ds.name}/reward_mean"] = out.get(f"eval/{ds.name}/total", 0.0)
+        # the oldest weights any eval token came from (fully_async runs eval right after a push)
+        out[f"eval/{ds.name}/weight_version"] = float(min((s.oldest_version for g in groups for s in g), default=0))
     return out

@@ -7,6 +7,8 @@
 Every component comes from the plugin registries by the name the run config gives; nothing here names
 one. ``rollout.mode: async`` starts generating step N+1 before training step N (one step off-policy,
 staleness 1: the engines keep step N-1's weights until both are done, then get step N's).
+``rollout.mode: fully_async`` never stops generating (``core.async_rollout``: a background producer, a
+bounded queue of finished groups, the staleness bound; pushes pause the engines, ``core.rollout.preempt``).
 ``resources.colocate`` shares the GPUs: the engines release their memory after generating and take it
 back (weights, the update, then the KV cache) before the next generation.
 
@@ -23,6 +25,7 @@ from contextlib import AsyncExitStack
 from typing import Any
 
 from posttrain.core import batching
+from posttrain.core.async_rollout import FullyAsyncRollout
 from posttrain.core.buffer import DataBuffer, collect_groups
 from posttrain.core.data import load_prompts
 from posttrain.core.estimator_inputs import add_baseline, estimator_metadata, estimator_metrics
@@ -32,6 +35,7 @@ from posttrain.core.losses import kl_penalty_rewards
 from posttrain.core.metrics import MetricsWriter, PhaseTimer, memory_metrics
 from posttrain.core.rewards import RewardRunner, reward_metrics
 from posttrain.core.rollout.client import EngineClient
+from posttrain.core.rollout.preempt import PausableEngine
 from posttrain.core.rollout.supervise import push_weights, watching
 from posttrain.core.rollout.teacher import add_teacher_log_probs, open_teacher
 from posttrain.core.types import AdvantageBatch
@@ -65,6 +69,10 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         engine = await stack.enter_async_context(EngineClient(url, max_concurrency=cfg.rollout.server_concurrency,
                                                               api_key=key))
         teacher = await stack.enter_async_context(open_teacher(cfg, executor, init_dir, run.logs))  # or None
+        fully_async = cfg.rollout.mode == "fully_async"
+        if fully_async:  # weight pushes pause the engines; interrupted requests continue (or restart)
+            engine = PausableEngine(engine, lambda: engines.urls()[1], cfg.rollout.partial, key,
+                                    cfg.rollout.weight_sync_timeout_s)
 
         # -- data, rewards, algorithm
         from transformers import AutoTokenizer
@@ -86,7 +94,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         stack.callback(metrics_out.close)
 
         # -- resume: trainer state, data position, RNG; metrics of later steps are dropped
-        start, empty_steps = 0, 0
+        start, empty_steps, state = 0, 0, {}
         if resume:
             done = -1  # killed before its first checkpoint: start over
             if ckpt is not None:
@@ -109,10 +117,22 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
             await add_teacher_log_probs(group, teacher)
             return group
 
-        def generate():
-            return asyncio.ensure_future(watching(engines, engine, collect_groups(
+        feeder = None  # fully_async: the producer and its queue; the checkpoint's groups come back first
+        if fully_async:
+            feeder = FullyAsyncRollout.from_config(cfg, buffer, rollout_group, engine, filters, start)
+            feeder.load_state_dict(state.get("fully_async", {}))
+            stack.push_async_callback(feeder.close)
+
+        def generate(step: int):
+            batch = feeder.next_batch(step) if feeder else collect_groups(
                 buffer, rollout_group, cfg.rollout.rollout_batch_size, filters,
-                cfg.data.over_sampling_batch_size, cfg.data.max_sampled_groups)))
+                cfg.data.over_sampling_batch_size, cfg.data.max_sampled_groups)
+            return asyncio.ensure_future(watching(engines, engine, batch))
+
+        async def push(version: int):  # new weights to every engine (fully_async pauses them for it)
+            def sync():
+                return push_weights(trainer, engines, version, str(run.path / "hf-latest"))
+            return await (feeder.push(sync, version) if feeder else asyncio.to_thread(sync))
 
         def end_step(step: int, last: dict[str, float], groups: list, samples: list) -> None:
             metrics_out.log(step, last)
@@ -122,8 +142,9 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
                 on_step(step, last, samples)
             if cfg.checkpoint.interval and ((step + 1) % cfg.checkpoint.interval == 0
                                             or step + 1 == cfg.rollout.num_rollouts):
+                queued = {"fully_async": feeder.state_dict()} if feeder else {}  # same instant as the buffer's
                 run.save_checkpoint(step, trainer.save, {"buffer": buffer.state_dict(), "empty_steps": empty_steps,
-                                                         "config": cfg.to_dict()}, cfg.checkpoint.keep)
+                                                         "config": cfg.to_dict(), **queued}, cfg.checkpoint.keep)
 
         last: dict[str, float] = {}
         timer = PhaseTimer()
@@ -131,13 +152,15 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         gc.collect()
         gc.freeze()  # start-up's objects (models, modules) leave the collector: no long gen-2 pauses per step
         phase("train")
+        if feeder is not None:
+            feeder.start()
         for step in range(start, cfg.rollout.num_rollouts):
             t0 = time.perf_counter()
             # 1-4. prompts -> samples -> rewards -> filters (dynamic sampling keeps generating until full)
             with timer("generate"):
-                (groups, sampling_metrics), generate_s = await (pending or generate())
+                (groups, sampling_metrics), generate_s = await (pending or generate(step))
             overlap = cfg.rollout.mode == "async" and step + 1 < cfg.rollout.num_rollouts
-            pending = generate() if overlap else None  # step N+1 generates while step N trains
+            pending = generate(step + 1) if overlap else None  # step N+1 generates while step N trains
             samples = batching.trainable(groups)
             if not samples:  # every reward failed or every sample was aborted: nothing to train on
                 empty_steps += 1
@@ -145,6 +168,8 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
                 last = {**reward_metrics(groups), **batching.dropped_metrics(groups), **sampling_metrics,
                         **timer.pop(), "rollout/samples": 0.0, "rollout/empty_steps": float(empty_steps),
                         "perf/step_time": time.perf_counter() - t0}
+                if feeder is not None:  # the same weights under the next version: staleness counts steps
+                    await push(step + 1)
                 end_step(step, last, groups, samples)
                 continue
             if colocate:  # the trainer's turn on the shared GPUs
@@ -179,26 +204,27 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
             if pending is not None:
                 with timer("generate_wait"):
                     await asyncio.wait([pending])
+            eval_due = bool(cfg.eval.interval) and (step + 1) % cfg.eval.interval == 0
             with timer("sync"):
-                version = step + 1
+                version, restarted, push_s = step + 1, [], 0.0
                 if colocate:  # room for the engine's weights, the update, then its KV cache
                     await asyncio.to_thread(trainer.release_memory)
                     await asyncio.to_thread(engines.resume_memory, ["weights"])
-                restarted, push_s = await asyncio.to_thread(push_weights, trainer, engines, version,
-                                                            str(run.path / "hf-latest"))
+                if feeder is None or feeder.push_due(step, step + 1 == cfg.rollout.num_rollouts, eval_due):
+                    restarted, push_s = await push(version)
                 if colocate:
                     await asyncio.to_thread(engines.resume_memory, ["kv_cache"])
 
             # log, checkpoint, eval
             phases, step_time = timer.pop(), time.perf_counter() - t0
             tokens = sum(s.response_length for s in samples)
-            last = {**batching.rollout_metrics(samples, version - 1), **batching.dropped_metrics(groups),
+            last = {**batching.rollout_metrics(samples, step), **batching.dropped_metrics(groups),
                     **reward_metrics(groups), **estimator_metrics(estimator),
                     **sampling_metrics, **step_metrics, **{f"train/{k}": v for k, v in train_metrics.items()},
                     **phases, "perf/step_time": step_time, "perf/engine_restarts": float(len(restarted)),
                     "perf/weight_push_s": push_s, **memory_metrics(trainer, engines),
                     "perf/rollout_tokens_per_s": tokens / max(generate_s, 1e-9), "rollout/empty_steps": float(empty_steps)}
-            if cfg.eval.interval and (step + 1) % cfg.eval.interval == 0:
+            if eval_due:
                 last.update(await evaluate(cfg, engine, generator, rewards, run.base_dir, tokenizer))
             end_step(step, last, groups, samples)
         if pending is not None:

@@ -38,7 +38,10 @@ class Sample:
     inserted by the environment (tool results in multi-turn rollouts). ``rollout_routed_experts`` (MoE
     models, when the trainer replays routing): the engine's expert ids, int32 ``[len(tokens) - 1, L * k]``
     (row ``t``: token ``t`` in each of the ``L`` layers, ``k`` experts each, -1 where none), SGLang's
-    ``meta_info.routed_experts``.
+    ``meta_info.routed_experts``. ``weight_version``: the engine's weight version when the response ended;
+    ``weight_versions``: the version that generated each response token (``response_length`` ints; a
+    partial rollout continued across a weight push spans several; tokens inserted by the environment get
+    their turn's), None when the generator did not record them.
     """
 
     prompt: str | list[dict[str, Any]]
@@ -56,12 +59,18 @@ class Sample:
     group_index: int = 0
     index: int = 0
     weight_version: int = 0
+    weight_versions: list[int] | None = None
     finish_reason: str | None = None
     error: str | None = None
 
     @property
     def prompt_length(self) -> int:
         return len(self.tokens) - self.response_length
+
+    @property
+    def oldest_version(self) -> int:
+        """The oldest weight version among the response's tokens (``weight_version`` when none are recorded)."""
+        return min(self.weight_versions) if self.weight_versions else self.weight_version
 
 
 @dataclass

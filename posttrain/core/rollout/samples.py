@@ -79,9 +79,14 @@ def routed_experts(response: dict[str, Any], rows: int) -> Any:
 
 
 def fill(sample: Sample, prompt: list[int], response_ids: list[int], mask: list[int], logprobs: list[float],
-         text: str, finish: str, weight_version: int, last_response: dict[str, Any] | None = None) -> Sample:
+         text: str, finish: str, weight_version: int, last_response: dict[str, Any] | None = None,
+         weight_versions: list[int] | None = None) -> Sample:
     """Write the rollout into ``sample`` (``tokens`` = prompt + response; mask/log-probs cover the response).
-    ``last_response``: the last ``/generate`` answer, whose ``routed_experts`` (if any) cover the tokens."""
+    ``last_response``: the last ``/generate`` answer, whose ``routed_experts`` (if any) cover the tokens.
+    ``weight_versions``: each response token's weight version; by default read from ``last_response``
+    (:func:`~posttrain.core.rollout.preempt.token_weight_versions`) when it holds the whole response."""
+    from posttrain.core.rollout.preempt import token_weight_versions
+
     sample.tokens = list(prompt) + list(response_ids)
     if last_response is not None:
         sample.rollout_routed_experts = routed_experts(last_response, len(sample.tokens) - 1)
@@ -92,4 +97,8 @@ def fill(sample: Sample, prompt: list[int], response_ids: list[int], mask: list[
     sample.finish_reason = finish
     sample.status = STATUS.get(finish, SampleStatus.COMPLETED)
     sample.weight_version = weight_version
+    if weight_versions is None:
+        weight_versions = (token_weight_versions(last_response, len(response_ids)) if last_response is not None
+                           else [weight_version] * len(response_ids))
+    sample.weight_versions = list(weight_versions)
     return sample

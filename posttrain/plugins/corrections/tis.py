@@ -23,6 +23,7 @@ class TIS:
     """
 
     name = "tis"
+    fully_async_default = True  # the correction of a rollout.mode: fully_async run that names none
 
     @dataclass
     class Config:

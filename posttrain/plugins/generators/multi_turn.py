@@ -69,6 +69,7 @@ class MultiTurn:
 
     async def rollout(self, sample, engine, sampling, tokenizer):
         from posttrain.core.rollout.client import tokens_and_logprobs, weight_version_int
+        from posttrain.core.rollout.preempt import token_weight_versions
         from posttrain.core.rollout.samples import fill, finish_type, prompt_ids
         from posttrain.core.rollout.tools import PARSERS, run_tool
 
@@ -78,6 +79,7 @@ class MultiTurn:
         ids: list[int] = []
         mask: list[int] = []
         lps: list[float] = []
+        versions: list[int] = []  # each token's weight version (tool results: their turn's)
         text = ""
         finish, version, out = "stop", 0, None
         params = sampling.to_sglang()  # the seed, if any, is set per turn below
@@ -97,6 +99,7 @@ class MultiTurn:
             ids += new_ids
             mask += [1] * len(new_ids)
             lps += new_lps or [0.0] * len(new_ids)
+            versions += token_weight_versions(out, len(new_ids))
             turn_text = out.get("text", "")
             text += turn_text
             finish, version = finish_type(out), weight_version_int(out)
@@ -112,11 +115,12 @@ class MultiTurn:
             ids += env_ids
             mask += [0] * len(env_ids)
             lps += [0.0] * len(env_ids)
+            versions += [weight_version_int(out)] * len(env_ids)
             text += tokenizer.decode(env_ids)
         sample.metadata.setdefault("turns", 0)
         sample.metadata["turns"] = turn + 1
         # the last turn read every earlier token: its routed experts (if asked) cover the whole sample
-        return fill(sample, prompt, ids, mask, lps, text, finish, version, last_response=out)
+        return fill(sample, prompt, ids, mask, lps, text, finish, version, last_response=out, weight_versions=versions)
 
 
 def _tool_callable(component):

@@ -224,3 +224,28 @@ def test_trainer_group_layout_mistakes_name_their_keys(write, plugins):
     assert "2 ranks per node but trainer_gpus_per_node is 1" in info.value.errors[1]
     with pytest.raises(ConfigError, match="trainer.global_batch_size: 8 samples cannot be split over 16"):
         load_config(write("c.yaml", GOOD), ["resources.trainer_procs_per_node=16"], plugins)
+
+
+def test_fully_async_keys_are_checked_together(write, plugins):
+    path = write("c.yaml", GOOD)
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["rollout.partial=true", "rollout.update_weights_interval=2"], plugins)
+    assert "rollout.partial: only with rollout.mode: fully_async (it is sync)" in str(err.value)
+    assert "rollout.update_weights_interval: only with rollout.mode: fully_async" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["rollout.mode=fully_async", "rollout.async_buffer_size=3", "rollout.max_staleness=1",
+                           "rollout.update_weights_interval=3"], plugins)
+    message = str(err.value)
+    assert "rollout.async_buffer_size: 3 groups cannot hold one batch (rollout_batch_size 4)" in message
+    assert "rollout.max_staleness: 1 is below update_weights_interval - 1 (2)" in message
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["rollout.mode=fully_async", "resources.colocate=true"], plugins)
+    assert "rollout.mode: fully_async overlaps generation with training" in str(err.value)
+
+
+def test_fully_async_corrects_with_tis_unless_told_otherwise(write, plugins):
+    path = write("c.yaml", GOOD)
+    assert load_config(path, ["rollout.mode=fully_async"], plugins).correction.name == "tis"
+    assert load_config(path, ["rollout.mode=fully_async", "correction=null"], plugins).correction is None
+    assert load_config(path, ["rollout.mode=fully_async", "correction=mis"], plugins).correction.name == "mis"
+    assert load_config(path, [], plugins).correction is None
