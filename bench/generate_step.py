@@ -1,13 +1,14 @@
 """One quickstart step's ``generate`` on the CPU: 64 prompts x 16 samples, one new token each, through the
 real generator (``single_turn``), client and local engine server, without the trainer.
 
-    python bench/generate_step.py [--rounds 20] [--slots 32] [--context 0] [--router] [--profile OUT.prof]
+    python bench/generate_step.py [--rounds 20] [--slots 32] [--context 0] [--router] [--profile OUT.prof] [--py-spy OUT.raw]
 
 Starts ``rl-cli engine serve`` on a tiny random-init Qwen3 (the quickstart's shape and character
 vocabulary), optionally behind sglang-router (``--router``, as the quickstart runs), then times
 ``--rounds`` rounds of the loop's generation (``collect_groups`` over the quickstart prompts, seeded
 sampling) and prints one JSON line: median and mean seconds per round (target: <= 0.15 s on 2 cores,
-issue 17). ``--profile`` writes a cProfile of the client side (the driver's event loop) to OUT.prof.
+issue 17), and the engine's and the client's CPU seconds per round (on a loaded machine the wall clock
+includes waiting for a core; CPU time does not). ``--profile`` writes a cProfile of the client side (the driver's event loop) to OUT.prof.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=0, help="engine context_length (0: the model's)")
     parser.add_argument("--router", action="store_true", help="through sglang-router, as the quickstart")
     parser.add_argument("--profile", default=None, help="cProfile of the client side to this file")
+    parser.add_argument("--py-spy", default=None, help="py-spy raw samples of the engine server to this file")
     args = parser.parse_args()
     from posttrain.testing.engine import start_local_engine
     from posttrain.testing.tiny import make_tiny_checkpoint
@@ -78,15 +80,31 @@ def main() -> None:
 
                 router = RouterProcess([server.base_url], model_path=str(ckpt), api_key=server.api_key).start()
                 url = router.url
+            spy = None
+            if args.py_spy:  # the engine process, while the rounds run
+                import subprocess
+
+                spy = subprocess.Popen(["py-spy", "record", "-p", str(server.proc.pid), "-r", "200", "-f", "raw",
+                                        "-o", args.py_spy, "--nonblocking"], stdout=subprocess.DEVNULL)
             if args.profile:
                 import cProfile
 
                 prof = cProfile.Profile()
                 prof.enable()
+            import psutil
+
+            engine_proc = psutil.Process(server.proc.pid)
+            cpu0, own0 = sum(engine_proc.cpu_times()[:2]), time.process_time()
             times = asyncio.run(rounds(url, ckpt, args.rounds, server.api_key))
+            engine_cpu, client_cpu = sum(engine_proc.cpu_times()[:2]) - cpu0, time.process_time() - own0
             if args.profile:
                 prof.disable()
                 prof.dump_stats(args.profile)
+            if spy is not None:
+                import signal
+
+                spy.send_signal(signal.SIGINT)
+                spy.wait(timeout=60)
         finally:
             if router is not None:
                 router.stop()
@@ -95,7 +113,9 @@ def main() -> None:
     print(json.dumps({"bench": "generate_step", "machine": f"{platform.machine()} {os.cpu_count()} cpus",
                       "load": os.getloadavg()[0], "slots": args.slots, "router": args.router, "rounds": len(times),
                       "median_s": round(statistics.median(steady), 4), "mean_s": round(statistics.mean(steady), 4),
-                      "first_s": round(times[0], 4)}))
+                      "first_s": round(times[0], 4),
+                      # CPU seconds per round (all rounds): what a loaded machine's wall clock cannot show
+                      "engine_cpu_s": round(engine_cpu / len(times), 4), "client_cpu_s": round(client_cpu / len(times), 4)}))
 
 
 if __name__ == "__main__":

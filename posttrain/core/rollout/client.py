@@ -23,6 +23,8 @@ from typing import Any
 
 import aiohttp
 
+from posttrain.core import jsonio
+
 
 class EngineRequestError(RuntimeError):
     """The engine answered with an HTTP error; ``status`` and the server's ``message`` are kept."""
@@ -64,7 +66,8 @@ class EngineClient:
         if self._session is None or self._session.closed or self._loop is not loop:
             # sessions belong to one event loop; a client reused from another loop gets a fresh one
             self._session = aiohttp.ClientSession(timeout=self.timeout, headers=self._headers,
-                                                  connector=aiohttp.TCPConnector(limit=self.max_concurrency))
+                                                  connector=aiohttp.TCPConnector(limit=self.max_concurrency),
+                                                  json_serialize=jsonio.dumps)
             self._sem = asyncio.Semaphore(self.max_concurrency)
             self._loop = loop
 
@@ -102,7 +105,7 @@ class EngineClient:
             if not body:
                 return None
             if "json" in resp.headers.get("Content-Type", ""):
-                return await resp.json(content_type=None)
+                return jsonio.loads(body)
             return body
 
     def interrupt(self) -> int:
