@@ -66,8 +66,7 @@ class EngineClient:
         if self._session is None or self._session.closed or self._loop is not loop:
             # sessions belong to one event loop; a client reused from another loop gets a fresh one
             self._session = aiohttp.ClientSession(timeout=self.timeout, headers=self._headers,
-                                                  connector=aiohttp.TCPConnector(limit=self.max_concurrency),
-                                                  json_serialize=jsonio.dumps)
+                                                  connector=aiohttp.TCPConnector(limit=self.max_concurrency))
             self._sem = asyncio.Semaphore(self.max_concurrency)
             self._loop = loop
 
