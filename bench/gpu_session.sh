@@ -11,7 +11,12 @@
 #   levers    train-step levers one at a time on top of gqa + compile + 8 micro-batches (LEVERS picks some:
 #             base keep fused mb8 mb16 nopack nocompile best4 best8 best16 tests), with a kernel-time profile
 #   tp2       TP=2 train step on both GPUs (torchrun)
-#   colocated GRPO, Qwen3-1.7B shape, 64 x 8 x 512 new tokens, trainer and engine on GPU 0
+#   colocated GRPO, Qwen3-1.7B shape, 64 x 8 x 512 new tokens, trainer and engine on GPU 0 (issue 17's levers
+#             at their defaults: old log-probs from the train step, the reference resident on the GPU)
+#   levers17  the same, one lever more each: no KL logging (no reference pass: TRL's beta 0 workload), then
+#             also micro-batches by tokens (trainer.max_tokens_per_micro_batch=16384)
+#   trl_gpu   TRL's GRPOTrainer on that workload (bench/trl_gpu.py; wheels in .whl/trl/: trl, datasets, dill,
+#             multiprocess), for the side-by-side ratio
 #   disagg    the same, trainer GPU 0 / engine GPU 1, synchronous then async
 #   shrunk    issue 9 shrunk: trainer GPU 0, two engines on GPU 1 behind sglang-router
 #   moe       moe_train moe_rollout moe_grpo (issue 16's H200 measurement, one H200, ~3.5 min together):
@@ -83,6 +88,10 @@ for part in "${PARTS[@]}"; do case $part in
   tp2) step tp2 120 python3 -m torch.distributed.run --nproc_per_node 2 bench/train.py --device cuda --preset qwen3-1.7B \
          --tp 2 --micro-batch 4 --seq-len 2048 --steps 3 --warmup 1 --grad-accum 8 ;;
   colocated) e2e colocated 200 resources.colocate=true ;;
+  levers17) e2e colocated_nokl 200 resources.colocate=true trainer.log_kl=false
+            e2e colocated_nokl_dyn 200 resources.colocate=true trainer.log_kl=false trainer.max_tokens_per_micro_batch=16384 ;;
+  trl_gpu) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/trl .whl/trl/*.whl \
+             && step trl_gpu 420 env PYTHONPATH=/tmp/site:/tmp/extra:/tmp/trl python3 bench/trl_gpu.py --steps 3 ;;
   disagg) e2e disagg_sync 190; e2e disagg_async 170 rollout.mode=async ;;
   shrunk) e2e shrunk 150 rollout.engine.device=cuda:1 resources.num_engines=2 rollout.use_router=true \
             rollout.engine.max_running_requests=256 rollout.num_rollouts=2 rollout.rollout_batch_size=32 \

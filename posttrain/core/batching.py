@@ -70,6 +70,29 @@ def rollout_metrics(samples: list[Sample], weight_version: int) -> dict[str, flo
     }
 
 
+def old_log_probs_from_train(cfg: Any, estimator: Any) -> bool:
+    """Whether a step takes the old policy's log-probs from the training forward (``trainer.train(batch,
+    keep_log_probs=True)``) instead of a separate ``trainer.log_probs`` pass before it.
+
+    They are equal (the same weights, the same tokens; the loss detaches them) exactly when the batch is
+    trained in one optimizer step, ``trainer.steps_per_rollout == 1``, and then PPO's ratio is 1 at that
+    step either way. The rollout mode does not matter: both ways compute them with the trainer's current
+    weights. Only when nothing reads them before the step: no ``correction`` (importance weights),
+    ``trainer.kl_in_reward_coef == 0`` (the reward penalty), and an estimator that reads neither
+    ``AdvantageBatch.log_probs`` (``needs_log_probs``) nor a teacher's (``needs_teacher``: opd). The
+    step's metrics that use them (the engine gap, ``train/entropy``, ``train/kl``) are computed after
+    training, from the same values. ``trainer.old_log_probs_from_train: false`` turns it off."""
+    t = cfg.trainer
+    return (t.old_log_probs_from_train and t.steps_per_rollout == 1 and cfg.correction is None
+            and t.kl_in_reward_coef == 0 and not getattr(estimator, "needs_log_probs", False)
+            and not getattr(estimator, "needs_teacher", False))
+
+
+def train_tokens(samples: list[Sample]) -> int:
+    """Prompt + response tokens of ``samples`` (what a train step's forward and backward run over)."""
+    return sum(len(s.tokens) for s in samples)
+
+
 def mismatch_metrics(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
                      mask: torch.Tensor) -> dict[str, float]:
     """How far the trainer's log-probs of the sampled tokens are from the engine's (same weights); the mean

@@ -102,7 +102,7 @@ class DataBuffer:
         self.next_group_index += 1
         group = []
         for _ in range(self.n):
-            group.append(Sample(prompt=copy.deepcopy(row.prompt), label=copy.deepcopy(row.label),
+            group.append(Sample(prompt=_copy(row.prompt), label=_copy(row.label),
                                 metadata=copy.deepcopy(row.metadata), group_index=gid,
                                 index=self.next_sample_index))
             self.next_sample_index += 1
@@ -137,6 +137,11 @@ class DataBuffer:
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
         self.next_group_index, self.next_sample_index = int(state["next_group_index"]), int(state["next_sample_index"])
         self.returned = [[_sample_from_dict(d) for d in g] for g in state.get("returned", [])]
+
+
+def _copy(value: Any) -> Any:
+    """A sample's own copy of a row's value (strings and numbers are immutable: shared)."""
+    return value if isinstance(value, (str, int, float, type(None))) else copy.deepcopy(value)
 
 
 def fresh_copy(sample: Sample) -> Sample:

@@ -242,6 +242,10 @@ class TrainerConfig:
 
     global_batch_size: int = option(64, ge=1, help="samples per optimizer step")
     micro_batch_size: int = option(8, ge=1, help="samples per forward/backward pass")
+    max_tokens_per_micro_batch: int | None = option(
+        None, ge=1, help="dynamic micro-batches: consecutive samples up to this many tokens per forward/backward "
+                         "pass (log-prob and train passes; micro_batch_size then no longer caps the count); "
+                         "same loss and gradients as fixed micro-batches")
     steps_per_rollout: int = option(1, ge=1, help="optimizer steps per rollout step")
     lr: float = option(1e-6, gt=0.0, help="peak learning rate (after warm-up)")
     kl_loss_coef: float = option(0.0, ge=0.0, help="weight of the KL(policy || reference) loss term")
@@ -249,8 +253,12 @@ class TrainerConfig:
         "k3", help="KL estimator of the loss term and the reward penalty (posttrain.core.losses.kl_divergence)")
     kl_in_reward_coef: float = option(0.0, ge=0.0, help="per-token reward penalty -coef * KL_t (classic RLHF "
                                                         "shaping), added to the estimator's token_rewards")
-    log_kl: bool = option(True, help="log train/kl to the reference even when kl_loss_coef is 0 "
-                                     "(one more forward pass per step)")
+    log_kl: bool = option(True, help="log train/kl to the reference even when kl_loss_coef is 0: costs one "
+                                     "forward pass of the reference per step (false skips it without KL)")
+    old_log_probs_from_train: bool = option(
+        True, help="when a batch is trained in one optimizer step (steps_per_rollout 1) and nothing needs the "
+                   "old policy's log-probs before it (no correction, kl_in_reward_coef 0, an estimator without "
+                   "needs_log_probs), take them from the training forward instead of a separate pass")
     entropy_coef: float = option(0.0, help="weight of the entropy bonus")
     grad_clip: float = option(1.0, ge=0.0, help="max global grad norm; 0 disables")
     weight_decay: float = option(0.0, ge=0.0, help="AdamW decoupled weight decay")
@@ -262,6 +270,8 @@ class TrainerConfig:
     lr_decay_steps: int | None = option(None, ge=1, help="steps from start to min_lr (linear/cosine)")
     min_lr: float = option(0.0, ge=0.0, help="the learning rate at the end of the decay")
     value_clip: float = option(0.2, ge=0.0, help="critic value clipping range; 0 disables")
+    peak_tflops: float | None = option(None, gt=0.0, help="peak TFLOP/s of one trainer device for perf/mfu; "
+                                                          "default: a table by GPU name (none on CPU: no perf/mfu)")
     deterministic: bool | None = option(None, help="deterministic CUDA kernels, so a seeded GPU run repeats (slower "
                                                     "attention backward); None: on with rollout.seed_sampling")
     backend: Any = component("trainers", default=True, help="the trainer backend and its options: "

@@ -55,7 +55,9 @@ def posttrain_register_estimators(registry: Registry) -> None:
     :param registry: the estimator registry; call ``registry.add(EstimatorClass)``.
 
     An estimator class has ``name``, a ``Config`` dataclass, a class attribute ``needs_critic``
-    (default False) and the method ``advantages(batch: AdvantageBatch) -> (advantages, returns)``,
+    (default False), optionally ``needs_log_probs = True`` when it reads ``AdvantageBatch.log_probs``
+    (else the loop may take the old policy's log-probs from the train step, after the estimator has
+    run, and pass None: ``posttrain.core.batching.old_log_probs_from_train``), and the method ``advantages(batch: AdvantageBatch) -> (advantages, returns)``,
     both ``[B, T]`` float tensors that are exactly 0 where ``batch.response_mask`` is 0.
     It is constructed as ``Estimator(Estimator.Config(...))``.
 

@@ -31,6 +31,7 @@ from posttrain.core.data import load_prompts
 from posttrain.core.estimator_inputs import add_baseline, estimator_metadata, estimator_metrics
 from posttrain.core.evaluation import evaluate
 from posttrain.core.executors import EXECUTORS
+from posttrain.core.flops import throughput_metrics
 from posttrain.core.losses import kl_penalty_rewards
 from posttrain.core.metrics import MetricsWriter, PhaseTimer, memory_metrics
 from posttrain.core.rewards import RewardRunner, reward_metrics
@@ -178,13 +179,15 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
             batch, reward, group_index, rollout_lp = batching.to_batch(samples)
 
             # 5. log-probs: the sampling policy as the trainer sees it, the reference, critic values
+            # (the old policy's come from the train step when it is the batch's only one: old_log_probs_from_train)
+            fused = batching.old_log_probs_from_train(cfg, estimator)
             with timer("log_probs"):
-                batch.old_log_probs, entropy = await asyncio.to_thread(trainer.log_probs, batch, None, True)
+                if not fused:
+                    batch.old_log_probs, entropy = await asyncio.to_thread(trainer.log_probs, batch, None, True)
                 if cfg.trainer.kl_loss_coef > 0 or cfg.trainer.kl_in_reward_coef > 0 or cfg.trainer.log_kl:
                     batch.ref_log_probs = await asyncio.to_thread(trainer.log_probs, batch, "ref")
                 values = await asyncio.to_thread(trainer.values, batch) if estimator.needs_critic else None
-            step_metrics = {**batching.mismatch_metrics(batch.old_log_probs, rollout_lp, batch.response_mask),
-                            **batching.policy_metrics(batch, entropy)}
+            step_metrics = {}
             if cfg.correction is not None:
                 batch.is_weights, correction_metrics = trainer.importance_weights(batch, rollout_lp)
                 step_metrics.update({f"correction/{k}": v for k, v in correction_metrics.items()})
@@ -198,7 +201,12 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
                 token_rewards=token_rewards, log_probs=batch.old_log_probs, metadata=estimator_metadata(samples)))
             batch.old_values = values
             with timer("train"):
-                train_metrics = await asyncio.to_thread(trainer.train, batch)
+                if fused:
+                    train_metrics, batch.old_log_probs, entropy = await asyncio.to_thread(trainer.train, batch, True)
+                else:
+                    train_metrics = await asyncio.to_thread(trainer.train, batch)
+            step_metrics.update({**batching.mismatch_metrics(batch.old_log_probs, rollout_lp, batch.response_mask),
+                                 **batching.policy_metrics(batch, entropy)})
 
             # 7. new weights to the engines (after the overlapped generation, so no response mixes versions)
             if pending is not None:
@@ -218,11 +226,14 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
             # log, checkpoint, eval
             phases, step_time = timer.pop(), time.perf_counter() - t0
             tokens = sum(s.response_length for s in samples)
+            devices = cfg.resources.trainer_world_size + (0 if colocate else cfg.resources.rollout_gpus)
+            perf = throughput_metrics(train_metrics, batching.train_tokens(samples), step_time,
+                                      phases["perf/time_train"], devices)
             last = {**batching.rollout_metrics(samples, step), **batching.dropped_metrics(groups),
                     **reward_metrics(groups), **estimator_metrics(estimator),
                     **sampling_metrics, **step_metrics, **{f"train/{k}": v for k, v in train_metrics.items()},
                     **phases, "perf/step_time": step_time, "perf/engine_restarts": float(len(restarted)),
-                    "perf/weight_push_s": push_s, **memory_metrics(trainer, engines),
+                    "perf/weight_push_s": push_s, **memory_metrics(trainer, engines), **perf,
                     "perf/rollout_tokens_per_s": tokens / max(generate_s, 1e-9), "rollout/empty_steps": float(empty_steps)}
             if eval_due:
                 last.update(await evaluate(cfg, engine, generator, rewards, run.base_dir, tokenizer))

@@ -146,7 +146,9 @@ class AdvantageBatch:
     - ``values``: ``[B, T]`` critic values (estimators with ``needs_critic = True``), else None.
     - ``token_rewards``: ``[B, T]`` optional dense per-token rewards added to the outcome reward.
     - ``log_probs``: ``[B, T]`` the policy's log-probs of the sampled tokens (the trainer's, before the
-      update), for estimators that compare the policy with another model (on-policy distillation).
+      update), for estimators that compare the policy with another model (on-policy distillation);
+      None unless the estimator declares ``needs_log_probs`` (or ``needs_teacher``) or the loop
+      computes them before training anyway (``core.batching.old_log_probs_from_train``).
     - ``metadata``: per-batch extras some estimators need (e.g. ``baseline_rewards`` ``[B]`` for ReMax,
       ``teacher_log_probs`` ``[B, T]`` for distillation; see ``posttrain.core.estimator_inputs``).
     """

@@ -99,3 +99,26 @@ def test_every_correction_runs_in_the_loop(name, tmp_path, engine_url):
     rows = _run(tmp_path, engine_url, correction=name)
     _check(rows)
     assert any(k.startswith("correction/") for k in rows[-1]), "a correction reports its metrics"
+
+
+def test_old_log_probs_from_the_train_step_skip_the_pass_and_change_no_number(tmp_path, engine_url, monkeypatch):
+    """trainer.old_log_probs_from_train (issue 17): the loop makes no old-policy log-prob pass, and the two
+    seeded steps log the same losses, gradient norms, engine gap and rewards as with the separate pass."""
+    from posttrain.core.actors.trainer import TrainerRole
+
+    passes = []
+    real = TrainerRole.log_probs
+    monkeypatch.setattr(TrainerRole, "log_probs", lambda self, batch, weights=None, with_entropy=False: (
+        passes.append(weights), real(self, batch, weights, with_entropy))[1])
+    trainer = {"global_batch_size": 16, "micro_batch_size": 8, "lr": 1e-3, "entropy_coef": 0.01,
+               "backend": {"name": "megatron", "sequence_packing": False}}
+    rows = {}
+    for fused in (False, True):
+        passes.clear()
+        rows[fused] = _run(tmp_path / str(fused), engine_url, trainer={**trainer, "old_log_probs_from_train": fused})
+        assert passes == ([None, "ref"] * 2 if not fused else ["ref"] * 2), passes  # old, ref per step / ref only
+    for a, b in zip(rows[False], rows[True]):
+        for key in ("train/loss", "train/grad_norm", "train/kl", "train/entropy", "train_rollout_logprob_abs_diff",
+                    "rollout/reward_mean", "train/pg/clipfrac", "train/pg/ratio_mean"):
+            assert abs(a[key] - b[key]) <= 1e-6, (key, a[key], b[key])
+    assert rows[True][0]["perf/tokens_per_s_per_gpu"] > 0

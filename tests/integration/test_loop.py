@@ -161,6 +161,7 @@ def test_killed_engine_is_restarted_and_the_run_continues(tmp_path):
     run = tmp_path / "fleet"
     proc = subprocess.Popen([sys.executable, "-m", "posttrain.cli.main", "run", str(QUICKSTART), *SMALL,
                              "rollout.num_rollouts=8", "rollout.max_new_tokens=64", "resources.num_engines=2",
+                             "rollout.use_router=true", "rollout.engine.context_length=128",
                              "--run-dir", str(run)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.monotonic() + 300

@@ -62,21 +62,46 @@ class TrainerRole:
         return self.correction(batch.old_log_probs, rollout_log_probs, batch.response_mask)
 
     # ---------------------------------------------------------------- training
-    def train(self, batch: Any) -> dict[str, float]:
+    def train(self, batch: Any, keep_log_probs: bool = False) -> Any:
         """``trainer.steps_per_rollout`` optimizer steps over consecutive slices of ``batch``
-        (``global_batch_size`` samples each); the critic first when there is one. Mean metrics."""
+        (``global_batch_size`` samples each); the critic first when there is one. Mean metrics.
+
+        ``keep_log_probs`` (one step only): ``(metrics, log_probs [B, T], entropy [B, T])``, the policy's
+        before the step, from its training forward where the backend's model offers that
+        (``trains_with_log_probs``), else from a :meth:`log_probs` pass first."""
         steps = self.cfg.trainer.steps_per_rollout
+        if keep_log_probs and steps != 1:
+            raise ValueError("train(keep_log_probs=True) needs trainer.steps_per_rollout 1")
         size = len(batch) // steps
         totals: dict[str, float] = {}
+        kept: tuple = ()
         for i in range(steps):
             part = batch.select(i * size, (i + 1) * size)
             metrics = {}
             if self.critic is not None:
                 metrics.update({f"critic/{k}": v for k, v in self.critic.train_step(part).items()})
-            metrics.update(self.policy.train_step(part, self.loss))
+            if keep_log_probs and getattr(self.policy, "trains_with_log_probs", False):
+                policy_metrics, *kept = self.policy.train_step(part, self.loss, keep_log_probs=True)
+            else:
+                if keep_log_probs:
+                    kept = self.policy.log_probs(part, with_entropy=True)
+                policy_metrics = self.policy.train_step(part, self.loss)
+            metrics.update(policy_metrics)
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value / steps
-        return totals
+        totals.update(self._flops(batch))
+        return (totals, *kept) if keep_log_probs else totals
+
+    def _flops(self, batch: Any) -> dict[str, float]:
+        """The step's model FLOPs, one device's peak and the device count (``core.flops``: ``perf/mfu``)."""
+        import torch.distributed as dist
+
+        from posttrain.core.flops import peak_flops, train_flops
+
+        peak = peak_flops(self.policy.device, self.cfg.trainer.peak_tflops)
+        out = {"model_flops": train_flops(self.spec.hf_config(), batch.lengths.tolist()),
+               "devices": float(dist.get_world_size() if dist.is_initialized() else 1)}
+        return {**out, "peak_flops": peak} if peak else out
 
     # ---------------------------------------------------------------- weights out
     def save_hf(self, out_dir: str) -> str:

@@ -44,8 +44,8 @@ class TrainerGroup:
     def importance_weights(self, batch: Any, rollout_log_probs: Any) -> Any:
         return self.ranks.call("importance_weights", batch, rollout_log_probs, only=[0])
 
-    def train(self, batch: Any) -> dict[str, float]:
-        return self.ranks.call("train", batch)
+    def train(self, batch: Any, keep_log_probs: bool = False) -> Any:
+        return self.ranks.call("train", batch, keep_log_probs)
 
     def save_hf(self, out_dir: str) -> str:
         return self.ranks.call("save_hf", out_dir)

@@ -23,6 +23,8 @@ from typing import Any
 
 import aiohttp
 
+from posttrain.core import jsonio
+
 
 class EngineRequestError(RuntimeError):
     """The engine answered with an HTTP error; ``status`` and the server's ``message`` are kept."""
@@ -102,7 +104,7 @@ class EngineClient:
             if not body:
                 return None
             if "json" in resp.headers.get("Content-Type", ""):
-                return await resp.json(content_type=None)
+                return jsonio.loads(body)
             return body
 
     def interrupt(self) -> int:

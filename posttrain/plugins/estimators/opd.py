@@ -39,6 +39,7 @@ class OnPolicyDistillation:
 
     name = "opd"
     needs_critic = False
+    needs_log_probs = True  # reads AdvantageBatch.log_probs: the old policy's before training (core.batching)
     needs_teacher = True  # the loop scores every sample with the teacher (posttrain.core.rollout.teacher)
     group_baseline = True  # the reward term is group-standardized; the KL term ignores rewards
 

@@ -41,7 +41,16 @@ class SingleTurn:
             return fill(sample, prompt, ids, [1] * len(ids), lps or [0.0] * len(ids), out.get("text", ""),
                         finish_type(out), weight_version_int(out), last_response=out)
 
-        prompts = [prompt_ids(s, tokenizer) for s in group]
+        seen: dict[str, list[int]] = {}  # a group's samples share their prompt: tokenize it once
+
+        def ids(sample):
+            if sample.tokens or not isinstance(sample.prompt, str):
+                return prompt_ids(sample, tokenizer)
+            if sample.prompt not in seen:
+                seen[sample.prompt] = prompt_ids(sample, tokenizer)
+            return list(seen[sample.prompt])
+
+        prompts = [ids(s) for s in group]
         params = sampling.for_group(group) if self.config.batch_group and len(group) > 1 else None
         if params is not None:  # None: seeded on engines that cannot seed a batch by row
             outs = await engine.request("POST", "/generate", {"input_ids": prompts, "return_logprob": True,

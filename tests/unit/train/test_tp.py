@@ -65,3 +65,7 @@ def test_data_parallel_step_equals_the_full_batch_step(tiny_ckpts, tmp_path, meg
     assert dp["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4)
     exported = {k: v for bucket in trainer.export_hf(1 << 20) for k, v in bucket}
     assert max((exported[k] - dp["params"][k]).abs().max().item() for k in exported) < 1e-5
+    # train_step(keep_log_probs=True) under DP: every share's training-forward log-probs, in sample order
+    assert (dp["fused_lp"] - dp["lp"]).abs().max() < 1e-6
+    assert dp["fused_loss"] == pytest.approx(dp["loss"], abs=1e-6)
+    assert dp["fused_grad_norm"] == pytest.approx(dp["grad_norm"], abs=1e-6)

@@ -61,12 +61,18 @@ def data_parallel(hf_dir: str, out_file: str) -> None:
     trainer = MegatronTrainer(spec_for("qwen3", hf_dir), **trainer_configs(lr=1e-3, micro_batch_size=1,
                                                                            global_batch_size=4))
     batch = tp_batch()  # every rank gets the whole batch and takes its replica's share
-    batch.old_log_probs = trainer.log_probs(batch)[0]  # gathered back: [4, T] on every rank
+    batch.old_log_probs = trainer_lp = trainer.log_probs(batch)[0]  # gathered back: [4, T] on every rank
     metrics = trainer.train_step(batch, local_loss)  # reduced over DP: the whole step's
     exported = {k: v.clone() for bucket in trainer.export_hf(1 << 20) for k, v in bucket}
+    # the old log-probs from the train step itself (issue 17): gathered over DP like log_probs'
+    fused = MegatronTrainer(spec_for("qwen3", hf_dir), **trainer_configs(lr=1e-3, micro_batch_size=1,
+                                                                         global_batch_size=4))
+    batch.old_log_probs = None
+    fused_metrics, fused_lp, _ = fused.train_step(batch, local_loss, keep_log_probs=True)
     if dist.get_rank() == 0:
         torch.save({"params": exported, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
-                    "lp": batch.old_log_probs}, out_file)
+                    "lp": trainer_lp, "fused_lp": fused_lp, "fused_loss": fused_metrics["loss"],
+                    "fused_grad_norm": fused_metrics["grad_norm"]}, out_file)
     dist.barrier()
     dist.destroy_process_group()
 

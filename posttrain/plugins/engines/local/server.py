@@ -48,12 +48,14 @@ import asyncio
 import dataclasses
 import gc
 import hmac
-import json
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+
+from posttrain.core import jsonio
 
 from posttrain.plugins.engines.local.memory import MEMORY_TAGS, EngineMemory
 from posttrain.plugins.engines.local.sampling import SamplingError, parse_sampling
@@ -120,6 +122,9 @@ class EngineServer:
         self.weights = WeightRoutes(self)
         self.memory = EngineMemory(self.runner)
         self.released = False
+        self._ready: list[tuple[asyncio.Future, dict[str, Any]]] = []  # finished, not yet handed to the loop
+        self._ready_lock = threading.Lock()
+        self._wake_pending = False
         self.server_args = {
             "model_path": self.model_dir, "tokenizer_path": self.model_dir, "host": host, "port": port,
             "device": device, "dtype": str(self.runner.dtype).removeprefix("torch."),
@@ -145,8 +150,8 @@ class EngineServer:
                 raise BadRequest("request body: expected a JSON object, got nothing")
             return {}
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            body = jsonio.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
             raise BadRequest(f"request body: malformed JSON ({exc})") from None
         if not isinstance(body, dict):
             raise BadRequest(f"request body: expected a JSON object, got {type(body).__name__}")
@@ -186,13 +191,29 @@ class EngineServer:
                                  f"(the prompt length), got {v!r}")
         return values
 
+    def _deliver(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: dict[str, Any]) -> None:
+        """Engine thread: hand ``result`` to ``fut``. Results of one engine step wake the event loop once
+        (one ``call_soon_threadsafe`` per batch of finished requests, not one per request)."""
+        with self._ready_lock:
+            self._ready.append((fut, result))
+            wake, self._wake_pending = not self._wake_pending, True
+        if wake:
+            loop.call_soon_threadsafe(self._flush_ready)
+
+    def _flush_ready(self) -> None:
+        with self._ready_lock:
+            ready, self._ready, self._wake_pending = self._ready, [], False
+        for fut, result in ready:
+            if not fut.done():
+                fut.set_result(result)
+
     async def _run_one(self, ids: list[int], sampling, return_logprob: bool, rid: str | None,
                        logprob_start_len: int = -1, return_routed_experts: bool = False) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
         def done(result: dict[str, Any]) -> None:
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+            self._deliver(loop, fut, result)
 
         rid = self.engine.submit(ids, sampling, return_logprob, done, rid=rid, logprob_start_len=logprob_start_len,
                                  return_routed_experts=return_routed_experts)
@@ -261,7 +282,7 @@ class EngineServer:
             for run in runs:
                 run.cancel()
             raise
-        return web.json_response(outs if batched else outs[0])
+        return web.Response(body=jsonio.dumps_bytes(outs if batched else outs[0]), content_type="application/json")
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.engine.alive else 503)

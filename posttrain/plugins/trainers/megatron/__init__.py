@@ -27,8 +27,8 @@ from posttrain.core.trainer_backend import TrainerBackend
 class MegatronBackend(TrainerBackend):
     """Megatron-core GPTModel with TP, PP and (MoE) EP, Megatron's DDP and (distributed) optimizer on GPUs.
 
-    On CPU: a torch AdamW with fp32 master weights and our own clipping. The reference policy is a host
-    copy of the initial weights. Without Transformer Engine, core attention is SDPA (flash ``varlen_attn``
+    On CPU: a torch AdamW with fp32 master weights and our own clipping. The reference policy is a copy of
+    the initial weights, on the device when it fits (``ref_offload``). Without Transformer Engine, core attention is SDPA (flash ``varlen_attn``
     for packed samples on GPU)."""
 
     name = "megatron"
@@ -50,6 +50,10 @@ class MegatronBackend(TrainerBackend):
         log_probs_chunk_size: int = option(1024, ge=1, help="tokens per chunk of the vocab-parallel log-softmax")
         log_probs_recompute: bool = option(True, help="backward recomputes each chunk's logits (least memory); "
                                                       "false keeps them (tokens x vocab/tp in bf16) and skips that matmul")
+        ref_offload: Literal["auto", "never", "always"] = option(
+            "auto", help="where the reference weights live: never = on the device (no copy per reference pass), "
+                         "always = pinned host memory copied in per pass, auto = on the device when they take "
+                         "at most 10% of its memory")
         use_distributed_optimizer: bool = option(True, help="Megatron's distributed optimizer (GPU only; CPU uses "
                                                             "torch AdamW)")
         fused_adam: bool = option(True, help="GPU without TE/Apex: torch's fused AdamW inside Megatron's optimizer")

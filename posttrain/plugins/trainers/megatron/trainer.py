@@ -25,8 +25,15 @@ only); ``trainer.backend.routing_replay`` routes with ``batch.routed_experts``; 
 ``moe_aux_loss`` and ``moe_load_imbalance/layer_<l>``.
 
 On CPU: a torch AdamW (fp32 master weights for bf16/fp16 parameters) and our own grad clipping. On GPU: Megatron's DDP and
-(distributed) optimizer. The reference policy is a CPU copy of the initial weights, swapped in for
-``log_probs(..., weights="ref")`` (slime keeps such backups in the same actor too).
+(distributed) optimizer. The reference policy is a copy of the initial weights (:mod:`.snapshots`: on the
+device when it fits, ``trainer.backend.ref_offload``), swapped in for ``log_probs(..., weights="ref")``
+without copying the policy's weights (slime keeps such backups in the same actor too).
+
+Micro-batches: ``trainer.micro_batch_size`` samples each, or with ``trainer.max_tokens_per_micro_batch``
+consecutive samples up to that many tokens (:func:`micro_batch_bounds`). Losses are normalized by the
+whole batch's token and sample counts, so any split gives the same loss and gradients.
+``train_step(..., keep_log_probs=True)`` also returns the training forward's log-probs and entropy
+(detached, before the update): the old policy's when the batch is trained in this one step.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from posttrain.core.train_batch import TrainBatch, pack
 from posttrain.plugins.trainers.megatron.logprobs import vocab_parallel_log_probs
 from posttrain.plugins.trainers.megatron.moe import MoERuntime, moe_overrides
 from posttrain.plugins.trainers.megatron.optim import use_fused_adam
+from posttrain.plugins.trainers.megatron.snapshots import Snapshots
 
 
 # total_loss's terms, renamed as train/ metrics: micro-batch shares of the batch value, summed (not averaged)
@@ -95,8 +103,8 @@ class MegatronTrainer:
             torch.nn.init.zeros_(self.value_head.weight)
             torch.nn.init.zeros_(self.value_head.bias)
         self.step = 0
-        self._snapshots: dict[str, dict[str, torch.Tensor]] = {}
         self._build_optimizer(overrides)
+        self._snapshots = Snapshots(lambda: M.megatron_params(self.model), self.device, self.backend.ref_offload)
         if role == "actor":
             self.snapshot("ref")
 
@@ -209,10 +217,10 @@ class MegatronTrainer:
         hidden, _, unpack = self._hidden(mb)
         return unpack(self.value_head(hidden.float()).squeeze(-1))
 
-    def _micro_batches(self, batch: TrainBatch, size: int | None = None) -> Iterator[TrainBatch]:
-        size = size or self.config.micro_batch_size
-        for start in range(0, len(batch), size):
-            yield batch.select(start, min(start + size, len(batch)))
+    def _micro_batches(self, batch: TrainBatch) -> Iterator[TrainBatch]:
+        for start, end in micro_batch_bounds(batch.lengths.tolist(), self.config.micro_batch_size,
+                                             self.config.max_tokens_per_micro_batch, self._packed):
+            yield batch.select(start, end)
 
     @torch.no_grad()
     def log_probs(self, batch: TrainBatch, *, with_entropy: bool = False, weights: str | None = None,
@@ -251,40 +259,35 @@ class MegatronTrainer:
 
     # ------------------------------------------------------------------ weights snapshots (reference policy)
     def snapshot(self, tag: str) -> None:
-        """Keep a CPU copy of the current weights under ``tag`` (``"ref"`` is taken at start)."""
-        self._snapshots[tag] = {n: p.detach().to("cpu", copy=True) for n, p in M.megatron_params(self.model).items()}
+        """Keep a copy of the current weights under ``tag`` (``"ref"`` is taken at start; :mod:`.snapshots`)."""
+        self._snapshots.take(tag)
 
-    @contextmanager
     def _weights(self, tag: str | None):
-        if tag is None:
-            yield
-            return
-        if tag not in self._snapshots:
-            raise UsageError(f"no weights snapshot {tag!r}; have: {', '.join(self._snapshots) or 'none'}")
-        params = M.megatron_params(self.model)
-        current = {n: p.detach().to("cpu", copy=True) for n, p in params.items()}
-        with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(self._snapshots[tag][n])
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for n, p in params.items():
-                    p.copy_(current[n])
+        return self._snapshots.swapped_in(tag)
 
     # ------------------------------------------------------------------ training
-    def train_step(self, batch: TrainBatch, loss_fn: Callable[..., Any] | None = None, **loss_kwargs: Any,
-                   ) -> dict[str, float]:
-        """One optimizer step over ``batch`` (micro-batches of ``micro_batch_size``); returns mean metrics.
+    trains_with_log_probs = True  # train_step(keep_log_probs=True): the old policy's log-probs from training
+
+    def train_step(self, batch: TrainBatch, loss_fn: Callable[..., Any] | None = None, *,
+                   keep_log_probs: bool = False, **loss_kwargs: Any) -> Any:
+        """One optimizer step over ``batch`` (its micro-batches); returns mean metrics.
 
         Actor: ``loss_fn`` as in the module docstring (extra ``loss_kwargs`` are passed through).
         Critic: clipped value loss ``0.5 * max((V - R)^2, (V_clip - R)^2)`` token-mean over the batch.
+        ``keep_log_probs``: returns ``(metrics, log_probs [B, T], entropy [B, T])`` instead, the training
+        forward's (weights before this step; CPU fp32, as :meth:`log_probs` returns them). Where
+        ``batch.old_log_probs`` is None the loss takes these (detached) as the old policy's.
         """
         from megatron.core import parallel_state
 
         c = self.config
-        batch, _ = data_parallel.share(batch)
+        if keep_log_probs and (M.pp_size() > 1 or self.role != "actor"):  # the pipeline schedule keeps none
+            kept_lp = self.log_probs(batch, with_entropy=True)
+            metrics = self.train_step(batch, loss_fn, **loss_kwargs)
+            return metrics, *kept_lp
+        whole = batch
+        batch, index = data_parallel.share(batch)
+        kept: list | None = [] if keep_log_probs else None
         self.model.train()
         lr = lr_at(self.step, c)
         for group in self.optimizer.param_groups:
@@ -317,7 +320,7 @@ class MegatronTrainer:
                 if self.role == "critic":
                     loss, metrics = value_loss(self._micro_values(mb), mb, c.value_clip, global_tokens)
                 else:
-                    loss, metrics = self._policy_loss(mb, loss_fn, global_tokens, global_seqs, loss_kwargs)
+                    loss, metrics = self._policy_loss(mb, loss_fn, global_tokens, global_seqs, loss_kwargs, kept)
                 (loss * scale).backward()
             totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())  # micro-batch losses sum to the batch's
             for k, v in metrics.items():
@@ -326,13 +329,20 @@ class MegatronTrainer:
         self.step += 1
         totals = data_parallel.reduce_metrics(totals, len(batch), global_seqs, SUMMED)
         totals.update(grad_norm=grad_norm, lr=lr, **self.moe.stats())
-        return totals
+        if kept is None:
+            return totals
+        width = batch.tokens.shape[1]
+        lp = torch.cat([_pad(t, width) for t, _ in kept]).cpu()
+        ent = torch.cat([_pad(t, width) for _, t in kept]).cpu()
+        return totals, *data_parallel.gather((lp, ent), index, whole)
 
-    def _policy_loss(self, mb, loss_fn, global_tokens, global_seqs, loss_kwargs):
+    def _policy_loss(self, mb, loss_fn, global_tokens, global_seqs, loss_kwargs, kept=None):
         c = self.config
         if loss_fn is None:
             raise UsageError("train_step: the actor needs a loss_fn")
-        lp, ent = self._micro_log_probs(mb, c.entropy_coef != 0.0)
+        lp, ent = self._micro_log_probs(mb, c.entropy_coef != 0.0 or kept is not None)
+        if kept is not None:  # the old policy's, when this is the batch's only step (log_probs' layout)
+            kept.append((lp.detach(), ent.detach()))
         return self._policy_terms(mb, lp, ent, loss_fn, global_tokens, global_seqs, loss_kwargs)
 
     def _policy_terms(self, mb, lp, ent, loss_fn, global_tokens, global_seqs, loss_kwargs):
@@ -418,6 +428,29 @@ def value_loss(values: torch.Tensor, mb: TrainBatch, value_clip: float, global_t
         loss_tok = torch.maximum(loss_tok, (clipped - returns) ** 2)
     loss = 0.5 * (loss_tok * mask).sum() / global_tokens
     return loss, {"value_loss": float(loss.detach()) * global_tokens / max(1.0, float(mask.sum()))}
+
+
+def micro_batch_bounds(lengths: list[int], size: int, max_tokens: int | None = None,
+                       packed: bool = True) -> list[tuple[int, int]]:
+    """``[(start, end)]`` of consecutive micro-batches covering ``lengths`` (tokens per sample).
+
+    Fixed: ``size`` samples each. By tokens (``max_tokens``, slime's ``--use-dynamic-batch-size
+    --max-tokens-per-gpu``): as many consecutive samples as fit in ``max_tokens``, counted as the micro-batch
+    costs, ``sum(lengths)`` packed or ``count x max(lengths)`` in padded rows; a longer sample gets a
+    micro-batch of its own. The sample count is then not capped by ``size``. Order is kept, so results
+    concatenate back in sample order; the losses' global counts make every split give the same step.
+    """
+    if not max_tokens:
+        return [(s, min(s + size, len(lengths))) for s in range(0, len(lengths), size)]
+    bounds, start, total, longest = [], 0, 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and (total + n if packed else (i - start + 1) * max(longest, n)) > max_tokens:
+            bounds.append((start, i))
+            start, total, longest = i, 0, 0
+        total, longest = total + n, max(longest, n)
+    if lengths:
+        bounds.append((start, len(lengths)))
+    return bounds
 
 
 def _pad(t: torch.Tensor, width: int) -> torch.Tensor:

@@ -1,0 +1,122 @@
+"""One quickstart step's ``generate`` on the CPU: 64 prompts x 16 samples, one new token each, through the
+real generator (``single_turn``), client and local engine server, without the trainer.
+
+    python bench/generate_step.py [--rounds 20] [--slots 32] [--context 0] [--router] [--profile OUT.prof] [--py-spy OUT.raw]
+
+Starts ``rl-cli engine serve`` on a tiny random-init Qwen3 (the quickstart's shape and character
+vocabulary), optionally behind sglang-router (``--router``, as the quickstart runs), then times
+``--rounds`` rounds of the loop's generation (``collect_groups`` over the quickstart prompts, seeded
+sampling) and prints one JSON line: median and mean seconds per round (target: <= 0.15 s on 2 cores,
+issue 17), and the engine's and the client's CPU seconds per round (on a loaded machine the wall clock
+includes waiting for a core; CPU time does not). ``--profile`` writes a cProfile of the client side (the driver's event loop) to OUT.prof.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+async def rounds(url: str, ckpt: Path, n: int, api_key: str) -> list[float]:
+    from posttrain.core.buffer import DataBuffer, collect_groups
+    from posttrain.core.config import load_config
+    from posttrain.core.data import load_prompts
+    from posttrain.core.plugins import load_plugins
+    from posttrain.core.rollout.client import EngineClient
+    from transformers import AutoTokenizer
+
+    plugins = load_plugins(autoload=False)
+    cfg = load_config(ROOT / "examples" / "quickstart.yaml", [], plugins)
+    tokenizer = AutoTokenizer.from_pretrained(str(ckpt))
+    dataset = load_prompts(cfg.data, tokenizer=tokenizer, base_dir=ROOT / "examples")
+    buffer = DataBuffer.from_config(cfg, dataset)
+    generator = cfg.generator.create(plugins)
+    sampling = cfg.rollout.sampling_params(seed=cfg.seed)
+    times = []
+    async with EngineClient(url, max_concurrency=cfg.rollout.server_concurrency, api_key=api_key) as engine:
+        async def one(group):
+            return await generator(group, engine, sampling)
+
+        for _ in range(n):
+            t0 = time.perf_counter()
+            groups, _ = await collect_groups(buffer, one, cfg.rollout.rollout_batch_size)
+            times.append(time.perf_counter() - t0)
+            assert sum(len(g) for g in groups) == 1024
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--slots", type=int, default=32, help="engine max_running_requests")
+    parser.add_argument("--context", type=int, default=0, help="engine context_length (0: the model's)")
+    parser.add_argument("--router", action="store_true", help="through sglang-router, as the quickstart")
+    parser.add_argument("--profile", default=None, help="cProfile of the client side to this file")
+    parser.add_argument("--py-spy", default=None, help="py-spy raw samples of the engine server to this file")
+    args = parser.parse_args()
+    from posttrain.testing.engine import start_local_engine
+    from posttrain.testing.tiny import make_tiny_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = make_tiny_checkpoint(Path(tmp) / "qwen3", "qwen3")
+        options = {"max_running_requests": args.slots}
+        if args.context:
+            options["context_length"] = args.context
+        server = start_local_engine(ckpt, **options)
+        router = None
+        url = server.base_url
+        try:
+            if args.router:
+                from posttrain.core.rollout.router import RouterProcess
+
+                router = RouterProcess([server.base_url], model_path=str(ckpt), api_key=server.api_key).start()
+                url = router.url
+            spy = None
+            if args.py_spy:  # the engine process, while the rounds run
+                import subprocess
+
+                spy = subprocess.Popen(["py-spy", "record", "-p", str(server.proc.pid), "-r", "200", "-f", "raw",
+                                        "-o", args.py_spy, "--nonblocking"], stdout=subprocess.DEVNULL)
+            if args.profile:
+                import cProfile
+
+                prof = cProfile.Profile()
+                prof.enable()
+            import psutil
+
+            engine_proc = psutil.Process(server.proc.pid)
+            cpu0, own0 = sum(engine_proc.cpu_times()[:2]), time.process_time()
+            times = asyncio.run(rounds(url, ckpt, args.rounds, server.api_key))
+            engine_cpu, client_cpu = sum(engine_proc.cpu_times()[:2]) - cpu0, time.process_time() - own0
+            if args.profile:
+                prof.disable()
+                prof.dump_stats(args.profile)
+            if spy is not None:
+                import signal
+
+                spy.send_signal(signal.SIGINT)
+                spy.wait(timeout=60)
+        finally:
+            if router is not None:
+                router.stop()
+            server.stop()
+    steady = times[2:] or times
+    print(json.dumps({"bench": "generate_step", "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+                      "load": os.getloadavg()[0], "slots": args.slots, "router": args.router, "rounds": len(times),
+                      "median_s": round(statistics.median(steady), 4), "mean_s": round(statistics.mean(steady), 4),
+                      "first_s": round(times[0], 4),
+                      # CPU seconds per round (all rounds): what a loaded machine's wall clock cannot show
+                      "engine_cpu_s": round(engine_cpu / len(times), 4), "client_cpu_s": round(client_cpu / len(times), 4)}))
+
+
+if __name__ == "__main__":
+    main()

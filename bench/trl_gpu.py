@@ -1,0 +1,125 @@
+"""TRL's ``GRPOTrainer`` on the workload of ``examples/gpu/qwen3-1.7b-grpo.yaml``, on one GPU: the other side of
+``bench/gpu_session.sh colocated`` (issue 17: our step against TRL's, measured in the same device call).
+
+    python bench/trl_gpu.py [--steps 3] [--prompts 64] [--generations 8] [--new-tokens 512]
+
+Workload, as our run's: the Qwen3-1.7B shape (28 layers, hidden 2048, GQA 16/8, MLP 6144, tied
+embeddings) randomly initialized in bf16 (``posttrain``'s ``qwen3-1.7B`` preset, so the same config), the
+character vocabulary, the quickstart prompts, 64 prompts x 8 completions of up to 512 new tokens (random
+weights rarely stop early), temperature 1, reward 1 when a completion holds a digit, one optimizer step per
+batch (``steps_per_generation`` 1, ``num_iterations`` 1), beta 0 (no reference model), lr 1e-6, plain
+``transformers.generate`` (no vLLM), gradient checkpointing off, SDPA attention. Seconds per optimizer step
+(generation included) from a callback, plus TRL's own timing of generation where it logs one.
+
+Prints one JSON line: ``step_s`` per step, ``step_s_median`` over the steps after the first, the
+completion length, the GPU's peak memory.
+
+Packages: the GPU image (torch 2.11, transformers, accelerate, pandas, pyarrow, xxhash, fsspec,
+huggingface-hub, requests, pyyaml, jinja2, psutil) plus these wheels, carried in ``.whl/trl/`` and installed
+with ``pip install --no-deps --target`` (``bench/gpu_session.sh trl_gpu`` does it): ``trl-1.16.0``,
+``datasets-5.2.0``, ``dill-0.4.1``, ``multiprocess-0.70.19`` (py3, Python 3.12, manylinux x86_64). Fetch them
+here with::
+
+    pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \\
+        -d .whl/trl trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+
+and posttrain itself (for the model preset and the tokenizer) from the session's ``/tmp/site``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def build_checkpoint(out: Path) -> Path:
+    """A random-init Qwen3-1.7B-shaped HF checkpoint with the character tokenizer, written to ``out``."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from posttrain.core.plugins import load_plugins
+    from posttrain.testing.tiny import make_tokenizer
+
+    spec_cls = load_plugins(autoload=False).models["qwen3"]
+    spec = spec_cls(spec_cls.Config(preset="qwen3-1.7B", dtype="bfloat16"))
+    hf = {k: v for k, v in spec.hf_config().items() if k not in ("architectures", "model_type", "torch_dtype", "dtype")}
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen3Config(**hf), dtype=torch.bfloat16, attn_implementation="sdpa")
+    model.save_pretrained(out)
+    make_tokenizer(out)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=512)
+    args = parser.parse_args()
+    import torch
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = build_checkpoint(Path(tmp) / "qwen3-1.7b")
+        rows = [json.loads(line) for line in (ROOT / "examples" / "quickstart" / "prompts.jsonl").read_text().splitlines()]
+        data = Dataset.from_list([{"prompt": r["prompt"]} for r in rows] * 100)
+        tokenizer = AutoTokenizer.from_pretrained(str(ckpt))
+        model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.bfloat16, attn_implementation="sdpa")
+        lengths: list[float] = []
+
+        def has_digit(completions, **_):
+            lengths.append(statistics.mean(len(c) for c in completions))
+            return [float(bool(re.search(r"[0-9]", c))) for c in completions]
+
+        batch = args.prompts * args.generations
+        wanted = dict(output_dir=str(Path(tmp) / "out"), per_device_train_batch_size=batch, gradient_accumulation_steps=1,
+                      num_generations=args.generations, steps_per_generation=1,
+                      num_iterations=1, max_completion_length=args.new_tokens, temperature=1.0, beta=0.0,
+                      learning_rate=1e-6, lr_scheduler_type="constant", max_steps=args.steps, logging_steps=1,
+                      report_to=[], save_strategy="no", bf16=True, gradient_checkpointing=False, seed=0,
+                      use_vllm=False, disable_tqdm=True)
+        fields = set(GRPOConfig.__dataclass_fields__)
+        config = GRPOConfig(**{k: v for k, v in wanted.items() if k in fields})
+        times: list[float] = []
+        logs: list[dict] = []
+
+        class Clock(TrainerCallback):
+            def on_step_begin(self, *a, **k):
+                torch.cuda.synchronize()
+                self.t0 = time.perf_counter()
+
+            def on_step_end(self, *a, **k):
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - self.t0)
+
+            def on_log(self, _args, _state, _control, logs_=None, **k):
+                logs.append(dict(k.get("logs") or logs_ or {}))
+
+        trainer = GRPOTrainer(model=model, reward_funcs=has_digit, args=config, train_dataset=data,
+                              processing_class=tokenizer, callbacks=[Clock()])
+        torch.cuda.reset_peak_memory_stats()
+        trainer.train()
+    later = times[1:] or times
+    print(json.dumps({"bench": "trl_gpu", "trl": trl.__version__, "torch": torch.__version__,
+                      "device": torch.cuda.get_device_name(), "prompts": args.prompts, "generations": args.generations,
+                      "max_new_tokens": args.new_tokens, "steps": len(times), "step_s": [round(t, 2) for t in times],
+                      "step_s_median": round(statistics.median(later), 2),
+                      "completion_chars_mean": round(statistics.mean(lengths), 1) if lengths else None,
+                      "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+                      "trl_logs": [{k: v for k, v in row.items() if "time" in k or "length" in k or k == "reward"}
+                                   for row in logs][-args.steps:]}))
+
+
+if __name__ == "__main__":
+    main()
