@@ -106,7 +106,7 @@ for part in "${PARTS[@]}"; do case $part in
        --sdpa-gqa --keep-logits --fused-adam"
     step moe_train 120 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 bench/train.py $M \
       --micro-batch 4 --grad-accum 2 --profile --kernel-table $LOGS/kt_moe_train.txt
-    if ! grep -q '^{' "$LOGS/moe_train.log" && grep -q "out of memory\|OutOfMemoryError" "$LOGS/moe_train.log"; then
+    if [ "${MOE_RETRY:-1}" = 1 ] && ! grep -q '^{' "$LOGS/moe_train.log" && grep -q "out of memory\|OutOfMemoryError" "$LOGS/moe_train.log"; then
       # no line and out of memory: the same tokens per step in smaller micro-batches
       step moe_train_mb2 120 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 bench/train.py $M \
         --micro-batch 2 --grad-accum 4
