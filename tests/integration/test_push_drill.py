@@ -28,7 +28,8 @@ def test_engine_killed_during_the_push_five_times_never_hangs_the_run(tmp_path):
     from posttrain.core.config import load_config
     from posttrain.core.rollout.supervise import push_weights
 
-    cfg = load_config(QUICKSTART, [*SMALL, "rollout.weight_sync_timeout_s=5", "rollout.max_new_tokens=4"])
+    cfg = load_config(QUICKSTART, [*SMALL, "rollout.weight_sync_timeout_s=5", "rollout.max_new_tokens=4",
+                                      "rollout.use_router=true"])  # the drill checks what the router holds
     trainer = TrainerRole(cfg.to_dict())
     init_dir = trainer.save_hf(str(tmp_path / "hf-init"))
     engines = EngineRole(cfg.to_dict(), init_dir, str(tmp_path / "logs"))

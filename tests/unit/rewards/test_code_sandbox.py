@@ -23,12 +23,23 @@ def test_this_machine_has_the_os_sandbox():
 
 
 def test_a_normal_program_runs_with_stdin_files_and_a_private_workdir():
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "posttrain-sandbox-*")))
-    r = run_python("import os\nprint(input()[::-1])\nprint(os.getcwd())\nopen('x.txt', 'w').write('ok')\n"
-                   "print(open('data.txt').read())\nprint(os.getuid())", stdin="abc\n", files={"data.txt": "given"})
+    made = []
+    real_mkdtemp = tempfile.mkdtemp
+
+    def recording_mkdtemp(*args, **kwargs):  # the sandbox's own work dirs (other test processes make theirs)
+        made.append(real_mkdtemp(*args, **kwargs))
+        return made[-1]
+
+    tempfile.mkdtemp = recording_mkdtemp
+    try:
+        r = run_python("import os\nprint(input()[::-1])\nprint(os.getcwd())\nopen('x.txt', 'w').write('ok')\n"
+                       "print(open('data.txt').read())\nprint(os.getuid())", stdin="abc\n", files={"data.txt": "given"})
+    finally:
+        tempfile.mkdtemp = real_mkdtemp
     assert r.ok, r.stderr
     assert r.stdout.splitlines() == ["cba", "/work", "given", "65534"]
-    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "posttrain-sandbox-*"))) == before  # removed
+    mine = [d for d in made if os.path.basename(d).startswith("posttrain-sandbox-")]
+    assert mine and not any(os.path.exists(d) for d in mine)  # made, then removed
 
 
 def test_threads_and_exit_work():

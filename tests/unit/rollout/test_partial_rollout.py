@@ -42,7 +42,7 @@ async def generate_across_a_push(server, client, partial, new_ckpt, version):
     sampling = SamplingParams(temperature=1.0, max_new_tokens=N, extra={"ignore_eos": True}, seed=5)
     sample = Sample(prompt="1+2=", index=0)
     steps0 = (await client.get_server_info())["internal_states"][0]["steps"]
-    task = asyncio.ensure_future(SingleTurn(SingleTurn.Config(chat_template=False))([sample], engine, sampling))
+    task = asyncio.ensure_future(SingleTurn(SingleTurn.Config())([sample], engine, sampling))
     while (await client.get_server_info())["internal_states"][0]["steps"] < steps0 + 20:
         assert not task.done(), "the response ended before the push"
         await asyncio.sleep(0.002)
