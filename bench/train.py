@@ -37,34 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def active_matmul_params(hf: dict) -> tuple[int, int]:
-    """``(active, total)`` matmul parameters of one token's forward pass: attention projections, the MLP
-    of each layer and the output layer (the embedding lookup is not a matmul).
-
-    A MoE layer (:func:`moe_layer_flags`: not among GLM's ``first_k_dense_replace`` first layers, not in
-    Qwen's ``mlp_only_layers``, on every ``decoder_sparse_step``-th layer) counts its router ``E x h``,
-    ``k = num_experts_per_tok`` routed experts and ``n_shared_experts`` shared ones, each a SwiGLU of width
-    ``F = moe_intermediate_size`` (``3 h F``): active ``E h + (k + s) 3 h F``, total ``E h + (E + s) 3 h F``.
-    A dense layer counts ``3 h intermediate_size``."""
-    from posttrain.core.model_spec import moe_layer_flags, num_experts
-
-    h, ffn, vocab = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
-    heads = hf["num_attention_heads"]
-    groups = hf.get("num_key_value_heads") or heads
-    hd = hf.get("head_dim") or h // heads
-    attn = h * hd * (heads + 2 * groups) + heads * hd * h
-    experts, topk = num_experts(hf), int(hf.get("num_experts_per_tok", 0) or 0)
-    shared, moe_ffn = int(hf.get("n_shared_experts", 0) or 0), int(hf.get("moe_intermediate_size", 0) or 0)
-    active = total = vocab * h
-    for moe in moe_layer_flags(hf):
-        if moe:
-            active += attn + experts * h + (topk + shared) * 3 * h * moe_ffn
-            total += attn + experts * h + (experts + shared) * 3 * h * moe_ffn
-        else:
-            active += attn + 3 * h * ffn
-            total += attn + 3 * h * ffn
-    return active, total
+from posttrain.core.flops import active_matmul_params  # noqa: E402  (one count for the bench and perf/mfu)
 
 
 def model_flops_per_token(hf: dict, seq_len: int) -> float:

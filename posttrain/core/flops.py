@@ -2,10 +2,10 @@
 
 Per sample of ``s`` tokens (prompt + response), the forward pass of a decoder-only transformer with
 ``L`` layers, hidden ``h``, ``a`` query heads and ``k`` key/value heads of width ``d``, MLP width ``f``
-(gated: three matrices; MoE: the ``e`` routed experts each token uses, plus shared experts) and
-vocabulary ``V`` takes::
+(gated: three matrices; MoE layers: the router and the ``e`` routed experts each token uses, plus
+shared experts, see :func:`active_matmul_params`) and vocabulary ``V`` takes::
 
-    matmul = 2 s (L (h a d + 2 h k d + a d h + 3 h f_active) + h V)      # every linear layer, lm head
+    matmul = 2 s (sum over layers (h a d + 2 h k d + a d h + mlp_active) + h V)   # every linear layer, lm head
     attn   = 2 s^2 L a d                                                 # QK^T and AV (4 s^2 a d), causal half
 
 and a train step three times that (backward = 2 x forward), no recomputation counted (model FLOPs, not
@@ -26,21 +26,42 @@ PEAK_TFLOPS = {  # dense bf16, vendor data sheets (SXM parts); matched as substr
 }
 
 
-def forward_flops(hf: dict[str, Any], lengths: list[int]) -> float:
-    """Forward model FLOPs over samples of ``lengths`` tokens under HF config ``hf`` (module docstring)."""
-    h, layers, vocab = hf["hidden_size"], hf["num_hidden_layers"], hf["vocab_size"]
+def active_matmul_params(hf: dict[str, Any]) -> tuple[int, int]:
+    """``(active, total)`` matmul parameters of one token's forward pass: attention projections, the MLP
+    of each layer and the output layer (the embedding lookup is not a matmul).
+
+    A MoE layer (:func:`moe_layer_flags`: not among GLM's ``first_k_dense_replace`` first layers, not in
+    Qwen's ``mlp_only_layers``, on every ``decoder_sparse_step``-th layer) counts its router ``E x h``,
+    ``k = num_experts_per_tok`` routed experts and ``n_shared_experts`` shared ones, each a SwiGLU of width
+    ``F = moe_intermediate_size`` (``3 h F``): active ``E h + (k + s) 3 h F``, total ``E h + (E + s) 3 h F``.
+    A dense layer counts ``3 h intermediate_size``."""
+    from posttrain.core.model_spec import moe_layer_flags, num_experts
+
+    h, ffn, vocab = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
     heads = hf["num_attention_heads"]
-    kv = hf.get("num_key_value_heads") or heads
-    d = hf.get("head_dim") or h // heads
-    if hf.get("num_experts_per_tok") and (hf.get("num_experts") or hf.get("n_routed_experts")):
-        f = hf["num_experts_per_tok"] * hf.get("moe_intermediate_size", hf["intermediate_size"])
-        f += hf.get("n_shared_experts", 0) * hf.get("moe_intermediate_size", 0)
-        f += hf.get("shared_expert_intermediate_size", 0)
-    else:
-        f = hf["intermediate_size"]
-    per_token = layers * (h * heads * d + 2 * h * kv * d + heads * d * h + 3 * h * f) + h * vocab
+    groups = hf.get("num_key_value_heads") or heads
+    hd = hf.get("head_dim") or h // heads
+    attn = h * hd * (heads + 2 * groups) + heads * hd * h
+    experts, topk = num_experts(hf), int(hf.get("num_experts_per_tok", 0) or 0)
+    shared, moe_ffn = int(hf.get("n_shared_experts", 0) or 0), int(hf.get("moe_intermediate_size", 0) or 0)
+    active = total = vocab * h
+    for moe in moe_layer_flags(hf):
+        if moe:
+            active += attn + experts * h + (topk + shared) * 3 * h * moe_ffn
+            total += attn + experts * h + (experts + shared) * 3 * h * moe_ffn
+        else:
+            active += attn + 3 * h * ffn
+            total += attn + 3 * h * ffn
+    return active, total
+
+
+def forward_flops(hf: dict[str, Any], lengths: list[int]) -> float:
+    """Forward model FLOPs over samples of ``lengths`` tokens under HF config ``hf`` (module docstring):
+    ``2 x`` :func:`active_matmul_params` per token plus the causal attention matmuls."""
+    heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
+    d = hf.get("head_dim") or hf["hidden_size"] // heads
     tokens, squares = sum(lengths), sum(s * s for s in lengths)
-    return 2.0 * tokens * per_token + 2.0 * squares * layers * heads * d
+    return 2.0 * tokens * active_matmul_params(hf)[0] + 2.0 * squares * layers * heads * d
 
 
 def train_flops(hf: dict[str, Any], lengths: list[int]) -> float:

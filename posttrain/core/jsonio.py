@@ -16,11 +16,6 @@ except ImportError:  # optional: not a dependency
     orjson = None
 
 
-def dumps(obj: Any) -> str:
-    """``obj`` as a JSON string."""
-    return orjson.dumps(obj).decode() if orjson is not None else json.dumps(obj)
-
-
 def dumps_bytes(obj: Any) -> bytes:
     """``obj`` as UTF-8 JSON bytes (what an HTTP body carries)."""
     return orjson.dumps(obj) if orjson is not None else json.dumps(obj).encode()
