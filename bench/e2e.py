@@ -30,18 +30,31 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _median(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if key in r]
+    return round(statistics.median(values), 4) if values else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default=str(ROOT / "examples" / "quickstart.yaml"))
     parser.add_argument("--name", default=None, help="a label for the JSON line")
     parser.add_argument("--keep", default=None, help="copy metrics.jsonl and the engine logs here")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="stop the run after this many seconds; the steps done so far are still reported")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
         start = time.perf_counter()
-        out = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "run", args.config, "--run-dir", str(run),
-                              *args.overrides], capture_output=True, text=True)
+        cmd = [sys.executable, "-m", "posttrain.cli.main", "run", args.config, "--run-dir", str(run), *args.overrides]
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired as exc:  # the engines end with the run (procs.exit_with_parent)
+            text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+            out = subprocess.CompletedProcess(cmd, -9, text(exc.stdout), text(exc.stderr))
+            timed_out = True
         wall = time.perf_counter() - start
         if args.keep:
             keep = Path(args.keep)
@@ -51,12 +64,14 @@ def main() -> None:
             for f in [run / "metrics.jsonl", *sorted((run / "logs").glob("*.log"))]:
                 if f.exists():
                     shutil.copy(f, keep / f"{label}-{f.name}")
-        if out.returncode:
+        metrics = run / "metrics.jsonl"
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        if out.returncode and not (timed_out and rows):
+            print(out.stdout[-3000:], file=sys.stderr)
             logs = "".join(f"--- {f.name}: " + "".join(line for line in f.read_text(errors="replace").splitlines(True)
                                                       if "rror" in line or "Exception" in line)[-3000:]
                            for f in sorted((run / "logs").glob("*.log")))
-            sys.exit(f"rl-cli run failed ({out.returncode}):\n{out.stderr[-3000:]}\n{logs}")
-        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+            sys.exit(f"rl-cli run failed ({'timed out' if timed_out else out.returncode}):\n{out.stderr[-3000:]}\n{logs}")
     reward = [r["rollout/reward_mean"] for r in rows]
     phases = {k.removeprefix("perf/time_"): round(statistics.median(r.get(k, 0.0) for r in rows), 4)
               for k in rows[0] if k.startswith("perf/time_")}
@@ -71,9 +86,11 @@ def main() -> None:
                "trainer_peak_gib": max((r.get("perf/trainer_peak_gib", 0.0) for r in rows), default=None),
                "engine_peak_gib": max((r.get("perf/engine_peak_gib", 0.0) for r in rows), default=None),
                "rollout_tokens_per_s_steady": round(statistics.median(r["perf/rollout_tokens_per_s"] for r in later)),
+               "mfu_steady": _median(later, "perf/mfu"),
+               "tokens_per_s_per_gpu_steady": _median(later, "perf/tokens_per_s_per_gpu"),
                "response_len_mean": round(statistics.mean(r["rollout/response_len_mean"] for r in rows), 1)}
     result = {
-        "bench": "e2e", "name": args.name, "config": Path(args.config).name, "overrides": args.overrides,
+        "bench": "e2e", "name": args.name, "timed_out": timed_out, "config": Path(args.config).name, "overrides": args.overrides,
         "machine": f"{platform.machine()} {os.cpu_count()} cpus", "wall_s": round(wall, 1), "steps": len(rows),
         "reward_first10": round(statistics.mean(reward[:10]), 3), "reward_last10": round(statistics.mean(reward[-10:]), 3),
         "step_s_median": round(statistics.median(r["perf/step_time"] for r in rows), 4),

@@ -12,9 +12,12 @@
 #             base keep fused mb8 mb16 nopack nocompile best4 best8 best16 tests), with a kernel-time profile
 #   tp2       TP=2 train step on both GPUs (torchrun)
 #   colocated GRPO, Qwen3-1.7B shape, 64 x 8 x 512 new tokens, trainer and engine on GPU 0 (issue 17's levers
-#             at their defaults: old log-probs from the train step, the reference resident on the GPU)
-#   levers17  the same, one lever more each: no KL logging (no reference pass: TRL's beta 0 workload), then
-#             also micro-batches by tokens (trainer.max_tokens_per_micro_batch=16384)
+#             as the config sets them: old log-probs from the train step, no reference pass without KL,
+#             micro-batches of 16k tokens, compiled engine decode)
+#   levers17  the same, one lever less each: with the reference pass (trainer.log_kl=true, the reference
+#             resident on the GPU), then with the eager engine decode
+#   diag17    decode parts alone (attention-kernel launch grid, fused vs separate matmuls; bench/decode_parts.py)
+#             and the engine's decode at the benchmark shape with its kernel table (triton+compile)
 #   trl_gpu   TRL's GRPOTrainer on that workload (bench/trl_gpu.py; wheels in .whl/trl/: trl, datasets, dill,
 #             multiprocess), for the side-by-side ratio
 #   disagg    the same, trainer GPU 0 / engine GPU 1, synchronous then async
@@ -54,7 +57,11 @@ step() {  # step NAME TIMEOUT_S CMD...: run, keep the log, remember the exit cod
   timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1; RC[$name]="$? ($(( $(date +%s) - t0 )) s)"; ORDER+=("$name")
   echo "== $name: rc ${RC[$name]}"; grep -h '^{' "$LOGS/$name.log" | cut -c1-1500; tail -n 3 "$LOGS/$name.log" | cut -c1-300
 }
-e2e() { local name=$1 limit=$2; shift 2; step "$name" "$limit" python3 bench/e2e.py --config $CFG --name "$name" --keep "$LOGS/runs" "$@"; }
+e2e() {  # the run stops itself 15 s before the step's limit and reports the steps it finished
+  local name=$1 limit=$2; shift 2
+  step "$name" "$limit" python3 bench/e2e.py --config $CFG --name "$name" --keep "$LOGS/runs" --timeout $((limit - 15)) "$@"
+  grep -h "^step \|^\[" "$LOGS/runs/$name.out" 2>/dev/null | tail -n 12 | cut -c1-300
+}
 PARTS=(); for p in "$@"; do if [ "$p" = moe ]; then PARTS+=(moe_train moe_rollout moe_grpo); else PARTS+=("$p"); fi; done
 for part in "${PARTS[@]}"; do case $part in
   tests) step tests 240 python3 -m pytest -q -p no:cacheprovider tests/unit/rollout/test_rollout_gpu.py tests/unit/rollout/test_decode_variants.py tests/gpu ;;
@@ -87,11 +94,11 @@ for part in "${PARTS[@]}"; do case $part in
     esac; done ;;
   tp2) step tp2 120 python3 -m torch.distributed.run --nproc_per_node 2 bench/train.py --device cuda --preset qwen3-1.7B \
          --tp 2 --micro-batch 4 --seq-len 2048 --steps 3 --warmup 1 --grad-accum 8 ;;
-  colocated) e2e colocated 200 resources.colocate=true ;;
-  levers17) e2e colocated_nokl 200 resources.colocate=true trainer.log_kl=false
-            e2e colocated_nokl_dyn 200 resources.colocate=true trainer.log_kl=false trainer.max_tokens_per_micro_batch=16384 ;;
+  colocated) e2e colocated ${COLOCATED_S:-300} resources.colocate=true ;;
+  levers17) e2e colocated_kl 200 resources.colocate=true trainer.log_kl=true
+            e2e colocated_eager_engine 200 resources.colocate=true rollout.engine.compile=false ;;
   trl_gpu) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/trl .whl/trl/*.whl \
-             && step trl_gpu 420 env PYTHONPATH=/tmp/site:/tmp/extra:/tmp/trl python3 bench/trl_gpu.py --steps 3 ;;
+             && step trl_gpu ${TRL_S:-420} env PYTHONPATH=/tmp/site:/tmp/extra:/tmp/trl python3 bench/trl_gpu.py --steps 3 ;;
   disagg) e2e disagg_sync 190; e2e disagg_async 170 rollout.mode=async ;;
   shrunk) e2e shrunk 150 rollout.engine.device=cuda:1 resources.num_engines=2 rollout.use_router=true \
             rollout.engine.max_running_requests=256 rollout.num_rollouts=2 rollout.rollout_batch_size=32 \
@@ -100,6 +107,10 @@ for part in "${PARTS[@]}"; do case $part in
             tests/unit/rollout/test_decode_variants.py
           ROLLOUT_VARIANTS=triton,triton+compile; step rollout_triton 120 python3 bench/rollout.py --device cuda \
             --shape qwen3-1.7b --prompts 256 --prompt-len 128 --new-tokens 256 --skip-hf --profile --variants triton,triton+compile ;;
+  diag17) step decode_parts 150 python3 bench/decode_parts.py --attention --gemms
+          step rollout17 200 python3 bench/rollout.py --device cuda --shape qwen3-1.7b --prompts 256 --prompt-len 128 \
+            --new-tokens 256 --skip-hf --profile --variants triton+compile --kernel-tables $LOGS/kernels17
+          head -45 $LOGS/kernels17/*.txt ;;
   gputests) step gputests 170 python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
   moe_train)
     M="--device cuda --spec qwen3_moe --preset qwen3-30B-A3B --layers $MOE_LAYERS --seq-len 2048 --steps 2 --warmup 1

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 from statistics import mean
 from typing import Any
 
+import numpy as np
 import torch
 
 from posttrain.core.train_batch import TrainBatch
@@ -32,16 +34,29 @@ def to_batch(samples: list[Sample]) -> tuple[TrainBatch, torch.Tensor, torch.Ten
     """
     batch = TrainBatch.from_lists([s.tokens for s in samples], [s.prompt_length for s in samples])
     rollout = torch.zeros_like(batch.response_mask)
-    for i, s in enumerate(samples):
-        start, end = s.prompt_length, len(s.tokens)
-        if s.loss_mask is not None:
-            batch.response_mask[i, start:end] = torch.tensor(s.loss_mask, dtype=torch.float32)
-        if s.rollout_log_probs is not None:
-            rollout[i, start:end] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
+    response = batch.response_mask.bool()  # [B, T]: each sample's span prompt_length .. len(tokens)
+    _fill_spans(batch.response_mask, response, samples, "loss_mask")
+    _fill_spans(rollout, response, samples, "rollout_log_probs")
     batch.routed_experts = routed_experts(samples, batch.tokens.shape[1])
     rewards = torch.tensor([float(s.reward) for s in samples])
     group_index = torch.tensor([s.group_index for s in samples], dtype=torch.long)
     return batch, rewards, group_index, rollout
+
+
+def _fill_spans(out: torch.Tensor, response: torch.Tensor, samples: list[Sample], attr: str) -> None:
+    """Write each sample's per-response-token list ``attr`` (None: leave its row) into its span of
+    ``out`` ``[B, T]``, in one assignment through the ``response`` mask (row-major: the lists' order)."""
+    rows = [getattr(s, attr) is not None for s in samples]
+    if not any(rows):
+        return
+    where = response & torch.tensor(rows)[:, None]
+    values = np.fromiter(itertools.chain.from_iterable(getattr(s, attr) for s, row in zip(samples, rows) if row),
+                         dtype=np.float32)
+    if len(values) != int(where.sum()):
+        bad = [(len(getattr(s, attr)), len(s.tokens) - s.prompt_length) for s, row in zip(samples, rows) if row]
+        got, want = next((b for b in bad if b[0] != b[1]), (len(values), int(where.sum())))
+        raise ValueError(f"a sample's {attr} has {got} entries for {want} response tokens")
+    out.masked_scatter_(where, torch.from_numpy(values).to(out.dtype))
 
 
 def routed_experts(samples: list[Sample], width: int) -> torch.Tensor | None:

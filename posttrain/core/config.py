@@ -253,8 +253,9 @@ class TrainerConfig:
         "k3", help="KL estimator of the loss term and the reward penalty (posttrain.core.losses.kl_divergence)")
     kl_in_reward_coef: float = option(0.0, ge=0.0, help="per-token reward penalty -coef * KL_t (classic RLHF "
                                                         "shaping), added to the estimator's token_rewards")
-    log_kl: bool = option(True, help="log train/kl to the reference even when kl_loss_coef is 0: costs one "
-                                     "forward pass of the reference per step (false skips it without KL)")
+    log_kl: bool = option(False, help="log train/kl to the reference even when no KL term uses it: costs one "
+                                      "forward pass of the reference per step (without it and without KL terms, "
+                                      "no reference pass runs)")
     old_log_probs_from_train: bool = option(
         True, help="when a batch is trained in one optimizer step (steps_per_rollout 1) and nothing needs the "
                    "old policy's log-probs before it (no correction, kl_in_reward_coef 0, an estimator without "

@@ -144,6 +144,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
             if cfg.checkpoint.interval and ((step + 1) % cfg.checkpoint.interval == 0
                                             or step + 1 == cfg.rollout.num_rollouts):
                 queued = {"fully_async": feeder.state_dict()} if feeder else {}  # same instant as the buffer's
+                metrics_out.sync()
                 run.save_checkpoint(step, trainer.save, {"buffer": buffer.state_dict(), "empty_steps": empty_steps,
                                                          "config": cfg.to_dict(), **queued}, cfg.checkpoint.keep)
 

@@ -43,8 +43,7 @@ class MetricsWriter:
         """Record ``metrics`` (numbers; non-finite values are written as null) for ``step``."""
         clean = {k: _number(v) for k, v in metrics.items()}
         self._file.write(json.dumps({"step": step, **clean}) + "\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        self._file.flush()  # in the OS's hands: a killed run loses no line (fsync waits for the disk: see sync)
         if self._tb is not None:
             for key, value in clean.items():
                 if value is not None:
@@ -59,7 +58,14 @@ class MetricsWriter:
         truncate_jsonl(self.run_dir / METRICS_FILE, step)
         self._file = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")
 
+    def sync(self) -> None:
+        """Make the lines written so far durable (``fsync``): called with every checkpoint, so the metrics of
+        the steps a resume keeps survive an OS crash too. Not per step: it cost ~30 ms a step on a small
+        disk, a tenth of a CPU quickstart step, and a resume drops the lines after its checkpoint anyway."""
+        os.fsync(self._file.fileno())
+
     def close(self) -> None:
+        self.sync()
         self._file.close()
         if self._tb is not None:
             self._tb.close()

@@ -8,9 +8,11 @@ is 0 (a prompt always precedes the response, so ``response_mask[:, 0] == 0``). S
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -45,14 +47,17 @@ class TrainBatch:
 
     @classmethod
     def from_lists(cls, token_lists: list[list[int]], prompt_lengths: list[int], **per_token: Any) -> "TrainBatch":
-        """Pad ``token_lists``; the response mask covers everything after each prompt."""
-        size, width = len(token_lists), max(len(t) for t in token_lists)
-        tokens = torch.zeros(size, width, dtype=torch.long)
-        mask = torch.zeros(size, width)
-        for i, (ids, p) in enumerate(zip(token_lists, prompt_lengths)):
-            tokens[i, : len(ids)] = torch.tensor(ids)
-            mask[i, p: len(ids)] = 1.0
+        """Pad ``token_lists``; the response mask covers everything after each prompt.
+
+        One array from the concatenated lists, scattered through the ``[B, width]`` mask of valid positions
+        (row-major, so in concatenation order): a tensor per row cost ~15 ms a step at 1,024 samples."""
         lengths = torch.tensor([len(t) for t in token_lists])
+        width = int(lengths.max())
+        columns = torch.arange(width)[None, :]
+        valid = columns < lengths[:, None]
+        flat = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=int(lengths.sum()))
+        tokens = torch.zeros(len(token_lists), width, dtype=torch.long).masked_scatter_(valid, torch.from_numpy(flat))
+        mask = (valid & (columns >= torch.tensor(prompt_lengths)[:, None])).float()
         return cls(tokens=tokens, lengths=lengths, response_mask=mask, **per_token)
 
     def __len__(self) -> int:

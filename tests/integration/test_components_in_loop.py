@@ -110,7 +110,7 @@ def test_old_log_probs_from_the_train_step_skip_the_pass_and_change_no_number(tm
     real = TrainerRole.log_probs
     monkeypatch.setattr(TrainerRole, "log_probs", lambda self, batch, weights=None, with_entropy=False: (
         passes.append(weights), real(self, batch, weights, with_entropy))[1])
-    trainer = {"global_batch_size": 16, "micro_batch_size": 8, "lr": 1e-3, "entropy_coef": 0.01,
+    trainer = {"global_batch_size": 16, "micro_batch_size": 8, "lr": 1e-3, "entropy_coef": 0.01, "log_kl": True,
                "backend": {"name": "megatron", "sequence_packing": False}}
     rows = {}
     for fused in (False, True):

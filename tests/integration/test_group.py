@@ -21,7 +21,8 @@ import pytest
 from tests.integration.test_loop import QUICKSTART, jsonl, leftovers, rl_cli
 
 pytestmark = pytest.mark.slow
-STEPS = ["rollout.num_rollouts=3", "trainer.backend.sequence_packing=true"]  # PP needs packing: every run packs
+STEPS = ["rollout.num_rollouts=3", "trainer.backend.sequence_packing=true",  # PP needs packing: every run packs
+         "trainer.log_kl=true"]  # the reference pass runs under every layout too
 
 
 @pytest.fixture(scope="module")
