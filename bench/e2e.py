@@ -72,7 +72,9 @@ def main() -> None:
                                                       if "rror" in line or "Exception" in line)[-3000:]
                            for f in sorted((run / "logs").glob("*.log")))
             sys.exit(f"rl-cli run failed ({'timed out' if timed_out else out.returncode}):\n{out.stderr[-3000:]}\n{logs}")
-    reward = [r["rollout/reward_mean"] for r in rows]
+    reward = [r["rollout/reward_mean"] for r in rows if "rollout/reward_mean" in r]  # none on a step left empty
+    sampled = [r["dynamic_sampling/reward_mean"] for r in rows if "dynamic_sampling/reward_mean" in r]
+    evals = {k: round(v, 3) for r in rows for k, v in r.items() if k.startswith("eval/") and k.endswith("/reward_mean")}
     phases = {k.removeprefix("perf/time_"): round(statistics.median(r.get(k, 0.0) for r in rows), 4)
               for k in rows[0] if k.startswith("perf/time_")}
     later = rows[1:] or rows
@@ -85,10 +87,15 @@ def main() -> None:
                "weight_push_s": [round(r["perf/weight_push_s"], 4) for r in rows if "perf/weight_push_s" in r],
                "trainer_peak_gib": max((r.get("perf/trainer_peak_gib", 0.0) for r in rows), default=None),
                "engine_peak_gib": max((r.get("perf/engine_peak_gib", 0.0) for r in rows), default=None),
-               "rollout_tokens_per_s_steady": round(statistics.median(r["perf/rollout_tokens_per_s"] for r in later)),
+               "rollout_tokens_per_s_steady": round(statistics.median(r["perf/rollout_tokens_per_s"] for r in later
+                                                                      if "perf/rollout_tokens_per_s" in r)),
                "mfu_steady": _median(later, "perf/mfu"),
                "tokens_per_s_per_gpu_steady": _median(later, "perf/tokens_per_s_per_gpu"),
-               "response_len_mean": round(statistics.mean(r["rollout/response_len_mean"] for r in rows), 1)}
+               "response_len_mean": round(statistics.mean(r["rollout/response_len_mean"] for r in rows
+                                                          if "rollout/response_len_mean" in r), 1)}
+    if sampled:  # with filters: the reward of every sampled group, the filtered ones too
+        signals["sampled_reward_last10"] = round(statistics.mean(sampled[-10:]), 3)
+    signals.update({"last_" + k: v for k, v in evals.items()})  # each eval set's last
     result = {
         "bench": "e2e", "name": args.name, "timed_out": timed_out, "config": Path(args.config).name, "overrides": args.overrides,
         "machine": f"{platform.machine()} {os.cpu_count()} cpus", "wall_s": round(wall, 1), "steps": len(rows),

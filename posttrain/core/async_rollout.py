@@ -26,7 +26,9 @@ continue from their partial tokens with ``rollout.partial``, else restart).
 - Metrics of each batch: ``rollout/staleness_mean`` (over samples), ``rollout/staleness_max``,
   ``rollout/dropped_stale``, ``rollout/async_queue_groups`` (finished groups waiting after the batch was
   taken), ``rollout/async_in_flight``, ``rollout/partial_continued`` (requests sent again after a pause,
-  summed over the run) and the ``dynamic_sampling/*`` counts since the last batch.
+  summed over the run), ``perf/generation_s`` (from the first start to the last finish of the batch's
+  groups: the generation time that ``perf/rollout_tokens_per_s`` divides by, not the wait for the batch)
+  and the ``dynamic_sampling/*`` counts since the last batch.
 
 **Checkpoints.** :meth:`state_dict` (taken in the same instant as the data buffer's) holds the finished
 groups not yet trained and the prompts in flight. :meth:`load_state_dict` queues the finished groups again
@@ -38,12 +40,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from posttrain.core.buffer import (DataBuffer, DataExhausted, _sample_from_dict, _sample_to_dict, apply_filters,
-                                   fresh_copy)
+                                   count_metrics, fresh_copy)
 from posttrain.core.types import Sample
 
 log = logging.getLogger("posttrain.async")
@@ -110,6 +113,8 @@ class FullyAsyncRollout:
         self.steps_taken = start
         self.queue: list[tuple[Group, int]] = []  # (finished group, the engines' version when it started)
         self.in_flight: dict[asyncio.Task, tuple[Group, int]] = {}
+        self._span: dict[int, tuple[float, float]] = {}  # id(finished group) -> (start, end), perf_counter s
+        self._started: dict[asyncio.Task, float] = {}
         self.counts: Counter = Counter()
         self.sampled = 0  # groups started since the last batch
         self.dropped_total = 0  # stale samples dropped (or recomputed) in this run
@@ -140,10 +145,12 @@ class FullyAsyncRollout:
             self.sampled += 1
             task = asyncio.ensure_future(self.rollout(group))
             self.in_flight[task] = (group, self.version)
+            self._started[task] = time.perf_counter()
             task.add_done_callback(self._finished)
 
     def _finished(self, task: asyncio.Task) -> None:
         group, version = self.in_flight.pop(task, (None, 0))
+        began = self._started.pop(task, None)
         if group is None or task.cancelled():
             return
         if task.exception() is not None:
@@ -151,6 +158,7 @@ class FullyAsyncRollout:
         else:
             passed, _ = apply_filters([task.result()], self.filters, self.counts)
             self.queue += [(g, version) for g in passed]
+            self._span.update({id(g): (began, time.perf_counter()) for g in passed})
             self._fill()  # a filtered group frees its slot
         self._changed.set()
 
@@ -178,6 +186,8 @@ class FullyAsyncRollout:
             if stale:
                 stale_ids = {id(g) for g in stale}
                 self.queue = [(g, v) for g, v in self.queue if id(g) not in stale_ids]
+                for i in stale_ids:
+                    self._span.pop(i, None)
                 dropped += sum(len(g) for g in stale)
                 self.dropped_total += sum(len(g) for g in stale)
                 if self.stale == "recompute":
@@ -205,7 +215,10 @@ class FullyAsyncRollout:
         taken, self.queue = self.queue[: self.batch_size], self.queue[self.batch_size:]
         groups = sorted((g for g, _ in taken), key=lambda g: g[0].group_index if g else -1)
         self.counts["dynamic_sampling/sampled"] += self.sampled
-        metrics = {k: float(v) for k, v in self.counts.items()}
+        metrics = count_metrics(self.counts)
+        spans = [self._span.pop(id(g)) for g in groups if id(g) in self._span]  # resumed groups have none
+        if spans:
+            metrics["perf/generation_s"] = max(e for _, e in spans) - min(b for b, _ in spans)
         metrics.update(staleness_metrics(groups, step))
         metrics.update({"rollout/dropped_stale": float(dropped), "rollout/async_queue_groups": float(len(self.queue)),
                         "rollout/async_in_flight": float(len(self.in_flight)),

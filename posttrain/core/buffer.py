@@ -167,12 +167,19 @@ def apply_filters(groups: list[list[Sample]], filters: Sequence[Any],
     """Keep the groups every filter keeps. A filter is called with a rewarded group and returns
     ``None`` (keep) or a reason string (drop); the first filter that drops a group names the reason.
 
-    Returns ``(kept, metrics)`` with ``dynamic_sampling/drop/<filter>/<reason>`` counts and
-    ``dynamic_sampling/kept``. ``counts`` (a Counter) accumulates across calls when given.
+    Returns ``(kept, metrics)`` with ``dynamic_sampling/drop/<filter>/<reason>`` counts,
+    ``dynamic_sampling/kept`` and, with filters, ``dynamic_sampling/reward_mean``: the mean reward over every
+    scored sample of the groups filtered, dropped ones included (``rollout/reward_mean`` covers the kept
+    groups only: with ``nonzero_std`` it leaves out the all-correct and all-wrong ones, so it is not the
+    policy's reward). ``counts`` (a Counter) accumulates across calls when given (:func:`count_metrics`).
     """
     counts = Counter() if counts is None else counts
     kept = []
     for group in groups:
+        if filters:
+            scored = [s.reward for s in group if s.reward is not None]
+            counts["_reward_sum"] += float(sum(scored))
+            counts["_scored"] += len(scored)
         reason = None
         for f in filters:
             reason = f(group)
@@ -182,7 +189,16 @@ def apply_filters(groups: list[list[Sample]], filters: Sequence[Any],
         if reason is None:
             kept.append(group)
             counts["dynamic_sampling/kept"] += 1
-    return kept, {k: float(v) for k, v in counts.items()}
+    return kept, count_metrics(counts)
+
+
+def count_metrics(counts: Counter) -> dict[str, float]:
+    """The ``dynamic_sampling/*`` metrics of counts :func:`apply_filters` accumulated (its running sums,
+    keys starting with ``_``, become ``dynamic_sampling/reward_mean``)."""
+    out = {k: float(v) for k, v in counts.items() if not k.startswith("_")}
+    if counts.get("_scored"):
+        out["dynamic_sampling/reward_mean"] = counts["_reward_sum"] / counts["_scored"]
+    return out
 
 
 async def collect_groups(buffer: DataBuffer, rollout: Callable[[list[Sample]], Awaitable[list[Sample]]],
@@ -233,7 +249,7 @@ async def collect_groups(buffer: DataBuffer, rollout: Callable[[list[Sample]], A
             counts["dynamic_sampling/aborted"] += len(in_flight)
     counts["dynamic_sampling/sampled"] += sampled
     kept.sort(key=lambda g: g[0].group_index if g else -1)  # serving order, not completion order
-    metrics = {k: float(v) for k, v in counts.items()}
+    metrics = count_metrics(counts)
     if len(kept) < batch_size:
         dropped = sum(v for k, v in counts.items() if k.startswith("dynamic_sampling/drop/"))
         story = (f"kept {len(kept)} of {batch_size} groups this step ({sampled} sampled, "

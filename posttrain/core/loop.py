@@ -235,7 +235,9 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
                     **sampling_metrics, **step_metrics, **{f"train/{k}": v for k, v in train_metrics.items()},
                     **phases, "perf/step_time": step_time, "perf/engine_restarts": float(len(restarted)),
                     "perf/weight_push_s": push_s, **memory_metrics(trainer, engines), **perf,
-                    "perf/rollout_tokens_per_s": tokens / max(generate_s, 1e-9), "rollout/empty_steps": float(empty_steps)}
+                    "rollout/empty_steps": float(empty_steps),  # fully_async: over generation, not the wait
+                    "perf/rollout_tokens_per_s": tokens / max(sampling_metrics.get("perf/generation_s", generate_s),
+                                                              1e-9)}
             if eval_due:
                 last.update(await evaluate(cfg, engine, generator, rewards, run.base_dir, tokenizer))
             end_step(step, last, groups, samples)

@@ -5,6 +5,7 @@ pause-and-continue over a real engine is in tests/unit/rollout/test_partial_roll
 import asyncio
 import json
 import random
+import time
 from collections import Counter
 from contextlib import asynccontextmanager
 from types import SimpleNamespace
@@ -110,6 +111,35 @@ async def test_max_staleness_0_serves_the_groups_of_sync_mode():
         assert not feeder.in_flight  # nothing runs ahead of the trainer with k = 0
         await feeder.push(lambda: None, step + 1)
     assert fully == sync
+
+
+async def test_generation_time_spans_the_batchs_groups_not_the_wait_for_them():
+    """``perf/generation_s`` (what ``perf/rollout_tokens_per_s`` divides by): from the first start to the last
+    finish of the batch's groups, also when they finished while the trainer trained (nothing to wait for)."""
+    gen_s = 0.02
+
+    async def rollout(group):
+        version = feeder.version
+        await asyncio.sleep(gen_s)
+        for s in group:
+            s.tokens, s.response_length, s.reward, s.status = [1, 2], 1, 1.0, SampleStatus.COMPLETED
+            s.weight_version, s.weight_versions = version, [version]
+        return group
+
+    feeder = FullyAsyncRollout(DataBuffer(PROMPTS, 2, seed=0, epochs=2), rollout, Engines(), batch_size=2,
+                               max_staleness=1)
+    began = time.perf_counter()
+    feeder.start()
+    for step in range(4):
+        ready = len(feeder.queue) >= 2  # finished during the last "train": next_batch returns at once
+        groups, metrics = await feeder.next_batch(step)
+        assert len(groups) == 2
+        assert gen_s <= metrics["perf/generation_s"] <= time.perf_counter() - began
+        assert ready or step == 0
+        await asyncio.sleep(3 * gen_s)  # training, while the producer generates the next batch
+        await feeder.push(lambda: None, step + 1)
+    await feeder.close()
+    assert set(feeder._span) == {id(g) for g, _ in feeder.queue}  # nothing kept of trained groups
 
 
 async def test_filters_free_their_slot_and_are_counted():

@@ -79,7 +79,8 @@ def test_nonzero_std_and_apply_filters():
     kept, metrics = apply_filters([rewarded([1, 0]), rewarded([1, 1]), rewarded([0, 0]), rewarded([0, 0])], [f])
     assert len(kept) == 1
     assert metrics == {"dynamic_sampling/kept": 1.0, "dynamic_sampling/drop/nonzero_std/all_correct": 1.0,
-                       "dynamic_sampling/drop/nonzero_std/all_wrong": 2.0}
+                       "dynamic_sampling/drop/nonzero_std/all_wrong": 2.0,
+                       "dynamic_sampling/reward_mean": 3 / 8}  # over all 8 samples, the dropped groups' too
 
 
 def fake_rollout(rewards_for, delay=0.0):
