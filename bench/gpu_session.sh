@@ -13,9 +13,10 @@
 #   tp2       TP=2 train step on both GPUs (torchrun)
 #   colocated GRPO, Qwen3-1.7B shape, 64 x 8 x 512 new tokens, trainer and engine on GPU 0 (issue 17's levers
 #             as the config sets them: old log-probs from the train step, no reference pass without KL,
-#             micro-batches of 16k tokens, compiled engine decode)
+#             micro-batches of 16k tokens)
+#   colocated5 the same, 5 steps (the compiled trainer reaches steady state at step 4)
 #   levers17  the same, one lever less each: with the reference pass (trainer.log_kl=true, the reference
-#             resident on the GPU), then with the eager engine decode
+#             resident on the GPU), then with the compiled engine decode
 #   diag17    decode parts alone (attention-kernel launch grid, fused vs separate matmuls; bench/decode_parts.py)
 #             and the engine's decode at the benchmark shape with its kernel table (triton+compile)
 #   trl_gpu   TRL's GRPOTrainer on that workload (bench/trl_gpu.py; wheels in .whl/trl/: trl, datasets, dill,
@@ -95,8 +96,9 @@ for part in "${PARTS[@]}"; do case $part in
   tp2) step tp2 120 python3 -m torch.distributed.run --nproc_per_node 2 bench/train.py --device cuda --preset qwen3-1.7B \
          --tp 2 --micro-batch 4 --seq-len 2048 --steps 3 --warmup 1 --grad-accum 8 ;;
   colocated) e2e colocated ${COLOCATED_S:-300} resources.colocate=true ;;
+  colocated5) e2e colocated5 330 resources.colocate=true rollout.num_rollouts=5 ;;
   levers17) e2e colocated_kl 200 resources.colocate=true trainer.log_kl=true
-            e2e colocated_eager_engine 200 resources.colocate=true rollout.engine.compile=false ;;
+            e2e colocated_compiled_engine 300 resources.colocate=true rollout.engine.compile=true ;;
   trl_gpu) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/trl .whl/trl/*.whl \
              && step trl_gpu ${TRL_S:-420} env PYTHONPATH=/tmp/site:/tmp/extra:/tmp/trl python3 bench/trl_gpu.py --steps 3 ;;
   disagg) e2e disagg_sync 190; e2e disagg_async 170 rollout.mode=async ;;
