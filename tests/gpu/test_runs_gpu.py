@@ -36,7 +36,7 @@ BF16_GAP = 0.1
 
 def run(tmp_path, *overrides):
     out = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "run", str(CONFIG), "--run-dir",
-                          str(tmp_path / "run"), *SMALL, *overrides], capture_output=True, text=True, timeout=900)
+                          str(tmp_path / "run"), *SMALL, "trainer.log_kl=true", *overrides], capture_output=True, text=True, timeout=900)
     if out.returncode:
         engine_log = (tmp_path / "run" / "logs" / "engine-0.log")
         tail = engine_log.read_text(errors="replace")[-4000:] if engine_log.exists() else ""

@@ -58,7 +58,7 @@ def describe(procs):
 
 def test_smoke_run_writes_the_run_directory(tmp_path):
     run = tmp_path / "run"
-    out = rl_cli(QUICKSTART, "--smoke", "--run-dir", run, *SMALL)
+    out = rl_cli(QUICKSTART, "--smoke", "--run-dir", run, *SMALL, "trainer.log_kl=true")  # with the reference pass
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     rows = jsonl(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1]

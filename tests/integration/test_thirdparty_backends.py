@@ -32,7 +32,7 @@ def rl_cli(*args, env):
 
 def run_quickstart(tmp_path, site, *overrides):
     run = tmp_path / "run"
-    out = rl_cli("run", QUICKSTART, "--run-dir", run, *SMALL, *overrides, env=env_with(site))
+    out = rl_cli("run", QUICKSTART, "--run-dir", run, *SMALL, "trainer.log_kl=true", *overrides, env=env_with(site))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
