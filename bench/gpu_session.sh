@@ -15,6 +15,7 @@
 #             as the config sets them: old log-probs from the train step, no reference pass without KL,
 #             micro-batches of 16k tokens)
 #   colocated5 the same, 5 steps (the compiled trainer reaches steady state at step 4)
+#   ropecheck the THD rotary (trainers/megatron/rope.py) compiled by Inductor on the GPU equals its eager self
 #   levers17  the same, one lever less each: with the reference pass (trainer.log_kl=true, the reference
 #             resident on the GPU), then with the compiled engine decode
 #   diag17    decode parts alone (attention-kernel launch grid, fused vs separate matmuls; bench/decode_parts.py)
@@ -96,7 +97,17 @@ for part in "${PARTS[@]}"; do case $part in
   tp2) step tp2 120 python3 -m torch.distributed.run --nproc_per_node 2 bench/train.py --device cuda --preset qwen3-1.7B \
          --tp 2 --micro-batch 4 --seq-len 2048 --steps 3 --warmup 1 --grad-accum 8 ;;
   colocated) e2e colocated ${COLOCATED_S:-300} resources.colocate=true ;;
-  colocated5) e2e colocated5 330 resources.colocate=true rollout.num_rollouts=5 ;;
+  ropecheck) step ropecheck 120 python3 -c "
+import torch
+from posttrain.plugins.trainers.megatron.rope import apply_rotary_pos_emb_thd as f
+g = torch.compile(f)
+for L in ([5, 3, 9], [1, 12], [7, 7, 2, 4], [16], [2, 3, 5, 7, 11]):
+    cu = torch.tensor([0] + torch.tensor(L).cumsum(0).tolist(), dtype=torch.int32, device='cuda')
+    x = torch.randn(sum(L), 4, 16, device='cuda', dtype=torch.bfloat16)
+    fr = torch.randn(max(L), 1, 1, 16, device='cuda')
+    assert torch.equal(g(x, cu, fr), f(x, cu, fr)), L
+print('ropecheck ok: compiled THD rotary equals eager on cuda for 5 sets of lengths')" ;;
+  colocated5) e2e colocated5 ${COLOCATED5_S:-330} resources.colocate=true rollout.num_rollouts=5 ;;
   levers17) e2e colocated_kl 200 resources.colocate=true trainer.log_kl=true
             e2e colocated_compiled_engine 300 resources.colocate=true rollout.engine.compile=true ;;
   trl_gpu) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/trl .whl/trl/*.whl \

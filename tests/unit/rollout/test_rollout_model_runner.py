@@ -55,6 +55,26 @@ def test_full_span_decode_equals_the_tight_span(runner):
     torch.testing.assert_close(tight, full, atol=1e-5, rtol=1e-5)
 
 
+def test_a_shared_prompt_is_run_once_and_fills_every_slot_that_holds_it(runner):
+    """A group's samples share their prompt: the prefill runs each distinct prompt once, yet every slot
+    gets its K/V, every row its logits and prompt log-probs, as if each had been run alone."""
+    a, b = [5, 6, 7, 8], [9, 10]
+    runner.k_cache.normal_()
+    runner.v_cache.normal_()
+    logits, scored = runner.prefill_scored([3, 0, 2, 1], [a, b, a, a], [0, None, 1, None])
+    alone = {}
+    for slot, p in ((3, a), (0, b)):  # each distinct prompt by itself, into a spare copy of the cache
+        k, v = runner.k_cache.clone(), runner.v_cache.clone()
+        alone[tuple(p)] = (runner.prefill_scored([slot], [p], [0])[0][0], runner.k_cache[:, slot, :, :len(p)].clone())
+        runner.k_cache.copy_(k), runner.v_cache.copy_(v)
+    for row, (slot, p) in enumerate(zip([3, 0, 2, 1], [a, b, a, a])):
+        want_logits, want_k = alone[tuple(p)]
+        torch.testing.assert_close(logits[row], want_logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(runner.k_cache[:, slot, :, :len(p)], want_k, atol=1e-5, rtol=1e-5)
+    assert len(scored[0]) == len(a) - 1 and len(scored[2]) == len(a) - 2 and scored[1] is None
+    assert scored[0][1:] == pytest.approx(scored[2], abs=1e-6)  # the same prompt, scored from position 1
+
+
 def test_load_weights_is_all_or_nothing(runner, tiny_ckpt):
     """Every name, shape and dtype is checked before the first copy: a bad update changes nothing."""
     before = runner.weight_checksums()

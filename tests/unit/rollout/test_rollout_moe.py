@@ -53,6 +53,12 @@ def test_prefill_and_decode_match_hf_and_report_hf_routing(moe_ckpts, family):
         got = np.sort(r.routed_experts[row, : len(p)].numpy(), axis=-1)
         assert (got == np.sort(hf_routing(hf, p), axis=-1)).all()
     seqs = {s: p + [int(logits[i].argmax())] for i, (s, p) in enumerate(prompts.items())}
+    shared = r.prefill([1, 3], [prompts[0], prompts[0]])  # one prompt twice: run once, routed for both
+    first = r.routed_experts
+    for row in (0, 1):
+        torch.testing.assert_close(shared[row], logits[0], atol=1e-5, rtol=1e-5)
+        assert (np.sort(first[row, :5].numpy(), axis=-1) == np.sort(hf_routing(hf, prompts[0]), axis=-1)).all()
+    r.prefill(list(prompts), list(prompts.values()))  # the state the decode below starts from
     for _ in range(3):
         tokens = torch.tensor([seqs[0][-1], 0, seqs[2][-1]])
         positions = torch.tensor([len(seqs[0]) - 1, 0, len(seqs[2]) - 1])

@@ -49,7 +49,9 @@ def test_old_log_probs_from_the_train_step_equal_a_separate_pass(tiny_ckpts, pac
     monkeypatch.setattr(fused, "log_probs", lambda *a, **k: calls.append(a) or (_ for _ in ()).throw(AssertionError))
     metrics, kept_lp, kept_ent = fused.train_step(batch, local_loss, keep_log_probs=True)
     assert calls == [], "no separate log-prob pass"
-    assert (kept_lp - lp).abs().max() < 1e-6 and (kept_ent - ent).abs().max() < 1e-6
+    on = batch.response_mask > 0  # the train step scores response tokens only; the rest are 0
+    assert (kept_lp - lp)[on].abs().max() < 1e-6 and (kept_ent - ent)[on].abs().max() < 1e-6
+    assert (kept_lp[~on] == 0).all() and (kept_ent[~on] == 0).all() and (lp[~on] != 0).any()
     assert kept_lp.shape == lp.shape and kept_lp.device.type == "cpu"
     assert metrics["loss"] == pytest.approx(expected["loss"], abs=1e-6)
     assert metrics["grad_norm"] == pytest.approx(expected["grad_norm"], abs=1e-6)

@@ -39,6 +39,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -328,12 +329,21 @@ class ModelRunner:
         log-softmax of the raw logits (no temperature), float32, computed from the prefill's own hidden
         states in chunks of rows (a vocabulary of 150k over a long prompt would not fit at once).
         SGLang's ``input_token_logprobs`` is ``[None] + this`` (its first entry has no value)."""
-        n = len(prompts)
-        lens = torch.tensor([len(p) for p in prompts], device=self.device)
-        width = int(lens.max())
-        ids = torch.zeros((n, width), dtype=torch.long, device=self.device)
-        for i, p in enumerate(prompts):
-            ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        # a group's samples share their prompt: run each distinct prompt once and copy its K/V into every
+        # slot that holds it (SGLang shares such prefixes through its radix cache)
+        first: dict[tuple[int, ...], int] = {}
+        inverse = [first.setdefault(tuple(p), len(first)) for p in prompts]
+        unique = list(first)  # in order of first appearance: unique[inverse[i]] == prompts[i]
+        n = len(unique)
+        lens_np = np.fromiter((len(p) for p in unique), dtype=np.int64, count=n)
+        width = int(lens_np.max())
+        ids_np = np.zeros((n, width), dtype=np.int64)
+        ids_np[np.arange(width)[None, :] < lens_np[:, None]] = np.fromiter(
+            (t for p in unique for t in p), dtype=np.int64, count=int(lens_np.sum()))
+        ids = torch.from_numpy(ids_np).to(self.device)
+        lens = torch.from_numpy(lens_np).to(self.device)
+        rows = torch.tensor(inverse, dtype=torch.long, device=self.device)  # [len(prompts)] -> unique row
+        spread = n < len(prompts)
         positions = torch.arange(width, device=self.device)[None, :].expand(n, width)
         slot_idx = torch.tensor(slots, dtype=torch.long, device=self.device)
         h = self.model.model.embed_tokens(ids)
@@ -341,16 +351,18 @@ class ModelRunner:
         routed = []
         for l, layer in enumerate(self.layers):
             q, k, v = _project_qkv(layer, h, cos, sin, self._rope)
-            self.k_cache[l, slot_idx, :, :width] = k
-            self.v_cache[l, slot_idx, :, :width] = v
+            self.k_cache[l, slot_idx, :, :width] = k[rows] if spread else k
+            self.v_cache[l, slot_idx, :, :width] = v[rows] if spread else v
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
             h, experts = _finish_layer(layer, h, o)
             routed.append(experts)
-        self.routed_experts = self._stack_routing(routed, (n, width))
+        routing = self._stack_routing(routed, (n, width))
+        self.routed_experts = routing[rows] if spread and routing is not None else routing
         last = h[torch.arange(n, device=self.device), lens - 1]
-        scored = [None if s is None else self._token_logprobs(h[i, s:len(p) - 1], p[s + 1:])
+        scored = [None if s is None else self._token_logprobs(h[inverse[i], s:len(p) - 1], p[s + 1:])
                   for i, (p, s) in enumerate(zip(prompts, starts))]
-        return self.model.lm_head(self.model.model.norm(last)).float(), scored
+        logits = self.model.lm_head(self.model.model.norm(last)).float()
+        return (logits[rows] if spread else logits), scored
 
     def _token_logprobs(self, hidden: torch.Tensor, targets: list[int], rows: int = 1024) -> list[float]:
         """``log_softmax(lm_head(norm(hidden)))[targets]`` for ``hidden [m, H]``, ``rows`` at a time."""

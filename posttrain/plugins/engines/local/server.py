@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import gc
 import hmac
 import logging
@@ -209,22 +210,8 @@ class EngineServer:
 
     async def _run_one(self, ids: list[int], sampling, return_logprob: bool, rid: str | None,
                        logprob_start_len: int = -1, return_routed_experts: bool = False) -> dict[str, Any]:
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-
-        def done(result: dict[str, Any]) -> None:
-            self._deliver(loop, fut, result)
-
-        rid = self.engine.submit(ids, sampling, return_logprob, done, rid=rid, logprob_start_len=logprob_start_len,
-                                 return_routed_experts=return_routed_experts)
-        try:
-            result = await asyncio.shield(fut)
-        except asyncio.CancelledError:  # the client went away (or a sibling failed): free the slot
-            self.engine.abort(rid)
-            raise
-        if "error" in result:  # this request alone broke an engine step
-            raise BadRequest(result["error"])
-        return result
+        return (await self._run_rows([ids], [sampling], return_logprob, [rid], [logprob_start_len],
+                                     return_routed_experts))[0]
 
     # -- endpoints ------------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.Response:
@@ -270,19 +257,35 @@ class EngineServer:
             # every row the seed itself. Wrapped into int64, so a seed near 2**63 cannot overflow a row's.
             params = [dataclasses.replace(p, sampling_seed=(p.sampling_seed + j + 2**63) % 2**64 - 2**63)
                       for j, p in enumerate(params)]
-        prompts = await asyncio.to_thread(  # tokenizing a long text must not stall the event loop
-            lambda: [self._prompt(texts[i] if text is not None else None,
-                                  ids_list[i] if input_ids is not None else None) for i in range(n)])
+        def build():
+            return [self._prompt(texts[i] if text is not None else None,
+                                 ids_list[i] if input_ids is not None else None) for i in range(n)]
+
+        # tokenizing a long text must not stall the event loop; token ids are only checked (no thread hop)
+        prompts = build() if text is None else await asyncio.to_thread(build)
         starts = self._logprob_starts(body.get("logprob_start_len", -1), prompts)
-        runs = [asyncio.ensure_future(self._run_one(p, s, return_logprob, r, start, routed))
-                for p, s, r, start in zip(prompts, params, rids, starts)]
-        try:
-            outs = await asyncio.gather(*runs)
-        except BaseException:  # a failed row or a gone client: the other rows stop too
-            for run in runs:
-                run.cancel()
-            raise
+        outs = await self._run_rows(prompts, params, return_logprob, rids, starts, routed)
         return web.Response(body=jsonio.dumps_bytes(outs if batched else outs[0]), content_type="application/json")
+
+    async def _run_rows(self, prompts, params, return_logprob: bool, rids, starts, routed: bool) -> list[dict]:
+        """Every row of one ``/generate`` into the engine at once, one future each (no task per row); a
+        gone client aborts the rows still running; a row that broke an engine step fails the request."""
+        loop = asyncio.get_running_loop()
+        futs = [loop.create_future() for _ in prompts]
+        submitted = []
+        try:
+            for ids, sampling, rid, start, fut in zip(prompts, params, rids, starts, futs):
+                submitted.append(self.engine.submit(ids, sampling, return_logprob, functools.partial(self._deliver, loop, fut),
+                                                    rid=rid, logprob_start_len=start, return_routed_experts=routed))
+            outs = await asyncio.gather(*futs)
+        except asyncio.CancelledError:
+            for rid in submitted:
+                self.engine.abort(rid)
+            raise
+        for out in outs:
+            if "error" in out:  # this request alone broke an engine step
+                raise BadRequest(out["error"])
+        return outs
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.engine.alive else 503)

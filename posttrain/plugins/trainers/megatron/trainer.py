@@ -48,7 +48,7 @@ import torch
 from posttrain.core.errors import UsageError
 from posttrain.core.losses import total_loss
 from posttrain.core.trainer_backend import lr_at
-from posttrain.plugins.trainers.megatron import checkpoint, data_parallel, grads, pipeline
+from posttrain.plugins.trainers.megatron import checkpoint, data_parallel, grads, pipeline, rope
 from posttrain.plugins.trainers.megatron import model as M
 from posttrain.core.train_batch import TrainBatch, pack
 from posttrain.plugins.trainers.megatron.logprobs import vocab_parallel_log_probs
@@ -94,6 +94,8 @@ class MegatronTrainer:
         if has_ckpt:
             M.load_hf(self.model, spec, self.hf, spec.config.path)
         self.moe = MoERuntime(self.model, self.backend.routing_replay, self._packed, self.device)
+        if self._packed:  # THD rotary from cu_seqlens as tensors: no host sync per layer, no recompiles
+            rope.install()
         if self.backend.compile:  # before DDP wrapping; graph breaks (packed cu_seqlens) are fine
             for layer in self.model.decoder.layers:
                 layer.forward = torch.compile(layer.forward)
@@ -204,11 +206,22 @@ class MegatronTrainer:
 
         return hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1), unpack
 
-    def _micro_log_probs(self, mb: TrainBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _micro_log_probs(self, mb: TrainBatch, with_entropy: bool, rows: torch.Tensor | None = None,
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(log_probs [b, T], entropy [b, T] | None)`` of micro-batch ``mb``. ``rows``
+        (:func:`scored_rows`): only those hidden rows go through the output layer and the softmax (the
+        others, prompt positions, come back 0): the loss reads no other, and a prompt is often a sixth of
+        a sample (the quickstart's five of six tokens)."""
         hidden, targets, unpack = self._hidden(mb)
+        if rows is not None:
+            rows = rows.to(hidden.device, non_blocking=True)
+            whole, hidden, targets = hidden.shape[0], hidden.index_select(0, rows), targets.index_select(0, rows)
         lp, ent = vocab_parallel_log_probs(hidden, self._output_weight(), targets,
                                            vocab_size=int(self.hf["vocab_size"]),
                                            chunk_size=self.backend.log_probs_chunk_size, with_entropy=with_entropy)
+        if rows is not None:
+            lp = lp.new_zeros(whole).index_copy(0, rows, lp)
+            ent = ent.new_zeros(whole).index_copy(0, rows, ent) if ent is not None else None
         return unpack(lp), (unpack(ent) if ent is not None else None)
 
     def _micro_values(self, mb: TrainBatch) -> torch.Tensor:
@@ -275,7 +288,8 @@ class MegatronTrainer:
         Actor: ``loss_fn`` as in the module docstring (extra ``loss_kwargs`` are passed through).
         Critic: clipped value loss ``0.5 * max((V - R)^2, (V_clip - R)^2)`` token-mean over the batch.
         ``keep_log_probs``: returns ``(metrics, log_probs [B, T], entropy [B, T])`` instead, the training
-        forward's (weights before this step; CPU fp32, as :meth:`log_probs` returns them). Where
+        forward's (weights before this step; CPU fp32, as :meth:`log_probs` returns them, but 0 off the
+        response: the step scores only the rows its loss reads, :func:`scored_rows`). Where
         ``batch.old_log_probs`` is None the loss takes these (detached) as the old policy's.
         """
         from megatron.core import parallel_state
@@ -315,12 +329,14 @@ class MegatronTrainer:
                 for k, v in r.items():
                     totals[k] = totals.get(k, 0.0) + float(v) * (1.0 if k in SUMMED else size / len(batch))
         for mb in ([] if M.pp_size() > 1 else self._micro_batches(batch)):
+            rows = scored_rows(mb.response_mask, mb.lengths, self._packed) if self.role != "critic" else None
             mb = mb.to(self.device)
             with self.moe.replaying(mb):  # MoE: the engine's experts, forward and backward (R3)
                 if self.role == "critic":
                     loss, metrics = value_loss(self._micro_values(mb), mb, c.value_clip, global_tokens)
                 else:
-                    loss, metrics = self._policy_loss(mb, loss_fn, global_tokens, global_seqs, loss_kwargs, kept)
+                    loss, metrics = self._policy_loss(mb, loss_fn, global_tokens, global_seqs, loss_kwargs, kept,
+                                                      rows)
                 (loss * scale).backward()
             totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())  # micro-batch losses sum to the batch's
             for k, v in metrics.items():
@@ -336,11 +352,11 @@ class MegatronTrainer:
         ent = torch.cat([_pad(t, width) for _, t in kept]).cpu()
         return totals, *data_parallel.gather((lp, ent), index, whole)
 
-    def _policy_loss(self, mb, loss_fn, global_tokens, global_seqs, loss_kwargs, kept=None):
+    def _policy_loss(self, mb, loss_fn, global_tokens, global_seqs, loss_kwargs, kept=None, rows=None):
         c = self.config
         if loss_fn is None:
             raise UsageError("train_step: the actor needs a loss_fn")
-        lp, ent = self._micro_log_probs(mb, c.entropy_coef != 0.0 or kept is not None)
+        lp, ent = self._micro_log_probs(mb, c.entropy_coef != 0.0 or kept is not None, rows)
         if kept is not None:  # the old policy's, when this is the batch's only step (log_probs' layout)
             kept.append((lp.detach(), ent.detach()))
         return self._policy_terms(mb, lp, ent, loss_fn, global_tokens, global_seqs, loss_kwargs)
@@ -451,6 +467,18 @@ def micro_batch_bounds(lengths: list[int], size: int, max_tokens: int | None = N
     if lengths:
         bounds.append((start, len(lengths)))
     return bounds
+
+
+def scored_rows(response_mask: torch.Tensor, lengths: torch.Tensor, packed: bool) -> torch.Tensor:
+    """Indices ``[R]`` of the hidden rows (``_hidden``'s layout: ``b * T + t`` padded, packed
+    ``start_b + t``) whose next token is a response token (``response_mask[b, t + 1] > 0``): the rows
+    whose log-probs a policy loss reads. Computed where the mask lives (the host, before the
+    micro-batch moves), so the device never waits for a count."""
+    nxt = torch.zeros(response_mask.shape, dtype=torch.bool, device=response_mask.device)
+    nxt[:, :-1] = response_mask[:, 1:] > 0
+    if packed:  # row-major boolean selection = each sample's first ``length`` columns, concatenated
+        nxt = nxt[torch.arange(nxt.shape[1], device=nxt.device)[None, :] < lengths.to(nxt.device)[:, None]]
+    return nxt.reshape(-1).nonzero().squeeze(1)
 
 
 def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
