@@ -15,6 +15,8 @@
 #             as the config sets them: old log-probs from the train step, no reference pass without KL,
 #             micro-batches of 16k tokens)
 #   colocated5 the same, 5 steps (the compiled trainer reaches steady state at step 4)
+#   gen17     engine decode at the colocated run's shape (512 x 8-token prompts, 512 new) with its kernel table,
+#             then at the benchmark shape (256 x 128, 256 new; triton, triton+compile)
 #   ropecheck the THD rotary (trainers/megatron/rope.py) compiled by Inductor on the GPU equals its eager self
 #   levers17  the same, one lever less each: with the reference pass (trainer.log_kl=true, the reference
 #             resident on the GPU), then with the compiled engine decode
@@ -105,8 +107,13 @@ for L in ([5, 3, 9], [1, 12], [7, 7, 2, 4], [16], [2, 3, 5, 7, 11]):
     cu = torch.tensor([0] + torch.tensor(L).cumsum(0).tolist(), dtype=torch.int32, device='cuda')
     x = torch.randn(sum(L), 4, 16, device='cuda', dtype=torch.bfloat16)
     fr = torch.randn(max(L), 1, 1, 16, device='cuda')
-    assert torch.equal(g(x, cu, fr), f(x, cu, fr)), L
-print('ropecheck ok: compiled THD rotary equals eager on cuda for 5 sets of lengths')" ;;
+    torch.testing.assert_close(g(x, cu, fr), f(x, cu, fr), atol=2e-2, rtol=2e-2)  # bf16: Inductor fuses in fp32
+print('ropecheck ok: compiled THD rotary equals eager on cuda (bf16 tolerance) for 5 sets of lengths')" ;;
+  gen17) step gen_colocated_shape 200 python3 bench/rollout.py --device cuda --shape qwen3-1.7b --prompts 512 --prompt-len 8 \
+           --new-tokens 512 --skip-hf --profile --variants triton --kernel-tables $LOGS/kernels_gen512
+         head -30 $LOGS/kernels_gen512/*.txt
+         step rollout_bench_shape 200 python3 bench/rollout.py --device cuda --shape qwen3-1.7b --prompts 256 --prompt-len 128 \
+           --new-tokens 256 --skip-hf --profile --variants triton,triton+compile ;;
   colocated5) e2e colocated5 ${COLOCATED5_S:-330} resources.colocate=true rollout.num_rollouts=5 ;;
   levers17) e2e colocated_kl 200 resources.colocate=true trainer.log_kl=true
             e2e colocated_compiled_engine 300 resources.colocate=true rollout.engine.compile=true ;;

@@ -106,8 +106,11 @@ def rel(a, b) -> float:
 # see. A CPU run that only packs its samples differently (the same math summed in another order) drifts
 # to 3e-5 in grad norm and 9e-6 in weights by step 10 (tests/unit/train/test_equivalence_harness.py), so
 # the 10-step bar is 1e-4: a 1% lr change, beta2 0.999 or a lost entropy/KL term give 1e-3 to 4e-3.
+# Grad norms have 2e-4: since the train step sends only response rows through the output layer (issue 17,
+# trainer.scored_rows) the padded GPU variants drift to 1.07e-4 - 1.10e-4 by step 10 (H200, 2026-12-02;
+# loss 5e-6, log-probs 1.6e-5), still 5x under the smallest real change above.
 TOLERANCES = {"init": 0.0, "loss": 1e-5, "entropy": 1e-5, "log_probs@0": 1e-5, "grad_norm@0": 1e-5,
-              "weights@0": 1e-5, "log_probs": 1e-4, "grad_norm": 1e-4, "weights": 1e-4}
+              "weights@0": 1e-5, "log_probs": 1e-4, "grad_norm": 2e-4, "weights": 1e-4}
 
 
 def _flat(weights: dict):
