@@ -50,22 +50,26 @@ def prompt_ids(sample: Sample, tokenizer: Any, chat_template: bool = True) -> li
     return encode_cached(tokenizer, sample.prompt)
 
 
-_ENCODED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {text: ids}
-_ENCODED_MAX = 1 << 16  # texts kept per tokenizer (the cache starts over when full)
+_ENCODED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {text: ids}, token count
+_ENCODED_MAX_TOKENS = 1 << 21  # token ids kept per tokenizer (~70 MB); the cache starts over when full
 
 
 def encode_cached(tokenizer: Any, text: str) -> list[int]:
     """``tokenizer.encode(text, add_special_tokens=False)``, remembered per tokenizer: an epoch repeats
     every prompt, and a group's samples share theirs (HF's per-call overhead is ~0.1 ms)."""
     try:
-        seen = _ENCODED.setdefault(tokenizer, {})
+        cache = _ENCODED.setdefault(tokenizer, [{}, 0])
     except TypeError:  # not weak-referenceable: no cache
         return tokenizer.encode(text, add_special_tokens=False)
+    seen = cache[0]
     ids = seen.get(text)
     if ids is None:
-        if len(seen) >= _ENCODED_MAX:
+        ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+        if cache[1] + len(ids) > _ENCODED_MAX_TOKENS:
             seen.clear()
-        ids = seen[text] = tuple(tokenizer.encode(text, add_special_tokens=False))
+            cache[1] = 0
+        seen[text] = ids
+        cache[1] += len(ids)
     return list(ids)
 
 
