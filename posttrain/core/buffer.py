@@ -144,12 +144,10 @@ def _copy(value: Any) -> Any:
     return value if isinstance(value, (str, int, float, type(None))) else copy.deepcopy(value)
 
 
-def _copy_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
-    """A sample's own metadata: a shallow copy when every value is immutable (deepcopy costs ~10 us a
-    sample, a thousand samples a step), else a deep one."""
-    if isinstance(metadata, dict) and all(isinstance(v, (str, int, float, type(None))) for v in metadata.values()):
-        return dict(metadata)
-    return copy.deepcopy(metadata)
+def _copy_metadata(metadata: Any) -> Any:
+    """A sample's own metadata, value by value through :func:`_copy` (one deepcopy of the whole dict costs
+    ~10 us a sample, a thousand samples a step; immutable values need none)."""
+    return {k: _copy(v) for k, v in metadata.items()} if isinstance(metadata, dict) else _copy(metadata)
 
 
 def fresh_copy(sample: Sample) -> Sample:

@@ -343,7 +343,10 @@ class ModelRunner:
         ids = torch.from_numpy(ids_np).to(self.device)
         lens = torch.from_numpy(lens_np).to(self.device)
         rows = torch.tensor(inverse, dtype=torch.long, device=self.device)  # [len(prompts)] -> unique row
-        spread = n < len(prompts)
+
+        def spread(x):  # per unique prompt -> per row (as it is when no prompt repeats)
+            return x[rows] if n < len(prompts) and x is not None else x
+
         positions = torch.arange(width, device=self.device)[None, :].expand(n, width)
         slot_idx = torch.tensor(slots, dtype=torch.long, device=self.device)
         h = self.model.model.embed_tokens(ids)
@@ -351,18 +354,16 @@ class ModelRunner:
         routed = []
         for l, layer in enumerate(self.layers):
             q, k, v = _project_qkv(layer, h, cos, sin, self._rope)
-            self.k_cache[l, slot_idx, :, :width] = k[rows] if spread else k
-            self.v_cache[l, slot_idx, :, :width] = v[rows] if spread else v
+            self.k_cache[l, slot_idx, :, :width] = spread(k)
+            self.v_cache[l, slot_idx, :, :width] = spread(v)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
             h, experts = _finish_layer(layer, h, o)
             routed.append(experts)
-        routing = self._stack_routing(routed, (n, width))
-        self.routed_experts = routing[rows] if spread and routing is not None else routing
+        self.routed_experts = spread(self._stack_routing(routed, (n, width)))
         last = h[torch.arange(n, device=self.device), lens - 1]
         scored = [None if s is None else self._token_logprobs(h[inverse[i], s:len(p) - 1], p[s + 1:])
                   for i, (p, s) in enumerate(zip(prompts, starts))]
-        logits = self.model.lm_head(self.model.model.norm(last)).float()
-        return (logits[rows] if spread else logits), scored
+        return spread(self.model.lm_head(self.model.model.norm(last)).float()), scored
 
     def _token_logprobs(self, hidden: torch.Tensor, targets: list[int], rows: int = 1024) -> list[float]:
         """``log_softmax(lm_head(norm(hidden)))[targets]`` for ``hidden [m, H]``, ``rows`` at a time."""

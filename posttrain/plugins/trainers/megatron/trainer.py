@@ -329,12 +329,12 @@ class MegatronTrainer:
                 for k, v in r.items():
                     totals[k] = totals.get(k, 0.0) + float(v) * (1.0 if k in SUMMED else size / len(batch))
         for mb in ([] if M.pp_size() > 1 else self._micro_batches(batch)):
-            rows = scored_rows(mb.response_mask, mb.lengths, self._packed) if self.role != "critic" else None
-            mb = mb.to(self.device)
+            host, mb = mb, mb.to(self.device)  # the host copy: scored_rows without a device sync
             with self.moe.replaying(mb):  # MoE: the engine's experts, forward and backward (R3)
                 if self.role == "critic":
                     loss, metrics = value_loss(self._micro_values(mb), mb, c.value_clip, global_tokens)
                 else:
+                    rows = scored_rows(host.response_mask, host.lengths, self._packed)
                     loss, metrics = self._policy_loss(mb, loss_fn, global_tokens, global_seqs, loss_kwargs, kept,
                                                       rows)
                 (loss * scale).backward()
