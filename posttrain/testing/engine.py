@@ -4,6 +4,7 @@ and HF ``generate``'s greedy continuation to compare against."""
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 ENGINE_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -24,14 +25,24 @@ def start_local_engine(model_dir: str | Path, log_dir: str | Path | None = None,
     from posttrain.plugins.engines.local import local_engine_command
 
     api_key = api_key or secrets.token_urlsafe(16)
-    port = free_port()
     options.setdefault("context_length", 256)
     options.setdefault("max_running_requests", 8)
-    log = os.path.join(str(log_dir), f"engine-{port}.log") if log_dir else None
-    server = ManagedServer(local_engine_command(str(model_dir), port, **options), f"http://127.0.0.1:{port}",
-                           log_path=log, env={**ENGINE_ENV, API_KEY_ENV: api_key}, ready_timeout_s=120)
-    server.api_key = api_key
-    return server.start()
+    log_dir = str(log_dir) if log_dir else tempfile.mkdtemp(prefix="posttrain-engine-log-")
+    for attempt in range(3):
+        # free_port() is free when asked, not when the engine binds it: another test process (xdist) may
+        # take it in between, and the engine then exits "address already in use"; a fresh port, again
+        port = free_port()
+        log = os.path.join(log_dir, f"engine-{port}.log")
+        server = ManagedServer(local_engine_command(str(model_dir), port, **options), f"http://127.0.0.1:{port}",
+                               log_path=log, env={**ENGINE_ENV, API_KEY_ENV: api_key}, ready_timeout_s=120)
+        server.api_key = api_key
+        try:
+            return server.start()
+        except RuntimeError as exc:  # the process exited before it answered
+            tail = Path(log).read_text(errors="replace")[-2000:] if os.path.exists(log) else ""
+            if "address already in use" in tail and attempt < 2:
+                continue
+            raise RuntimeError(f"{exc}; engine log {log}:\n{tail}") from None
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
