@@ -15,6 +15,8 @@
 #             as the config sets them: old log-probs from the train step, no reference pass without KL,
 #             micro-batches of 16k tokens)
 #   colocated5 the same, 5 steps (the compiled trainer reaches steady state at step 4)
+#   colocated5c the same with the compiled engine decode (rollout.engine.compile=true)
+#   stable17  the CUDA VMM probe (vmm.vmm_supported) and the engine's GPU tests (stable memory keeps the graphs)
 #   gen17     engine decode at the colocated run's shape (512 x 8-token prompts, 512 new) with its kernel table,
 #             then at the benchmark shape (256 x 128, 256 new; triton, triton+compile)
 #   ropecheck the THD rotary (trainers/megatron/rope.py) compiled by Inductor on the GPU equals its eager self
@@ -22,6 +24,8 @@
 #             resident on the GPU), then with the compiled engine decode
 #   diag17    decode parts alone (attention-kernel launch grid, fused vs separate matmuls; bench/decode_parts.py)
 #             and the engine's decode at the benchmark shape with its kernel table (triton+compile)
+#   gputests17 the engine's GPU tests (stable memory, compiled variants), then tests/gpu's runs and equivalence
+#   colocated_test, compiled_gpu_tests: the colocated GPU run test alone; the compiled decode variants' GPU tests
 #   trl_gpu   TRL's GRPOTrainer on that workload (bench/trl_gpu.py; wheels in .whl/trl/: trl, datasets, dill,
 #             multiprocess), for the side-by-side ratio
 #   disagg    the same, trainer GPU 0 / engine GPU 1, synchronous then async
@@ -114,7 +118,14 @@ print('ropecheck ok: compiled THD rotary equals eager on cuda (bf16 tolerance) f
          head -30 $LOGS/kernels_gen512/*.txt
          step rollout_bench_shape 200 python3 bench/rollout.py --device cuda --shape qwen3-1.7b --prompts 256 --prompt-len 128 \
            --new-tokens 256 --skip-hf --profile --variants triton,triton+compile ;;
-  colocated5) e2e colocated5 ${COLOCATED5_S:-330} resources.colocate=true rollout.num_rollouts=5 ;;
+  colocated5) e2e colocated5 ${COLOCATED5_S:-330} resources.colocate=true rollout.num_rollouts=5
+              grep -rh "stable memory off" $LOGS/runs 2>/dev/null | head -2 ;;
+  colocated5c) e2e colocated5c ${COLOCATED5_S:-330} resources.colocate=true rollout.num_rollouts=5 rollout.engine.compile=true
+               grep -rh "stable memory off" $LOGS/runs 2>/dev/null | head -2 ;;
+  stable17) step stable17 150 python3 -c "
+from posttrain.plugins.engines.local.vmm import vmm_supported
+why = vmm_supported(0); print('vmm:', why or 'supported'); raise SystemExit(1 if why else 0)"
+            step stable17_tests 150 python3 -m pytest -q -p no:cacheprovider tests/unit/rollout/test_rollout_gpu.py ;;
   levers17) e2e colocated_kl 200 resources.colocate=true trainer.log_kl=true
             e2e colocated_compiled_engine 300 resources.colocate=true rollout.engine.compile=true ;;
   trl_gpu) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/trl .whl/trl/*.whl \
@@ -132,6 +143,13 @@ print('ropecheck ok: compiled THD rotary equals eager on cuda (bf16 tolerance) f
             --new-tokens 256 --skip-hf --profile --variants triton+compile --kernel-tables $LOGS/kernels17
           head -45 $LOGS/kernels17/*.txt ;;
   gputests) step gputests 170 python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
+  gputests17) step engine_gpu_tests 100 python3 -m pytest -q -p no:cacheprovider tests/unit/rollout/test_rollout_gpu.py \
+                tests/unit/rollout/test_decode_variants.py
+              step runs_gpu_tests 180 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_runs_gpu.py
+              step equivalence_gpu_tests 230 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_equivalence_gpu.py ;;
+  colocated_test) step colocated_test 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_runs_gpu.py -k colocated ;;
+  compiled_gpu_tests) step compiled_gpu_tests 170 python3 -m pytest -q -p no:cacheprovider -m gpu \
+                        tests/unit/rollout/test_decode_variants.py -k compile ;;
   moe_train)
     M="--device cuda --spec qwen3_moe --preset qwen3-30B-A3B --layers $MOE_LAYERS --seq-len 2048 --steps 2 --warmup 1
        --sdpa-gqa --keep-logits --fused-adam"

@@ -32,6 +32,10 @@ SMALL = [f"model.preset={os.environ.get('POSTTRAIN_GPU_PRESET', 'qwen3-0.6B')}",
 # bf16 kernel stacks drift apart; bench/RESULTS.md). A wrong weight push gives whole nats, so 0.1 still
 # catches one.
 BF16_GAP = 0.1
+# |old - reference| log-probs at step 0, same weights: the old log-probs come from the training forward
+# (compiled, with autograd, packed by max_tokens_per_micro_batch) and the reference from its own no-grad pass,
+# so bf16 kernels part them by ~5e-3 (measured 0.0053 at qwen3-0.6B); a reference of other weights is nats off
+REF_GAP_STEP0 = 0.02
 
 
 def run(tmp_path, *overrides):
@@ -45,7 +49,7 @@ def run(tmp_path, *overrides):
 
 
 def check_signals(rows):
-    assert rows[0]["train/ref_policy_logprob_abs_diff"] == 0.0, "reference and policy differ before any update"
+    assert rows[0]["train/ref_policy_logprob_abs_diff"] < REF_GAP_STEP0, "reference and policy differ before any update"
     # every step samples with the weights pushed after the last one: a bad push shows up here
     gaps = [r["train_rollout_logprob_abs_diff"] for r in rows]
     assert max(gaps) < BF16_GAP, gaps
@@ -69,4 +73,4 @@ def test_disaggregated_on_two_gpus_syncs_over_nccl(tmp_path):
 def test_async_on_two_gpus_trains_one_step_off(tmp_path):
     rows = run(tmp_path, "rollout.num_rollouts=3", "rollout.mode=async")
     assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
-    assert rows[0]["train/ref_policy_logprob_abs_diff"] == 0.0
+    assert rows[0]["train/ref_policy_logprob_abs_diff"] < REF_GAP_STEP0

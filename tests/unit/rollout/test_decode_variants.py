@@ -311,3 +311,24 @@ def test_bench_prints_one_json_line_per_variant_with_profile():
         assert "error" not in r, r
         assert r["engine_tok_s"] > 0 and r["decode_ms"] > 0 and r["step_ms"] > 0 and r["sampling_ms"] > 0
         assert r["decode_attention"] == r["variant"]
+
+
+def test_compiled_decode_compiles_a_few_times_for_every_batch_bucket(tiny_ckpt, monkeypatch):
+    """Automatic dynamic shapes: the batch buckets 1, 2, 4, 8 cost at most three compiles of each compiled
+    part (size 1, the first other size, then one symbolic version for the rest), not one per bucket, and
+    every bucket still gives the eager logits."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter, real = CompileCounter(), torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": counter}))
+    torch.set_num_threads(1)
+    eager = ModelRunner(tiny_ckpt, max_slots=8, context_length=64)
+    compiled = ModelRunner(tiny_ckpt, max_slots=8, context_length=64, compile=True)
+    for nb in (1, 2, 3, 5, 8, 4):  # buckets 1, 2, 4, 8, 8, 4
+        for r in (eager, compiled):  # fresh slots: a padded step writes position 0 of the idle ones
+            r.prefill(list(range(8)), [[5 + i, 6, 7] for i in range(8)])
+        tokens, positions = torch.arange(20, 20 + nb), torch.full((nb,), 3)
+        torch.testing.assert_close(compiled.decode(tokens, positions), eager.decode(tokens, positions),
+                                   atol=1e-5, rtol=1e-5, msg=f"batch {nb}")
+    assert 2 <= counter.frame_count <= 6, f"{counter.frame_count} compiles for 4 buckets of 2 parts"

@@ -36,6 +36,8 @@ Decode levers (constructor arguments, defaults are the safe baseline; ``bench/ro
 from __future__ import annotations
 
 import re
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -139,9 +141,12 @@ def _weight_view(params: dict[str, torch.Tensor], name: str) -> torch.Tensor | N
 
 
 def _compiled(fn, mode: str):
-    """``fn`` under ``torch.compile``: one graph (``fullgraph``), static shapes (one compile per batch
-    bucket, which CUDA graphs need anyway), no Inductor CUDA graphs (ours wrap the whole step)."""
-    return torch.compile(fn, fullgraph=True, dynamic=False, mode=None if mode == "default" else mode)
+    """``fn`` under ``torch.compile``: one graph (``fullgraph``), no Inductor CUDA graphs (ours wrap the
+    whole step), and automatic dynamic shapes: the second batch size seen recompiles ``fn`` with the batch
+    dimension symbolic, and that version serves every later bucket. (Static shapes compiled once per
+    bucket, each a few seconds on an H200, so a colocated step that first met a bucket took seconds
+    longer than the others.) Each CUDA graph still captures the kernels at its own bucket's size."""
+    return torch.compile(fn, fullgraph=True, dynamic=None, mode=None if mode == "default" else mode)
 
 
 def _raise_recompile_limit(shapes: int) -> None:
@@ -507,7 +512,9 @@ class ModelRunner:
         return static["logits"][:nb], static["routing"]
 
     def _capture(self, bucket: int, span: int) -> None:
-        """Capture the decode step of ``bucket`` slots over ``span`` positions into ``self._graphs``."""
+        """Capture the decode step of ``bucket`` slots over ``span`` positions into ``self._graphs`` (one
+        line on stderr each, with its seconds: the engine log then shows what a slow step captured)."""
+        t0 = time.perf_counter()
         static = {"tokens": torch.zeros(bucket, dtype=torch.long, device=self.device),
                   "positions": torch.zeros(bucket, dtype=torch.long, device=self.device)}
         # The warm-up runs for real and writes K/V at position 0 of slots 0 .. bucket-1, which may
@@ -526,3 +533,5 @@ class ModelRunner:
             static["logits"] = self._decode_eager(static["tokens"], static["positions"], span)
             static["routing"] = self._step_routing
         self._graphs[(bucket, span)] = (graph, static)
+        print(f"captured the decode graph of {bucket} slots x {span} positions in {time.perf_counter() - t0:.2f} s",
+              file=sys.stderr, flush=True)

@@ -101,7 +101,7 @@ class EngineServer:
     def __init__(self, model_dir: str, host: str = "127.0.0.1", port: int = 30000, device: str = "cpu",
                  dtype: str = "auto", max_running_requests: int = 32, context_length: int | None = None,
                  cuda_graphs: bool = False, decode_attention: str = "auto", compile: bool = False,
-                 api_key: str | None = None, generate_body_limit: int = GENERATE_BODY_LIMIT):
+                 stable_memory: bool = False, api_key: str | None = None, generate_body_limit: int = GENERATE_BODY_LIMIT):
         from transformers import AutoTokenizer
 
         from posttrain.plugins.engines.local.engine import LocalEngine
@@ -122,6 +122,10 @@ class EngineServer:
         self.generate_body_limit = generate_body_limit
         self.weights = WeightRoutes(self)
         self.memory = EngineMemory(self.runner)
+        if stable_memory:  # before the first request: graphs are captured over the stable addresses
+            why = self.engine.call_in_engine(self.memory.make_stable)
+            if why:
+                log.warning("stable memory off (%s): CUDA graphs are recaptured after every memory release", why)
         self.released = False
         self._ready: list[tuple[asyncio.Future, dict[str, Any]]] = []  # finished, not yet handed to the loop
         self._ready_lock = threading.Lock()
@@ -131,6 +135,7 @@ class EngineServer:
             "device": device, "dtype": str(self.runner.dtype).removeprefix("torch."),
             "context_length": self.runner.context_length, "max_running_requests": max_running_requests,
             "tp_size": 1, "dp_size": 1, "cuda_graphs": self.runner.cuda_graphs,
+            "stable_memory": self.memory.stable,
             "decode_attention": self.runner.decode_attention, "compile": bool(compile), "skip_tokenizer_init": False,
         }
 
