@@ -84,8 +84,8 @@ class EngineFleet:
                 self.servers = [self._server(i) for i in range(self.resources.num_engines)]
                 for s in self.servers:  # start all, then wait: engines load their weights in parallel
                     s.start(wait=False)
-                for s in self.servers:
-                    s.wait_ready()
+                for i in range(len(self.servers)):
+                    self._wait_ready(i)
             if self.rollout.use_router:
                 self.router = RouterProcess(self.engine_urls, host=self.host, model_path=self.model_path,
                                             extra_args=list(self.rollout.router_args), log_path=self._log("router.log"),
@@ -95,6 +95,21 @@ class EngineFleet:
             self.stop()
             raise
         return self
+
+    def _wait_ready(self, i: int, attempts: int = 3) -> None:
+        """Wait for engine ``i``. Its port came from ``free_port`` seconds before the engine binds it, and
+        another process (a parallel run, an xdist worker) may take it in between: the engine then exits
+        and the port is held by someone else. Such an engine starts again on a fresh port, up to
+        ``attempts`` times; any other failure is raised."""
+        for attempt in range(attempts):
+            s = self.servers[i]
+            try:
+                return s.wait_ready()
+            except RuntimeError:  # the process exited before it answered
+                if attempt + 1 == attempts or port_free(s.base_url):
+                    raise
+            self.servers[i] = self._server(i)
+            self.servers[i].start(wait=False)
 
     @property
     def engine_urls(self) -> list[str]:

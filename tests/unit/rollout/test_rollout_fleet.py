@@ -80,3 +80,31 @@ def test_engines_get_their_gpu_after_the_trainers(colocate, device, expect, monk
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4")
     with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES has 1 GPU"):
         fleet._server(1)
+
+
+@pytest.mark.slow
+def test_an_engine_whose_port_was_taken_before_it_bound_starts_on_a_fresh_one(tiny_ckpt, tmp_path, monkeypatch):
+    """``free_port`` hands out a port nobody holds *now*; another process may bind it before the engine
+    does (seconds later, after loading the model). The fleet then starts that engine again on a fresh
+    port instead of failing the run."""
+    import socket
+
+    from posttrain.core.rollout import fleet as fleet_mod
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    taken = holder.getsockname()[1]
+    ports = iter([taken])
+    real = fleet_mod.free_port
+    monkeypatch.setattr(fleet_mod, "free_port", lambda host="127.0.0.1": next(ports, None) or real(host))
+    cfg = config()
+    cfg.resources.num_engines = 1
+    fleet = fleet_of(cfg, str(tiny_ckpt), log_dir=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    try:
+        with fleet:
+            (url,) = fleet.engine_urls
+            assert not url.endswith(f":{taken}")
+            assert fleet.servers[0].healthy()
+    finally:
+        holder.close()
