@@ -12,7 +12,8 @@ every caller gets its own rows back, in the shape it asked for::
   ``seed_rows``; without it such a batch is sent alone, as is anything with a ``rid``, ``text``, a
   per-row ``logprob_start_len`` or a part bigger than ``max_rows``);
 - only requests with the same other fields (``return_logprob``, ...) are merged;
-- a request merged with nobody is sent exactly as it was made;
+- a request merged with nobody is sent exactly as it was made; a merged one goes as JSON bytes (orjson)
+  when its floats are finite, else as the object, which the client encodes (NaN reaches the server);
 - a caller cancelled while its request is merged just stops waiting; the merged request is cancelled
   (and the engine aborts its rows) once all of its callers are gone;
 - an HTTP 4xx answer to a merged request sends each part again alone, so only the bad one fails; any
@@ -28,6 +29,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from posttrain.core import jsonio
 from posttrain.core.rollout.client import EngineClient, EngineRequestError
 
 _ROW_KEYS = ("input_ids", "sampling_params")  # what a merged request takes from each part, row by row
@@ -120,7 +122,7 @@ class CoalescingEngine:
         self.merged += 1
         self.parts += len(batch)
         try:
-            outs = await self._client.request("POST", "/generate", _merged(batch))
+            outs = await self._client.request("POST", "/generate", _encoded(batch))
             if not isinstance(outs, list) or len(outs) != sum(len(p.rows) for p in batch):
                 raise EngineRequestError("/generate", 500, f"a merged request of {sum(len(p.rows) for p in batch)} "
                                                            f"rows got {type(outs).__name__} back")
@@ -196,6 +198,15 @@ def _part(payload: Any, seed_rows: bool, max_rows: int) -> _Part | None:
         return None  # the engines' own rule for a shared seed is not known here
     return _Part(payload, rows, batched, None,  # row j draws with seed + j, wrapped into int64
                  [{**sp, "sampling_seed": (seed + j + 2**63) % 2**64 - 2**63} for j in range(len(rows))])
+
+
+def _encoded(batch: list[_Part]) -> dict[str, Any] | bytes:
+    """:func:`_merged`, encoded at once (orjson: a thousand rows' body in ~0.1 ms instead of ~3) when
+    every part's fields are finite, checked part by part (a NaN must reach the server as written)."""
+    body = _merged(batch)
+    if all(jsonio.finite({k: v for k, v in p.payload.items() if k != "input_ids"}) for p in batch):
+        return jsonio.dumps_finite(body)
+    return body
 
 
 def _merged(batch: list[_Part]) -> dict[str, Any]:

@@ -5,6 +5,8 @@ engine a coalesced seeded rollout draws exactly the tokens of one request per gr
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 
 import pytest
 
@@ -20,10 +22,13 @@ class FakeClient:
     def __init__(self, hold: asyncio.Event | None = None, refuse_prompt: int | None = None):
         self.bodies: list[dict] = []
         self.hold, self.refuse_prompt = hold, refuse_prompt
-        self.cancelled = 0
+        self.cancelled = self.encoded = 0
         self.base_url = "http://fake"
 
     async def request(self, method, path, payload=None):
+        if isinstance(payload, bytes):  # a merged body, encoded once
+            payload = json.loads(payload)
+            self.encoded += 1
         self.bodies.append(payload)
         try:
             if self.hold is not None:
@@ -69,6 +74,17 @@ async def test_requests_of_one_turn_go_as_one_and_each_caller_gets_its_rows_and_
     assert [o["seed"] for o in outs[0]] == [100, 101, 102] and [o["seed"] for o in outs[1]] == [500, 501]
     assert isinstance(outs[2], dict) and outs[2]["seed"] == 7 and outs[2]["prompt"] == [30, 1]
     assert all(o["prompt"][0] == 10 for o in outs[0]) and all(o["prompt"][0] == 20 for o in outs[1])
+
+
+async def test_a_merged_body_goes_encoded_unless_a_float_is_not_finite():
+    fake = FakeClient()
+    engine = CoalescingEngine(fake, max_rows=64, seed_rows=True)
+    await asyncio.gather(*[engine.request("POST", "/generate", body(i, n=2, seed=i)) for i in range(3)])
+    assert fake.encoded == 1
+    nan = body(9, n=2)
+    nan["sampling_params"]["temperature"] = float("nan")
+    await asyncio.gather(engine.request("POST", "/generate", nan), engine.request("POST", "/generate", body(8)))
+    assert fake.encoded == 1 and math.isnan(fake.bodies[-1]["sampling_params"][0]["temperature"])  # as made
 
 
 async def test_shared_unseeded_params_stay_one_dict_and_other_fields_keep_requests_apart():
