@@ -115,6 +115,13 @@ class CoalescingEngine:
         for part in batch:
             part.future.add_done_callback(gone)
 
+        def ended(task: asyncio.Task) -> None:  # cancelled from outside (the loop shutting down): so are they
+            if task.cancelled():
+                for part in batch:
+                    part.future.cancel()
+
+        task.add_done_callback(ended)
+
     async def _run(self, batch: list[_Part]) -> None:
         if len(batch) == 1:
             await self._answer(batch[0], self._client.request("POST", "/generate", batch[0].payload))

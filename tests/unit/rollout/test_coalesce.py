@@ -144,6 +144,17 @@ async def test_a_cancelled_caller_leaves_the_others_and_the_last_one_cancels_the
     assert fake.cancelled == 1  # every caller gone: the merged request is cancelled (the engine aborts it)
 
 
+async def test_a_merged_request_cancelled_from_outside_cancels_its_callers():
+    hold = asyncio.Event()
+    engine = CoalescingEngine(FakeClient(hold), max_rows=64)
+    callers = [asyncio.ensure_future(engine.request("POST", "/generate", body(i, n=2))) for i in range(2)]
+    await asyncio.sleep(0.01)
+    [task] = engine._tasks
+    task.cancel()
+    done = await asyncio.wait_for(asyncio.gather(*callers, return_exceptions=True), 2.0)  # not left waiting
+    assert all(isinstance(d, asyncio.CancelledError) for d in done)
+
+
 async def test_a_refused_part_fails_alone():
     fake = FakeClient(refuse_prompt=2)
     engine = CoalescingEngine(fake, max_rows=64)
