@@ -1,7 +1,7 @@
 """One quickstart step's ``generate`` on the CPU: 64 prompts x 16 samples, one new token each, through the
 real generator (``single_turn``), client and local engine server, without the trainer.
 
-    python bench/generate_step.py [--rounds 20] [--slots 32] [--context 0] [--router] [--profile OUT.prof] [--py-spy OUT.raw]
+    python bench/generate_step.py [--rounds 20] [--slots 32] [--context 0] [--router] [--coalesce ROWS] [--profile OUT.prof] [--py-spy OUT.raw]
 
 Starts ``rl-cli engine serve`` on a tiny random-init Qwen3 (the quickstart's shape and character
 vocabulary), optionally behind sglang-router (``--router``, as the quickstart runs), then times
@@ -26,12 +26,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-async def rounds(url: str, ckpt: Path, n: int, api_key: str) -> list[float]:
+async def rounds(url: str, ckpt: Path, n: int, api_key: str, coalesce: int = 0) -> list[float]:
     from posttrain.core.buffer import DataBuffer, collect_groups
     from posttrain.core.config import load_config
     from posttrain.core.data import load_prompts
     from posttrain.core.plugins import load_plugins
     from posttrain.core.rollout.client import EngineClient
+    from posttrain.core.rollout.coalesce import CoalescingEngine
     from transformers import AutoTokenizer
 
     plugins = load_plugins(autoload=False)
@@ -42,7 +43,9 @@ async def rounds(url: str, ckpt: Path, n: int, api_key: str) -> list[float]:
     generator = cfg.generator.create(plugins)
     sampling = cfg.rollout.sampling_params(seed=cfg.seed)
     times = []
-    async with EngineClient(url, max_concurrency=cfg.rollout.server_concurrency, api_key=api_key) as engine:
+    async with EngineClient(url, max_concurrency=cfg.rollout.server_concurrency, api_key=api_key) as client:
+        engine = CoalescingEngine(client, coalesce, cfg.rollout.seeds_batch_rows) if coalesce else client
+
         async def one(group):
             return await generator(group, engine, sampling)
 
@@ -60,6 +63,7 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=32, help="engine max_running_requests")
     parser.add_argument("--context", type=int, default=0, help="engine context_length (0: the model's)")
     parser.add_argument("--router", action="store_true", help="through sglang-router, as the quickstart")
+    parser.add_argument("--coalesce", type=int, default=0, help="rollout.coalesce_rows (0: one request per group)")
     parser.add_argument("--profile", default=None, help="cProfile of the client side to this file")
     parser.add_argument("--py-spy", default=None, help="py-spy raw samples of the engine server to this file")
     args = parser.parse_args()
@@ -95,7 +99,7 @@ def main() -> None:
 
             engine_proc = psutil.Process(server.proc.pid)
             cpu0, own0 = sum(engine_proc.cpu_times()[:2]), time.process_time()
-            times = asyncio.run(rounds(url, ckpt, args.rounds, server.api_key))
+            times = asyncio.run(rounds(url, ckpt, args.rounds, server.api_key, args.coalesce))
             engine_cpu, client_cpu = sum(engine_proc.cpu_times()[:2]) - cpu0, time.process_time() - own0
             if args.profile:
                 prof.disable()
@@ -111,7 +115,7 @@ def main() -> None:
             server.stop()
     steady = times[2:] or times
     print(json.dumps({"bench": "generate_step", "machine": f"{platform.machine()} {os.cpu_count()} cpus",
-                      "load": os.getloadavg()[0], "slots": args.slots, "router": args.router, "rounds": len(times),
+                      "load": os.getloadavg()[0], "slots": args.slots, "router": args.router, "coalesce": args.coalesce, "rounds": len(times),
                       "median_s": round(statistics.median(steady), 4), "mean_s": round(statistics.mean(steady), 4),
                       "first_s": round(times[0], 4),
                       # CPU seconds per round (all rounds): what a loaded machine's wall clock cannot show

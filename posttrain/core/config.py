@@ -176,6 +176,10 @@ class RolloutConfig:
     use_router: bool = option(True, help="route /generate through sglang-router")
     router_args: list[str] = option(default_factory=list, help="extra sglang_router.launch_router options")
     server_concurrency: int = option(512, ge=1, help="requests in flight per engine client")
+    coalesce_rows: int = option(0, ge=0, help="send the /generate requests that rollouts make in the same instant "
+                                              "as one batched request of at most this many rows (0: off); each "
+                                              "row keeps its seed. A merged answer waits on its slowest row: for "
+                                              "runs whose rows end together (short answers), not long tails")
     weight_sync: Literal["auto", "distributed", "tensor", "disk"] = option(
         "auto", help="how weights reach the engines: distributed (NCCL between GPUs, else Gloo), tensor (CUDA IPC "
                      "handles, same host), disk (an HF checkpoint); auto: tensor when colocated or when an engine "
@@ -231,8 +235,12 @@ class RolloutConfig:
                               max_new_tokens=self.max_new_tokens, stop=list(self.stop) or None,
                               stop_token_ids=list(self.stop_token_ids) or None,
                               seed=seed if self.seed_sampling else None,
-                              seed_rows=bool(getattr(getattr(self.engine, "cls", None), "seeds_batch_rows", False)),
-                              return_routed_experts=return_routed_experts)
+                              seed_rows=self.seeds_batch_rows, return_routed_experts=return_routed_experts)
+
+    @property
+    def seeds_batch_rows(self) -> bool:
+        """The engine backend seeds row ``j`` of a batch sharing one seeded ``sampling_params`` with ``seed + j``."""
+        return bool(getattr(getattr(self.engine, "cls", None), "seeds_batch_rows", False))
 
 
 @dataclass

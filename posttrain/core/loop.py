@@ -36,6 +36,7 @@ from posttrain.core.losses import kl_penalty_rewards
 from posttrain.core.metrics import MetricsWriter, PhaseTimer, memory_metrics
 from posttrain.core.rewards import RewardRunner, reward_metrics
 from posttrain.core.rollout.client import EngineClient
+from posttrain.core.rollout.coalesce import CoalescingEngine
 from posttrain.core.rollout.preempt import PausableEngine
 from posttrain.core.rollout.supervise import push_weights, watching
 from posttrain.core.rollout.teacher import add_teacher_log_probs, open_teacher
@@ -70,6 +71,8 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         engine = await stack.enter_async_context(EngineClient(url, max_concurrency=cfg.rollout.server_concurrency,
                                                               api_key=key))
         teacher = await stack.enter_async_context(open_teacher(cfg, executor, init_dir, run.logs))  # or None
+        if cfg.rollout.coalesce_rows:  # one /generate for the groups that ask at the same instant
+            engine = CoalescingEngine(engine, cfg.rollout.coalesce_rows, cfg.rollout.seeds_batch_rows)
         fully_async = cfg.rollout.mode == "fully_async"
         if fully_async:  # weight pushes pause the engines; interrupted requests continue (or restart)
             engine = PausableEngine(engine, lambda: engines.urls()[1], cfg.rollout.partial, key,

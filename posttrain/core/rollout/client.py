@@ -70,8 +70,9 @@ class EngineClient:
             self._sem = asyncio.Semaphore(self.max_concurrency)
             self._loop = loop
 
-    async def request(self, method: str, path: str, payload: dict[str, Any] | None = None) -> Any:
-        """One call with retries; returns decoded JSON (or the text, or ``None`` for an empty body)."""
+    async def request(self, method: str, path: str, payload: dict[str, Any] | bytes | None = None) -> Any:
+        """One call with retries; returns decoded JSON (or the text, or ``None`` for an empty body).
+        ``payload``: a JSON-able object, or ``bytes`` already encoded as JSON, sent as they are."""
         self._ensure()
         url = self.base_url + path
         attempt = 0
@@ -95,7 +96,11 @@ class EngineClient:
                 attempt += 1
 
     async def _attempt(self, method: str, url: str, payload: dict[str, Any] | None, attempt: int) -> Any:
-        async with self._session.request(method, url, json=payload) as resp:
+        if isinstance(payload, bytes):  # a body encoded once by the caller (a merged /generate)
+            kwargs: dict[str, Any] = {"data": payload, "headers": {"Content-Type": "application/json"}}
+        else:
+            kwargs = {"json": payload}
+        async with self._session.request(method, url, **kwargs) as resp:
             body = await resp.text()
             if resp.status >= 500 and attempt < self.max_retries:
                 raise _Retry(f"HTTP {resp.status}: {body[:200]}")

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from posttrain.plugins.engines.local.sampling import SamplingError, parse_sampling, sample_tokens
+from posttrain.plugins.engines.local.sampling import SamplingError, parse_sampling, parse_sampling_rows, sample_tokens
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
 LOGITS = PROBS.log()
@@ -95,3 +95,19 @@ def test_bad_values_name_the_key(raw, key):
 def test_nulls_mean_defaults_and_a_single_stop_string_is_a_list():
     p = parse_sampling({"temperature": None, "stop": "###", "max_new_tokens": None})
     assert p.temperature == 1.0 and p.stop == ["###"] and p.max_new_tokens == 128
+
+
+def test_rows_differing_only_in_their_seed_parse_like_each_row_alone():
+    base = {"max_new_tokens": 1, "temperature": 0.7, "stop": ["x"], "sampling_seed": 1}
+    rows = [base, {**base, "sampling_seed": 2}, {**base, "sampling_seed": 2}, {**base, "temperature": 0.5},
+            {**base, "temperature": 0.5, "sampling_seed": None}, {"max_new_tokens": 1}, {"max_new_tokens": 1}]
+    assert parse_sampling_rows(rows) == [parse_sampling(r) for r in rows]
+    assert [p.sampling_seed for p in parse_sampling_rows(rows)] == [1, 2, 2, 1, None, None, None]
+
+
+@pytest.mark.parametrize("bad", [{"sampling_seed": 2**63}, {"sampling_seed": True}, {"sampling_seed": 1.5},
+                                 {"top_k": True}, {"temperature": True}, {"stop": [""]}])
+def test_a_row_is_refused_whatever_row_came_before_it(bad):
+    good = {"top_k": 1, "temperature": 1, "stop": ["a"], "sampling_seed": 3}
+    with pytest.raises(SamplingError):
+        parse_sampling_rows([good, {**good, **bad}])

@@ -105,6 +105,43 @@ def parse_sampling(raw: Any) -> RequestSampling:
     return RequestSampling(**vals)
 
 
+def parse_sampling_rows(raws: list[Any]) -> list[RequestSampling]:
+    """:func:`parse_sampling` of every row of a batch (``[n]`` mappings -> ``[n]`` parameters). A row equal
+    to the row before it but for ``sampling_seed`` (a coalesced batch: one seed per row) reuses that
+    row's parse with its own seed, which alone is checked; values count as equal only with the same type
+    (``True`` is not ``1``), so a row is refused exactly when its own parse would refuse it."""
+    out: list[RequestSampling] = []
+    prev_raw: Any = None
+    for raw in raws:
+        if out and _same_but_seed(raw, prev_raw):
+            seed = raw.get("sampling_seed")
+            if seed is not None:
+                _integer("sampling_seed", seed, low=-INT64)
+            prev = out[-1]
+            if seed != prev.sampling_seed:  # the row before's fields, this seed (no __init__: ~5x cheaper)
+                prev = object.__new__(RequestSampling)
+                prev.__dict__ = {**out[-1].__dict__, "sampling_seed": seed}
+            out.append(prev)
+            continue
+        out.append(parse_sampling(raw))
+        prev_raw = raw
+    return out
+
+
+def _same_but_seed(raw: Any, prev: Any) -> bool:
+    if raw is prev:
+        return True
+    if not isinstance(raw, dict) or not isinstance(prev, dict) or raw.keys() != prev.keys():
+        return False
+    for k, v in raw.items():
+        w = prev[k]
+        if v is w or k == "sampling_seed":
+            continue
+        if type(v) is not type(w) or (v != w if not isinstance(v, (list, dict)) else repr(v) != repr(w)):
+            return False
+    return True
+
+
 def _integer(key: str, value: Any, low: int) -> None:
     """``value`` is an int in ``[low, 2**63)``: the engine hands ids, seeds and ``top_k`` to int64 tensors,
     where a larger one overflows inside a decode step."""

@@ -59,7 +59,7 @@ from aiohttp import web
 from posttrain.core import jsonio
 
 from posttrain.plugins.engines.local.memory import MEMORY_TAGS, EngineMemory
-from posttrain.plugins.engines.local.sampling import SamplingError, parse_sampling
+from posttrain.plugins.engines.local.sampling import SamplingError, parse_sampling, parse_sampling_rows
 from posttrain.plugins.engines.local.weight_routes import WeightRoutes
 
 log = logging.getLogger("posttrain.engine")
@@ -253,7 +253,7 @@ class EngineServer:
             raise BadRequest(f"engine memory is released ({', '.join(sorted(self.memory.released))}): "
                              "POST /resume_memory_occupation first")
         try:  # one shared sampling_params is parsed once
-            params = [parse_sampling(s) for s in sps] if isinstance(sp, list) else [parse_sampling(sp)] * n
+            params = parse_sampling_rows(sps) if isinstance(sp, list) else [parse_sampling(sp)] * n
         except SamplingError as exc:
             raise BadRequest(str(exc)) from None
         if batched and not isinstance(sp, list) and params[0].sampling_seed is not None:
