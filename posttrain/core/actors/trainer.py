@@ -140,7 +140,8 @@ class TrainerRole:
             backend = "nccl" if on_gpus else "gloo"
         self.sender = WeightSender(engine_urls, backend=backend, api_key=self.api_key,
                                    timeout_s=self.cfg.rollout.weight_sync_timeout_s,
-                                   ranks_per_engine=self.engine_backend.ranks_per_engine(self.cfg.resources))
+                                   ranks_per_engine=self.engine_backend.ranks_per_engine(self.cfg.resources),
+                                   flat=self.engine_backend.flat_weight_buckets)
         if self.weight_sync == "distributed":
             self.sender.init()
 

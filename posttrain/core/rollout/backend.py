@@ -86,11 +86,14 @@ class EngineBackend:
     - ``seeds_batch_rows``: a batched request with one ``sampling_params.sampling_seed`` seeds row ``j``
       with ``seed + j`` (posttrain's local engine does; SGLang does not, so seeded groups are sent one
       request per sample there).
+    - ``flat_weight_buckets``: its servers take ``load_format: "flattened_bucket"`` on
+      ``/update_weights_from_distributed`` (a bucket as one broadcast; ``weight_sync.flat_layout``).
     """
 
     name = ""
     weight_sync_modes: tuple[str, ...] = WEIGHT_SYNC_MODES
     seeds_batch_rows = False
+    flat_weight_buckets = False
 
     @dataclass
     class Config:

@@ -134,7 +134,8 @@ class EngineFleet:
         from posttrain.core.rollout.weight_sync import WeightSender
 
         return WeightSender(self.engine_urls, backend=backend, api_key=self.api_key,
-                            ranks_per_engine=self.backend.ranks_per_engine(self.resources))
+                            ranks_per_engine=self.backend.ranks_per_engine(self.resources),
+                            flat=self.backend.flat_weight_buckets)
 
     def release_memory(self, tags: list[str] | None = None) -> None:
         """Every engine frees its GPU memory (``tags``: ``weights``, ``kv_cache``; default both) for a

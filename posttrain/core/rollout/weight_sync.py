@@ -15,7 +15,10 @@ Two sides of one protocol (the same one real SGLang servers speak):
 
 For each bucket ``send`` POSTs ``/update_weights_from_distributed {names, dtypes, shapes, group_name,
 weight_version}`` to every engine and, while those requests wait, broadcasts the bucket's tensors from
-rank 0 in the order of ``names``. Tensors must be on the backend's device (CPU for Gloo, CUDA for NCCL)
+rank 0 in the order of ``names``. With ``flat=True`` (engines whose backend sets ``flat_weight_buckets``:
+posttrain's local engine; Gloo groups only) the request adds ``load_format: "flattened_bucket"`` and the
+bucket travels as one ``uint8`` broadcast laid out by :func:`flat_layout` (a Gloo broadcast costs ~0.2 ms
+each however small: 25 tensors one by one took 3.6-6.7 ms, one flat bucket 0.2-0.35 ms). Tensors must be on the backend's device (CPU for Gloo, CUDA for NCCL)
 and already in HF layout (full, unsharded). The group is a standalone process group (its own TCP store),
 so it coexists with the trainer's default ``torch.distributed`` group.
 
@@ -26,6 +29,7 @@ so it coexists with the trainer's default ``torch.distributed`` group.
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 import urllib.error
@@ -126,6 +130,22 @@ def broadcast(group, tensor) -> None:
     group.broadcast([tensor], opts).wait()
 
 
+FLAT = "flattened_bucket"
+_FLAT_ALIGN = 16  # bytes: every tensor of a flat bucket starts where any dtype may be viewed
+
+
+def flat_layout(dtypes: list[str], shapes: list[list[int]]) -> tuple[list[int], int]:
+    """Byte offsets of the tensors of a flat bucket and its total size: tensor ``i`` (``dtypes[i]``,
+    ``shapes[i]``) takes ``numel * itemsize`` bytes from ``offsets[i]``, each start rounded up to 16."""
+    import math
+
+    offsets, at = [], 0
+    for dtype, shape in zip(dtypes, shapes):
+        offsets.append(at)
+        at += -(-math.prod(shape) * _dtype(dtype).itemsize // _FLAT_ALIGN) * _FLAT_ALIGN
+    return offsets, at
+
+
 class ReceiverGroup:
     """The engine's membership in a weight-update group."""
 
@@ -138,18 +158,31 @@ class ReceiverGroup:
         group = open_group(backend, master_address, master_port, world_size, rank_offset, group_name)
         return cls(group, group_name, backend, device if backend == "nccl" else "cpu")
 
-    def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> dict[str, Any]:
-        """Receive one bucket: ``names[i]`` gets a tensor of ``dtypes[i]`` and ``shapes[i]``."""
+    def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                load_format: str | None = None) -> dict[str, Any]:
+        """Receive one bucket: ``names[i]`` gets a tensor of ``dtypes[i]`` and ``shapes[i]``; with
+        ``load_format="flattened_bucket"`` all of them arrive as one ``uint8`` broadcast (views of it)."""
         import torch
 
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError(f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) differ in length")
+        if load_format not in (None, FLAT):
+            raise ValueError(f"load_format: expected {FLAT!r} or none, got {load_format!r}")
         import contextlib
 
         out = {}
         # NCCL binds its communicator to the current device, which is per thread: name it explicitly
         on_gpu = str(self.device).startswith("cuda")
         with torch.cuda.device(self.device) if on_gpu else contextlib.nullcontext():
+            if load_format == FLAT:
+                offsets, total = flat_layout(dtypes, shapes)
+                flat = torch.empty(total, dtype=torch.uint8, device=self.device)
+                broadcast(self.group, flat)
+                for name, dtype, shape, at in zip(names, dtypes, shapes, offsets):
+                    d = _dtype(dtype)
+                    n = math.prod(shape) * d.itemsize
+                    out[name] = flat[at:at + n].view(d).view(tuple(shape))
+                return out
             for name, dtype, shape in zip(names, dtypes, shapes):
                 t = torch.empty(tuple(shape), dtype=_dtype(dtype), device=self.device)
                 broadcast(self.group, t)
@@ -222,9 +255,11 @@ class WeightSender:
 
     def __init__(self, engine_urls: list[str], backend: str = "gloo", master_address: str = "127.0.0.1",
                  master_port: int | None = None, group_name: str = DEFAULT_GROUP, ranks_per_engine: int = 1,
-                 timeout_s: float = 300.0, api_key: str | None = None):
+                 timeout_s: float = 300.0, api_key: str | None = None, flat: bool = False):
         """``timeout_s`` bounds every HTTP call and every collective of a push: an engine that dies
-        mid-push fails it within that time (the loop then restarts the engine and pushes again)."""
+        mid-push fails it within that time (the loop then restarts the engine and pushes again).
+        ``flat``: every engine takes ``load_format: "flattened_bucket"`` (used on Gloo only: NCCL's
+        per-tensor cost is small beside the GPU-sized buckets it moves)."""
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         self.engine_urls = [u.rstrip("/") for u in engine_urls]
@@ -233,6 +268,7 @@ class WeightSender:
         self.ranks_per_engine = ranks_per_engine
         self.timeout_s = timeout_s
         self.api_key = api_key
+        self.flat = bool(flat) and backend == "gloo"
         self.group = None
 
     @property
@@ -290,8 +326,12 @@ class WeightSender:
             meta = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
                     "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
                     "flush_cache": flush_cache, "weight_version": None if version is None else str(version)}
+            if self.flat:
+                meta["load_format"] = FLAT
 
             def bcast(bucket=bucket) -> None:
+                if self.flat:
+                    return broadcast(self.group, _flatten(bucket, meta["dtypes"], meta["shapes"]))
                 for _, tensor in bucket:
                     broadcast(self.group, tensor.detach().contiguous())
 
@@ -316,6 +356,18 @@ class WeightSender:
         self._fan_out("/destroy_weights_update_group", [{"group_name": self.group_name}] * len(self.engine_urls))
         close_group(self.group)
         self.group = None
+
+
+def _flatten(bucket: list[tuple[str, Any]], dtypes: list[str], shapes: list[list[int]]):
+    """The bucket's tensors as one ``uint8`` tensor laid out by :func:`flat_layout` (on their device)."""
+    import torch
+
+    offsets, total = flat_layout(dtypes, shapes)
+    flat = torch.empty(total, dtype=torch.uint8, device=bucket[0][1].device if bucket else "cpu")
+    for (_, t), at in zip(bucket, offsets):
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        flat[at:at + raw.numel()].copy_(raw)
+    return flat
 
 
 def _free_port(host: str = "127.0.0.1") -> int:

@@ -57,6 +57,33 @@ async def test_gloo_update_gives_the_new_weights_output_then_disk_restores(own_e
 
 
 @pytest.mark.slow
+async def test_a_flat_bucket_push_lands_every_tensor_bit_for_bit(own_engine, tiny_ckpt_b):
+    """``flat=True``: each bucket is one uint8 broadcast (mixed dtypes, odd sizes, a 0-dim tensor's
+    neighbours); the engine's checksums then equal the new weights' own."""
+    import asyncio
+    import hashlib
+
+    import torch
+
+    from posttrain.core.rollout.weight_sync import flat_layout
+
+    offsets, total = flat_layout(["float32", "bfloat16", "float32"], [[3], [5, 1], []])
+    assert offsets == [0, 16, 32] and total == 48
+    new_model = _load(tiny_ckpt_b)
+    named = list(new_model.state_dict().items())
+    sender = WeightSender([own_engine.base_url], backend="gloo", api_key=own_engine.api_key, flat=True)
+    assert sender.flat
+    await asyncio.to_thread(sender.init)
+    await asyncio.to_thread(sender.send, [named[i:i + 5] for i in range(0, len(named), 5)], 3)
+    async with EngineClient(own_engine.base_url, api_key=own_engine.api_key) as engine:
+        sums = (await engine.request("GET", "/weights_checksum"))["checksums"]
+    await asyncio.to_thread(sender.destroy)
+    for name, t in named:
+        want = hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+        assert sums[name] == want, name
+
+
+@pytest.mark.slow
 async def test_bad_weight_updates_are_400s(own_engine, tmp_path):
     from posttrain.core.rollout.client import EngineRequestError
 

@@ -39,6 +39,7 @@ class LocalEngine(EngineBackend):
     name = "local"
     is_default = True  # a run config without rollout.engine runs this
     seeds_batch_rows = True
+    flat_weight_buckets = True
 
     @dataclass
     class Config:

@@ -100,7 +100,8 @@ class WeightRoutes:
         if self.receiver is None:
             raise BadRequest("no weight update group: call /init_weights_update_group first")
         try:
-            named = await asyncio.to_thread(self.receiver.receive, body["names"], body["dtypes"], body["shapes"])
+            named = await asyncio.to_thread(self.receiver.receive, body["names"], body["dtypes"], body["shapes"],
+                                            body.get("load_format"))
             await self._load(named)
         except (KeyError, ValueError, TypeError, RuntimeError) as exc:
             raise BadRequest(f"update_weights_from_distributed: {exc}") from None
