@@ -1,6 +1,6 @@
 """Our quickstart against TRL's ``GRPOTrainer`` on the same task and model, back to back, on the CPU.
 
-    python bench/trl_quickstart.py [--steps 10] [--venv /tmp/posttrain-trl-venv] [--trl trl==1.16.0]
+    python bench/trl_quickstart.py [--steps 10] [--rounds 1] [--venv /tmp/posttrain-trl-venv] [--trl trl==1.16.0]
 
 1. posttrain: ``rl-cli run examples/quickstart.yaml rollout.num_rollouts=STEPS`` (GRPO, 64 prompts x 16
    samples, one new token, Megatron-core trainer, local engine), seconds per step from its metrics.
@@ -17,7 +17,9 @@ kernels); what TRL needs beyond them (trl, datasets, ...) is installed into it a
 
 Prints one JSON line per side: ``step_s_median`` over the steps after the first (warm-up excluded),
 ``step_s_mean``, ``reward_first5``/``reward_last5``, ``wall_s``; the TRL line adds ``ours_over_trl``
-(our median seconds per step / TRL's: <= 1 is the issue-17 target).
+(our median seconds per step / TRL's: <= 1 is the issue-17 target). ``--rounds R`` runs R such pairs, each
+line tagged with its ``round``, and ends with a summary line (every round's ratio and their median): on a
+2-core box one pair's ratio swings by +-0.2 from minute to minute.
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ def trl_worker(model_dir: str, steps: int, out: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=1, help="ours-then-TRL pairs; > 1 adds a summary line")
     parser.add_argument("--venv", default=str(Path(tempfile.gettempdir()) / "posttrain-trl-venv"))
     parser.add_argument("--trl", default="trl==1.16.0", help="the pip requirement for TRL")
     parser.add_argument("--trl-worker", nargs=2, metavar=("MODEL_DIR", "OUT"), help=argparse.SUPPRESS)
@@ -127,14 +130,26 @@ def main() -> None:
         trl_worker(args.trl_worker[0], args.steps, args.trl_worker[1])
         return
     python = ensure_venv(Path(args.venv), args.trl)
+    ratios = []
+    for r in range(args.rounds):  # rounds alternate the sides: the box's speed drifts minute to minute
+        mine, theirs = one_round(python, args.steps)
+        ratios.append(theirs["ours_over_trl"])
+        for line in (mine, theirs):
+            print(json.dumps({**line, "round": r}), flush=True)
+    if args.rounds > 1:
+        print(json.dumps({"bench": "trl_quickstart", "side": "summary", "rounds": args.rounds, "ratios": ratios,
+                          "ours_over_trl_median": round(statistics.median(ratios), 3)}))
+
+
+def one_round(python: Path, steps: int) -> tuple[dict, dict]:
+    """Ours, then TRL from our run's initial checkpoint: ``(our summary, TRL's with ours_over_trl)``."""
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
-        mine = ours(args.steps, run)
-        print(json.dumps(mine), flush=True)
+        mine = ours(steps, run)
         out = Path(tmp) / "trl.json"
         t0 = time.perf_counter()
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count()))}
-        done = subprocess.run([str(python), __file__, "--steps", str(args.steps), "--trl-worker", str(run / "hf-init"),
+        done = subprocess.run([str(python), __file__, "--steps", str(steps), "--trl-worker", str(run / "hf-init"),
                                str(out)], capture_output=True, text=True, env=env)
         wall = time.perf_counter() - t0
         if done.returncode:
@@ -142,8 +157,7 @@ def main() -> None:
         result = json.loads(out.read_text())
     theirs = summary("trl", result["times"], result["rewards"], wall)
     theirs.update(trl=result["trl"], ours_over_trl=round(mine["step_s_median"] / theirs["step_s_median"], 3))
-    print(json.dumps(theirs))
-
+    return mine, theirs
 
 if __name__ == "__main__":
     main()

@@ -18,7 +18,6 @@ back (weights, the update, then the KV cache) before the next generation.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 from contextlib import AsyncExitStack
@@ -33,6 +32,7 @@ from posttrain.core.evaluation import evaluate
 from posttrain.core.executors import EXECUTORS
 from posttrain.core.flops import throughput_metrics
 from posttrain.core.losses import kl_penalty_rewards
+from posttrain.core.gcutil import settle_heap
 from posttrain.core.metrics import MetricsWriter, PhaseTimer, memory_metrics
 from posttrain.core.rewards import RewardRunner, reward_metrics
 from posttrain.core.rollout.client import EngineClient
@@ -154,8 +154,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         last: dict[str, float] = {}
         timer = PhaseTimer()
         pending = None  # async mode: the next step's generation, already running
-        gc.collect()
-        gc.freeze()  # start-up's objects (models, modules) leave the collector: no long gen-2 pauses per step
+        settle_heap()  # start-up's objects leave the collector; a step's short-lived ones die unscanned
         phase("train")
         if feeder is not None:
             feeder.start()

@@ -47,7 +47,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import gc
 import hmac
 import logging
 import threading
@@ -57,6 +56,7 @@ from typing import Any
 from aiohttp import web
 
 from posttrain.core import jsonio
+from posttrain.core.gcutil import settle_heap
 
 from posttrain.plugins.engines.local.memory import MEMORY_TAGS, EngineMemory
 from posttrain.plugins.engines.local.sampling import SamplingError, parse_sampling, parse_sampling_rows
@@ -413,8 +413,7 @@ class EngineServer:
 def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, **kwargs: Any) -> None:
     """Run the server until interrupted (``rl-cli engine serve``)."""
     server = EngineServer(model_dir, host=host, port=port, **kwargs)
-    gc.collect()
-    gc.freeze()  # the model and its modules leave the collector: no long gen-2 pauses between requests
+    settle_heap()  # the model and its modules leave the collector; a request's objects die unscanned
     print(f"posttrain engine serving {server.model_dir} on http://{host}:{port}"
           f"{'' if server.api_key else ' WITHOUT an API key (any local process may load weights into it)'}",
           flush=True)
