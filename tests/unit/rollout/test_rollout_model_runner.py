@@ -170,3 +170,19 @@ def test_local_engine_backend_passes_an_explicit_dtype_only():
     assert "--dtype" not in argv  # auto: the server resolves it from the checkpoint
     argv = LocalEngine(LocalEngine.Config(dtype="float32")).launch(slot).command
     assert argv[argv.index("--dtype") + 1] == "float32"
+
+
+@pytest.mark.parametrize("colocate, stable, expect", [(True, True, True), (False, True, False), (True, False, False)])
+def test_local_engine_backend_asks_for_stable_memory_when_colocated_on_a_gpu(colocate, stable, expect):
+    """Only a colocated engine releases its memory, so only there do weights and cache go to VMM buffers."""
+    from types import SimpleNamespace
+
+    from posttrain.core.rollout.backend import EngineSlot
+    from posttrain.plugins.engines.local import LocalEngine
+
+    slot = EngineSlot(index=0, port=30000, host="127.0.0.1", model_path="/ckpt", seed=0,
+                      resources=SimpleNamespace(colocate=colocate), api_key="k")
+    argv = LocalEngine(LocalEngine.Config(device="cuda:0", stable_memory=stable)).launch(slot).command
+    assert ("--stable-memory" in argv) == expect and "--cuda-graphs" in argv
+    cpu = LocalEngine(LocalEngine.Config(stable_memory=stable)).launch(slot).command
+    assert "--stable-memory" not in cpu

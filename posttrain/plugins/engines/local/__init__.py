@@ -49,8 +49,9 @@ class LocalEngine(EngineBackend):
             "auto", help="decode attention: auto = triton on a GPU (reads each request's own length), sdpa elsewhere")
         compile: bool = option(False, help="torch.compile the decode step (GPU; slower start)")
         stable_memory: bool = option(
-            True, help="GPU: weights and KV cache at fixed virtual addresses (CUDA VMM), so a colocated release "
-                       "keeps the CUDA graphs (no recapture each step); off, or where the driver refuses: re-allocated")
+            True, help="colocated GPU engines: weights and KV cache at fixed virtual addresses (CUDA VMM), so a "
+                       "release keeps the CUDA graphs (no recapture each step); off, or where the driver refuses: "
+                       "re-allocated")
         context_length: int = option(0, ge=0, help="tokens per request; 0: the model's maximum (at most 4096)")
         dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
             "auto", help="weights and KV cache: auto = float32 on the CPU; on a GPU the checkpoint's torch_dtype (a "
@@ -91,7 +92,7 @@ class LocalEngine(EngineBackend):
             slot.model_path, slot.port, host=slot.host, device=device, max_running_requests=cfg.max_running_requests,
             context_length=cfg.context_length or None, cuda_graphs=device == "cuda",
             decode_attention=cfg.decode_attention, compile=cfg.compile,
-            stable_memory=device == "cuda" and cfg.stable_memory, dtype=None if cfg.dtype == "auto" else cfg.dtype), env)
+            stable_memory=device == "cuda" and cfg.stable_memory and slot.resources.colocate, dtype=None if cfg.dtype == "auto" else cfg.dtype), env)
 
 
 def local_engine_command(model_dir: str, port: int, host: str = "127.0.0.1", **options: Any) -> list[str]:
