@@ -9,6 +9,7 @@ floats are known to be finite can be encoded once with :func:`dumps_finite` and 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 try:
@@ -37,7 +38,7 @@ def dumps_finite(obj: Any) -> bytes:
 def finite(obj: Any) -> bool:
     """No NaN or infinity anywhere in ``obj`` (nested dicts, lists and tuples)."""
     if isinstance(obj, float):
-        return obj == obj and obj not in (float("inf"), float("-inf"))
+        return math.isfinite(obj)
     if isinstance(obj, dict):
         return all(finite(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):

@@ -31,8 +31,8 @@ from posttrain.core.estimator_inputs import add_baseline, estimator_metadata, es
 from posttrain.core.evaluation import evaluate
 from posttrain.core.executors import EXECUTORS
 from posttrain.core.flops import throughput_metrics
-from posttrain.core.losses import kl_penalty_rewards
 from posttrain.core.gcutil import settle_heap
+from posttrain.core.losses import kl_penalty_rewards
 from posttrain.core.metrics import MetricsWriter, PhaseTimer, memory_metrics
 from posttrain.core.rewards import RewardRunner, reward_metrics
 from posttrain.core.rollout.client import EngineClient

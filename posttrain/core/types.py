@@ -73,6 +73,13 @@ class Sample:
         return min(self.weight_versions) if self.weight_versions else self.weight_version
 
 
+def row_seed(seed: int, j: int) -> int:
+    """The seed row ``j`` of a batch sharing one seeded ``sampling_params`` draws with on engines that
+    seed by row (``seed_rows``: posttrain's local engine): ``seed + j``, wrapped into int64 so that a seed
+    near ``2**63`` cannot overflow a row's."""
+    return (seed + j + 2**63) % 2**64 - 2**63
+
+
 @dataclass
 class SamplingParams:
     """SGLang's ``sampling_params`` (the subset posttrain sets; ``extra`` passes anything else through).

@@ -31,6 +31,7 @@ from typing import Any
 
 from posttrain.core import jsonio
 from posttrain.core.rollout.client import EngineClient, EngineRequestError
+from posttrain.core.types import row_seed
 
 _ROW_KEYS = ("input_ids", "sampling_params")  # what a merged request takes from each part, row by row
 _ALONE_KEYS = ("text", "rid")  # a part carrying these is sent as it is
@@ -90,13 +91,15 @@ class CoalescingEngine:
         waiting, self._waiting = self._waiting, {}
         for parts in waiting.values():
             batch: list[_Part] = []
+            rows = 0
             for part in parts:
                 if part.future.done():  # cancelled before it was sent
                     continue
-                if batch and sum(len(p.rows) for p in batch) + len(part.rows) > self.max_rows:
+                if batch and rows + len(part.rows) > self.max_rows:
                     self._send(batch)
-                    batch = []
+                    batch, rows = [], 0
                 batch.append(part)
+                rows += len(part.rows)
             if batch:
                 self._send(batch)
 
@@ -128,11 +131,12 @@ class CoalescingEngine:
             return
         self.merged += 1
         self.parts += len(batch)
+        rows = sum(len(p.rows) for p in batch)
         try:
             outs = await self._client.request("POST", "/generate", _encoded(batch))
-            if not isinstance(outs, list) or len(outs) != sum(len(p.rows) for p in batch):
-                raise EngineRequestError("/generate", 500, f"a merged request of {sum(len(p.rows) for p in batch)} "
-                                                           f"rows got {type(outs).__name__} back")
+            if not isinstance(outs, list) or len(outs) != rows:
+                raise EngineRequestError("/generate", 500, f"a merged request of {rows} rows got "
+                                                           f"{type(outs).__name__} back")
         except EngineRequestError as err:
             if err.status >= 500:
                 return _fail(batch, err)
@@ -203,8 +207,7 @@ def _part(payload: Any, seed_rows: bool, max_rows: int) -> _Part | None:
         return _Part(payload, rows, batched, None, [sp])
     if not seed_rows or not isinstance(seed, int):
         return None  # the engines' own rule for a shared seed is not known here
-    return _Part(payload, rows, batched, None,  # row j draws with seed + j, wrapped into int64
-                 [{**sp, "sampling_seed": (seed + j + 2**63) % 2**64 - 2**63} for j in range(len(rows))])
+    return _Part(payload, rows, batched, None, [{**sp, "sampling_seed": row_seed(seed, j)} for j in range(len(rows))])
 
 
 def _encoded(batch: list[_Part]) -> dict[str, Any] | bytes:

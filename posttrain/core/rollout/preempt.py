@@ -35,6 +35,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from posttrain.core.rollout.client import EngineClient, weight_version_int
+from posttrain.core.types import row_seed
 
 VERSIONS_KEY = "output_token_weight_versions"
 log = logging.getLogger("posttrain.rollout")
@@ -72,7 +73,7 @@ def _row(payload: dict[str, Any], j: int, batched: bool) -> dict[str, Any]:
     row["sampling_params"] = dict(sp[j] if isinstance(sp, list) else (sp or {}))
     seed = row["sampling_params"].get("sampling_seed")
     if seed is not None and not isinstance(sp, list):
-        row["sampling_params"]["sampling_seed"] = (seed + j + 2**63) % 2**64 - 2**63
+        row["sampling_params"]["sampling_seed"] = row_seed(seed, j)
     return row
 
 

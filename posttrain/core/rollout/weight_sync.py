@@ -18,8 +18,8 @@ weight_version}`` to every engine and, while those requests wait, broadcasts the
 rank 0 in the order of ``names``. With ``flat=True`` (engines whose backend sets ``flat_weight_buckets``:
 posttrain's local engine; Gloo groups only) the request adds ``load_format: "flattened_bucket"`` and the
 bucket travels as one ``uint8`` broadcast laid out by :func:`flat_layout` (a Gloo broadcast costs ~0.2 ms
-each however small: 25 tensors one by one took 3.6-6.7 ms, one flat bucket 0.2-0.35 ms). Tensors must be on the backend's device (CPU for Gloo, CUDA for NCCL)
-and already in HF layout (full, unsharded). The group is a standalone process group (its own TCP store),
+each however small: 25 tensors one by one took 3.6-6.7 ms, one flat bucket 0.2-0.35 ms). Tensors must be
+on the backend's device (CPU for Gloo, CUDA for NCCL) and already in HF layout (full, unsharded). The group is a standalone process group (its own TCP store),
 so it coexists with the trainer's default ``torch.distributed`` group.
 
 **Engine side** (:class:`ReceiverGroup`, used by the local engine server): joins the group at
@@ -137,8 +137,6 @@ _FLAT_ALIGN = 16  # bytes: every tensor of a flat bucket starts where any dtype 
 def flat_layout(dtypes: list[str], shapes: list[list[int]]) -> tuple[list[int], int]:
     """Byte offsets of the tensors of a flat bucket and its total size: tensor ``i`` (``dtypes[i]``,
     ``shapes[i]``) takes ``numel * itemsize`` bytes from ``offsets[i]``, each start rounded up to 16."""
-    import math
-
     offsets, at = [], 0
     for dtype, shape in zip(dtypes, shapes):
         offsets.append(at)

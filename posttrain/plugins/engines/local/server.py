@@ -57,6 +57,7 @@ from aiohttp import web
 
 from posttrain.core import jsonio
 from posttrain.core.gcutil import settle_heap
+from posttrain.core.types import row_seed
 
 from posttrain.plugins.engines.local.memory import MEMORY_TAGS, EngineMemory
 from posttrain.plugins.engines.local.sampling import SamplingError, parse_sampling, parse_sampling_rows
@@ -259,9 +260,8 @@ class EngineServer:
         if batched and not isinstance(sp, list) and params[0].sampling_seed is not None:
             # One shared sampling_params with a seed: row j draws with seed + j, so the samples of one
             # prompt differ (sglang-router forwards one sampling_params per request). SGLang would give
-            # every row the seed itself. Wrapped into int64, so a seed near 2**63 cannot overflow a row's.
-            params = [dataclasses.replace(p, sampling_seed=(p.sampling_seed + j + 2**63) % 2**64 - 2**63)
-                      for j, p in enumerate(params)]
+            # every row the seed itself.
+            params = [dataclasses.replace(p, sampling_seed=row_seed(p.sampling_seed, j)) for j, p in enumerate(params)]
         def build():
             return [self._prompt(texts[i] if text is not None else None,
                                  ids_list[i] if input_ids is not None else None) for i in range(n)]
