@@ -25,6 +25,10 @@
 #   diag17    decode parts alone (attention-kernel launch grid, fused vs separate matmuls; bench/decode_parts.py)
 #             and the engine's decode at the benchmark shape with its kernel table (triton+compile)
 #   gputests17 the engine's GPU tests (stable memory, compiled variants), then tests/gpu's runs and equivalence
+#   overlap17 the engine's GPU tests (overlap, fused projections, graphs, compiled variants), then decode at the
+#             benchmark shape: overlapped + fused (the defaults), then without each (triton+compile throughout)
+#   prefill17 the same tests, then decode at the benchmark shape with the compiled prefill (triton+compile), and triton
+#   gpuruns17 tests/gpu's runs, then its trainer-engine equivalence variants (each with its own limit)
 #   colocated_test, compiled_gpu_tests: the colocated GPU run test alone; the compiled decode variants' GPU tests
 #   trl_gpu   TRL's GRPOTrainer on that workload (bench/trl_gpu.py; wheels in .whl/trl/: trl, datasets, dill,
 #             multiprocess), for the side-by-side ratio
@@ -147,6 +151,17 @@ why = vmm_supported(0); print('vmm:', why or 'supported'); raise SystemExit(1 if
                 tests/unit/rollout/test_decode_variants.py
               step runs_gpu_tests 180 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_runs_gpu.py
               step equivalence_gpu_tests 230 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_equivalence_gpu.py ;;
+  overlap17) step engine_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider tests/unit/rollout/test_rollout_gpu.py \
+               tests/unit/rollout/test_decode_variants.py -m gpu
+             step rollout_overlap 330 python3 bench/rollout.py --device cuda --shape qwen3-1.7b --prompts 256 --prompt-len 128 \
+               --new-tokens 256 --skip-hf --profile \
+               --variants triton+compile,triton+compile+sync+unfused,triton+compile+sync,triton+compile+unfused ;;
+  prefill17) step engine_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider tests/unit/rollout/test_rollout_gpu.py \
+               tests/unit/rollout/test_decode_variants.py -m gpu
+             step rollout_prefill 200 python3 bench/rollout.py --device cuda --shape qwen3-1.7b --prompts 256 --prompt-len 128 \
+               --new-tokens 256 --skip-hf --profile --variants triton+compile,triton ;;
+  gpuruns17) step runs_gpu_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_runs_gpu.py
+             step equivalence_gpu_tests 320 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_equivalence_gpu.py ;;
   colocated_test) step colocated_test 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_runs_gpu.py -k colocated ;;
   compiled_gpu_tests) step compiled_gpu_tests 170 python3 -m pytest -q -p no:cacheprovider -m gpu \
                         tests/unit/rollout/test_decode_variants.py -k compile ;;

@@ -39,8 +39,8 @@ run's own last decode step's count is ``experts_hit_last_step``.
 MoE: ``--shape qwen3-30b-a3b --layers N`` (``transformers.Qwen3MoeConfig``, random init; the engine runs
 HF's grouped expert matmuls), ``--shape tiny-moe`` on the CPU.
 
-Target on one H200, Qwen3-1.7B shape, 256 x 128 prompt tokens, 256 new tokens: >= 25k tok/s (HF
-``generate`` measured 8.6k tok/s warm there).
+Target on one H200, Qwen3-1.7B shape, 256 x 128 prompt tokens, 256 new tokens: >= 56k tok/s (issue 17;
+the first target was 25k; HF ``generate`` measured 8.6k tok/s warm there).
 """
 
 from __future__ import annotations
@@ -172,7 +172,9 @@ VARIANT_WORDS = {"sdpa": {"decode_attention": "sdpa"}, "bmm": {"decode_attention
                  "triton": {"decode_attention": "triton"},
                  "compile": {"compile": True, "compile_mode": "default"},
                  "autotune": {"compile": True, "compile_mode": "max-autotune-no-cudagraphs"},
-                 "eager": {"cuda_graphs": False}, "graphs": {"cuda_graphs": True}}
+                 "eager": {"cuda_graphs": False}, "graphs": {"cuda_graphs": True},
+                 "sync": {"overlap": False}, "overlap": {"overlap": True},
+                 "unfused": {"fuse_projections": False}, "fused": {"fuse_projections": True}}
 
 
 def parse_variant(name: str, defaults: dict) -> dict:
@@ -199,9 +201,11 @@ def time_ms(fn, device: str, iters: int = 20, warmup: int = 3) -> float:
     return round(1e3 * (time.perf_counter() - start) / iters, 3)
 
 
-def profile_runner(runner, batch: int, position: int, device: str) -> dict:
-    """Decode step alone, eager forward, and sampling alone at ``batch`` slots all at ``position``
-    (run in the engine thread while the engine is idle: it writes K/V at ``position`` of idle slots)."""
+def profile_runner(runner, batch: int, position: int, device: str, prompt_len: int = 0) -> dict:
+    """Decode step alone, eager forward, and sampling alone at ``batch`` slots all at ``position``; one
+    prefill batch as the engine forms it (``prefill_batch_prompts`` distinct prompts of ``prompt_len``
+    tokens, its 8,192-token budget) in ``prefill_batch_ms``. Run in the engine thread while the engine is
+    idle: it writes K/V into idle slots."""
     import torch
 
     from posttrain.plugins.engines.local.sampling import parse_sampling, sample_tokens, to_host
@@ -215,6 +219,11 @@ def profile_runner(runner, batch: int, position: int, device: str) -> dict:
     logits = runner.decode(tokens, positions, max_position=position).clone()
     params = [parse_sampling({"temperature": 0})] * batch
     out["sampling_ms"] = time_ms(lambda: to_host(*sample_tokens(logits, params)), device)
+    if prompt_len:
+        n = max(1, min(batch, 8192 // prompt_len))
+        prompts = torch.randint(1, runner.vocab_size, (n, prompt_len)).tolist()
+        out["prefill_batch_prompts"] = n
+        out["prefill_batch_ms"] = time_ms(lambda: runner.prefill(list(range(n)), prompts), device, iters=5, warmup=1)
     return out
 
 
@@ -272,9 +281,11 @@ def bench_variant(model, prompts: list[list[int]], args, name: str, opts: dict, 
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     context = args.prompt_len + args.new_tokens + 1
     position = args.prompt_len + args.new_tokens // 2  # the run's mean context, for the profile
+    runner_opts = {k: v for k, v in opts.items() if k != "overlap"}
     runner = ModelRunner(None, device=args.device, dtype=dtype, max_slots=args.prompts, context_length=context,
-                         model=model, **opts)
-    engine = LocalEngine(runner, tokenizer=None, eos_token_ids=[])
+                         model=model, **runner_opts)
+    engine = LocalEngine(runner, tokenizer=None, eos_token_ids=[], overlap=opts.get("overlap"))
+    out.update(overlap=engine.overlap, fused_groups=runner.fused_groups)
     try:
         start = time.perf_counter()
         run_engine(engine, prompts, min(args.new_tokens, 8))  # warm-up: kernels, allocator, graphs, compiles
@@ -291,7 +302,8 @@ def bench_variant(model, prompts: list[list[int]], args, name: str, opts: dict, 
                        step_sample_ms=stats["sample_ms"], step_advance_ms=stats["advance_ms"],
                        mean_batch=stats["mean_batch"], decode_steps=stats["decode_steps"], prefill_s=stats["prefill_s"])
             try:
-                out.update(engine.call_in_engine(lambda: profile_runner(runner, len(prompts), position, args.device)))
+                out.update(engine.call_in_engine(lambda: profile_runner(runner, len(prompts), position, args.device,
+                                                                       args.prompt_len)))
             except Exception as exc:  # instrumentation must not cost the throughput numbers
                 out["profile_error"] = repr(exc)[:300]
         if args.kernel_tables:
@@ -335,7 +347,7 @@ def main() -> None:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     dtype = torch.bfloat16 if cuda else torch.float32
     defaults = {"decode_attention": args.decode_attention, "compile": args.compile, "compile_mode": args.compile_mode,
-                "cuda_graphs": cuda if args.cuda_graphs is None else args.cuda_graphs}
+                "cuda_graphs": cuda if args.cuda_graphs is None else args.cuda_graphs, "fuse_projections": None}
     names = args.variants.split(",") if args.variants else [
         args.decode_attention + ("+compile" if args.compile else "")]
     try:
@@ -374,7 +386,8 @@ def main() -> None:
 
     for name, opts in variants:
         result = dict(common, variant=name, decode_attention=opts["decode_attention"], compile=opts["compile"],
-                      compile_mode=opts["compile_mode"] if opts["compile"] else None, cuda_graphs=opts["cuda_graphs"])
+                      compile_mode=opts["compile_mode"] if opts["compile"] else None, cuda_graphs=opts["cuda_graphs"],
+                      fuse_projections=opts["fuse_projections"])
         try:
             bench_variant(model, prompts, args, name, opts, result)
         except Exception as exc:  # one broken lever must not hide the others' numbers
@@ -389,8 +402,8 @@ def main() -> None:
                 result["fraction_of_bound"] = round(tok_s / bound, 3)
                 result["bound_step_ms"] = round(1e3 * args.prompts / bound, 3)
         if args.shape == "qwen3-1.7b" and cuda and tok_s:
-            result["target_tok_s"] = 25000
-            result["target_met"] = tok_s >= 25000
+            result["target_tok_s"] = 56000  # issue 17: half the bandwidth bound, prefill counted
+            result["target_met"] = tok_s >= 56000
         print(json.dumps(result), flush=True)
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import psutil
 import pytest
@@ -49,8 +50,10 @@ def describe(procs):
     out = []
     for p in procs:
         try:
-            out.append(f"pid {p.pid} (parent {p.ppid()}, {time.time() - p.create_time():.0f} s old): "
-                       f"{' '.join(p.cmdline())[:300]}")
+            wchan = Path(f"/proc/{p.pid}/wchan")  # where in the kernel it waits (futex: a lock)
+            waits = wchan.read_text() if wchan.exists() else "?"
+            out.append(f"pid {p.pid} (parent {p.ppid()}, {time.time() - p.create_time():.0f} s old, "
+                       f"{p.num_threads()} threads, waits in {waits}): {' '.join(p.cmdline())[:300]}")
         except psutil.Error:
             pass
     return "; ".join(out)

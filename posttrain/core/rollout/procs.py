@@ -47,15 +47,27 @@ def exit_with_parent(poll_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
-def _die_with_parent(parent: int) -> None:
-    """In the child, before exec: PR_SET_PDEATHSIG = SIGKILL (Linux; a no-op elsewhere). A parent that died
-    between the fork and this call sends no signal any more, so the child checks and exits itself."""
+def _libc_prctl():
+    """libc's ``prctl``, resolved in the parent (None off Linux). Loading a library in the forked child
+    would run the dynamic loader there, whose lock another thread of a multithreaded parent may hold at
+    the fork: the child would wait forever before its exec, and so would ``Popen``."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except OSError:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _libc_prctl()
+
+
+def _die_with_parent(parent: int) -> None:
+    """In the child, before exec: PR_SET_PDEATHSIG = SIGKILL (Linux; a no-op elsewhere). A parent that died
+    between the fork and this call sends no signal any more, so the child checks and exits itself."""
+    if _PRCTL is None:
         return
+    _PRCTL(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     if os.getppid() != parent:
         os._exit(1)
 

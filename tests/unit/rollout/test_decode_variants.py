@@ -175,8 +175,9 @@ def test_compiled_decode_matches_eager(tiny_ckpt):
         pytest.skip(reason)
     torch.set_num_threads(1)
     eager = ModelRunner(tiny_ckpt, max_slots=4, context_length=64)
-    for attention in ("sdpa", "bmm"):
-        compiled = ModelRunner(tiny_ckpt, max_slots=4, context_length=64, decode_attention=attention, compile=True)
+    for attention, fuse in (("sdpa", False), ("bmm", False), ("sdpa", True)):
+        compiled = ModelRunner(tiny_ckpt, max_slots=4, context_length=64, decode_attention=attention, compile=True,
+                               fuse_projections=fuse)
         a, seqs_a = decode_steps(eager, steps=2)
         b, seqs_b = decode_steps(compiled, steps=2)
         assert seqs_a == seqs_b
@@ -313,10 +314,32 @@ def test_bench_prints_one_json_line_per_variant_with_profile():
         assert r["decode_attention"] == r["variant"]
 
 
-def test_compiled_decode_compiles_a_few_times_for_every_batch_bucket(tiny_ckpt, monkeypatch):
+@pytest.mark.parametrize("fuse", [False, True])
+def test_compiled_decode_compiles_a_few_times_for_every_batch_bucket(tiny_ckpt, monkeypatch, fuse):
     """Automatic dynamic shapes: the batch buckets 1, 2, 4, 8 cost at most three compiles of each compiled
     part (size 1, the first other size, then one symbolic version for the rest), not one per bucket, and
-    every bucket still gives the eager logits."""
+    every bucket still gives the eager logits; with fused projections (their weights passed in) too."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter, real = CompileCounter(), torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": counter}))
+    torch.set_num_threads(1)
+    eager = ModelRunner(tiny_ckpt, max_slots=8, context_length=64)
+    compiled = ModelRunner(tiny_ckpt, max_slots=8, context_length=64, compile=True, fuse_projections=fuse)
+    for nb in (1, 2, 3, 5, 8, 4):  # buckets 1, 2, 4, 8, 8, 4
+        for r in (eager, compiled):  # fresh slots: a padded step writes position 0 of the idle ones
+            r.prefill(list(range(8)), [[5 + i, 6, 7] for i in range(8)])
+        tokens, positions = torch.arange(20, 20 + nb), torch.full((nb,), 3)
+        torch.testing.assert_close(compiled.decode(tokens, positions), eager.decode(tokens, positions),
+                                   atol=1e-5, rtol=1e-5, msg=f"batch {nb}")
+    assert 2 <= counter.frame_count <= 6, f"{counter.frame_count} compiles for 4 buckets of 2 parts"
+
+
+def test_compiled_prefill_matches_eager_and_compiles_once_for_every_width(tiny_ckpt, monkeypatch):
+    """With ``compile`` the prefill runs the compiled layer parts with the prompt count and width symbolic:
+    prompts of new widths and counts reuse one version (no compile per width), and the logits and the
+    cache entries equal the eager prefill's."""
     from torch._dynamo.testing import CompileCounter
 
     torch._dynamo.reset()
@@ -325,10 +348,11 @@ def test_compiled_decode_compiles_a_few_times_for_every_batch_bucket(tiny_ckpt, 
     torch.set_num_threads(1)
     eager = ModelRunner(tiny_ckpt, max_slots=8, context_length=64)
     compiled = ModelRunner(tiny_ckpt, max_slots=8, context_length=64, compile=True)
-    for nb in (1, 2, 3, 5, 8, 4):  # buckets 1, 2, 4, 8, 8, 4
-        for r in (eager, compiled):  # fresh slots: a padded step writes position 0 of the idle ones
-            r.prefill(list(range(8)), [[5 + i, 6, 7] for i in range(8)])
-        tokens, positions = torch.arange(20, 20 + nb), torch.full((nb,), 3)
-        torch.testing.assert_close(compiled.decode(tokens, positions), eager.decode(tokens, positions),
-                                   atol=1e-5, rtol=1e-5, msg=f"batch {nb}")
-    assert 2 <= counter.frame_count <= 6, f"{counter.frame_count} compiles for 4 buckets of 2 parts"
+    seen = []
+    for n, width in ((2, 3), (3, 5), (4, 9), (5, 4), (2, 12)):
+        prompts = [[5 + i + j for j in range(width - i % 2)] for i in range(n)]  # ragged: right padding too
+        a, b = eager.prefill(list(range(n)), prompts), compiled.prefill(list(range(n)), prompts)
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5, msg=f"{n} prompts of width {width}")
+        torch.testing.assert_close(compiled.k_cache[:, :n, :, :width], eager.k_cache[:, :n, :, :width], atol=1e-5, rtol=1e-5)
+        seen.append(counter.frame_count)
+    assert seen[0] >= 1 and seen[-1] == seen[0], f"compiles after each prefill: {seen}"

@@ -61,3 +61,35 @@ def test_stable_memory_gives_memory_back_and_keeps_the_cuda_graphs(tiny_ckpt):
     after = step()
     assert r._graphs.keys() == graphs.keys() and all(r._graphs[k] is graphs[k] for k in graphs)  # not recaptured
     torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
+def test_overlapped_engine_answers_like_the_synchronous_one_on_cuda(tiny_ckpt):
+    """Overlap on a GPU (graphs, the Triton attention where it imports, async copies through pinned
+    memory): greedy and seeded rows, stop tokens, a context end and more requests than slots give the
+    synchronous engine's tokens."""
+    from posttrain.plugins.engines.local.model_runner import ModelRunner
+    from tests.unit.rollout.test_engine_overlap import answers, generate, mixed_requests
+
+    runner = ModelRunner(tiny_ckpt, device="cuda", dtype="float32", max_slots=3, context_length=24, cuda_graphs=True,
+                         decode_attention="auto")
+    requests = mixed_requests(runner.vocab_size)
+    sync, _ = generate(runner, requests, overlap=False)
+    over, stats = generate(runner, requests, overlap=True)
+    assert answers(over) == answers(sync)
+    assert stats["decode_steps"] > 0
+
+
+def test_fused_projections_on_cuda_match_the_modules_one_by_one(tiny_ckpt):
+    from posttrain.plugins.engines.local.model_runner import ModelRunner
+
+    out = {}
+    for fuse in (False, True):
+        r = ModelRunner(tiny_ckpt, device="cuda", dtype="bfloat16", max_slots=4, context_length=300, cuda_graphs=True,
+                        fuse_projections=fuse)
+        assert (r.fused_groups > 0) == fuse
+        logits = r.prefill([0, 1], [[5, 6, 7, 8] * 8, [9, 10] * 5])
+        steps = [r.decode(torch.tensor([20, 21], device="cuda"), torch.tensor([32 + s, 10 + s], device="cuda"),
+                          max_position=32 + s).clone() for s in range(3)]
+        out[fuse] = [torch.log_softmax(x.float(), -1) for x in [logits, *steps]]
+    for a, b in zip(out[True], out[False]):
+        torch.testing.assert_close(a, b, atol=5e-2, rtol=0)  # bf16: one matmul or three round differently

@@ -52,6 +52,9 @@ class LocalEngine(EngineBackend):
             True, help="colocated GPU engines: weights and KV cache at fixed virtual addresses (CUDA VMM), so a "
                        "release keeps the CUDA graphs (no recapture each step); off, or where the driver refuses: "
                        "re-allocated")
+        overlap: bool = option(
+            True, help="GPU: launch decode step N + 1 before step N's tokens reach the host (the host's work on a "
+                       "step hides behind the next one); same answers, each one step later")
         context_length: int = option(0, ge=0, help="tokens per request; 0: the model's maximum (at most 4096)")
         dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
             "auto", help="weights and KV cache: auto = float32 on the CPU; on a GPU the checkpoint's torch_dtype (a "
@@ -91,7 +94,7 @@ class LocalEngine(EngineBackend):
         return EngineLaunch(local_engine_command(
             slot.model_path, slot.port, host=slot.host, device=device, max_running_requests=cfg.max_running_requests,
             context_length=cfg.context_length or None, cuda_graphs=device == "cuda",
-            decode_attention=cfg.decode_attention, compile=cfg.compile,
+            decode_attention=cfg.decode_attention, compile=cfg.compile, no_overlap=not cfg.overlap,
             stable_memory=device == "cuda" and cfg.stable_memory and slot.resources.colocate, dtype=None if cfg.dtype == "auto" else cfg.dtype), env)
 
 

@@ -50,6 +50,7 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
           decode_attention: str = typer.Option("auto", "--decode-attention", help="decode attention: auto (triton on a GPU, else sdpa) | sdpa | bmm | triton"),
           compile: bool = typer.Option(False, "--compile", help="torch.compile the decode step's layer parts (fused norms, rotary, SwiGLU)"),
           stable_memory: bool = typer.Option(False, "--stable-memory", help="GPU: weights and KV cache at fixed virtual addresses (CUDA VMM), so memory release keeps the CUDA graphs"),
+          no_overlap: bool = typer.Option(False, "--no-overlap", help="GPU: wait for each decode step's tokens before launching the next (default: launch step N + 1 first)"),
           no_api_key: bool = typer.Option(False, "--no-api-key", help="serve without an API key: any process that reaches the port may load weights (and run code) in the engine")) -> None:
     """Serve MODEL_DIR: /generate, /health_generate, abort/pause, weight updates, /model_info, /server_info.
 
@@ -83,4 +84,5 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
 
     run(str(model_dir), host=host, port=port, device=device, dtype=dtype,
         max_running_requests=max_running_requests, context_length=context_length or None, cuda_graphs=cuda_graphs,
-        decode_attention=decode_attention, compile=compile, stable_memory=stable_memory, api_key=api_key)
+        decode_attention=decode_attention, compile=compile, stable_memory=stable_memory, overlap=not no_overlap,
+        api_key=api_key)

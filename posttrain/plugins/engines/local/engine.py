@@ -16,6 +16,10 @@ A decode step keeps host work and device syncs low: one host-to-device copy for 
 the attention span from Python ints (no ``positions.max()`` sync), a sampling path picked from the
 Python parameters, and one device-to-host copy for the sampled tokens and their log-probs.
 :class:`StepStats` (``engine.stats``) times each phase of every step with ``perf_counter``.
+
+**Overlap** (``overlap=True``, the default on a GPU; module ``overlap``): step ``N + 1`` is launched from
+the device-side tokens of step ``N`` before those reach the host, and the host lands step ``N`` while the
+device runs ``N + 1``: the same answers (greedy and seeded rows token for token), each one step later.
 """
 
 from __future__ import annotations
@@ -31,75 +35,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from posttrain.plugins.engines.local.sampling import RequestSampling
-
-
-@dataclass
-class StepStats:
-    """Wall time of the engine's steps, summed since the last :meth:`reset` (engine thread only; read
-    it through ``call_in_engine`` so a step is never half counted).
-
-    A decode step is ``launch`` (gather tokens/positions, copy them to the device, run or enqueue the
-    forward pass), ``sample`` (sampling and the device-to-host copy of its result, which waits for
-    the device to finish the step) and ``advance`` (append tokens, check stops, complete requests).
-    """
-
-    decode_steps: int = 0
-    decode_rows: int = 0  # running requests summed over decode steps (mean batch = rows / steps)
-    decode_s: float = 0.0
-    launch_s: float = 0.0
-    sample_s: float = 0.0
-    advance_s: float = 0.0
-    prefill_steps: int = 0
-    prefill_s: float = 0.0
-
-    def reset(self) -> None:
-        self.__init__()
-
-    def add_decode(self, rows: int, t0: float, t1: float, t2: float, t3: float) -> None:
-        self.decode_steps += 1
-        self.decode_rows += rows
-        self.decode_s += t3 - t0
-        self.launch_s += t1 - t0
-        self.sample_s += t2 - t1
-        self.advance_s += t3 - t2
-
-    def summary(self) -> dict[str, float]:
-        """Mean milliseconds per decode step for each phase, the mean batch, and prefill totals."""
-        n = max(self.decode_steps, 1)
-        return {"decode_steps": self.decode_steps, "mean_batch": round(self.decode_rows / n, 1),
-                "step_ms": round(1e3 * self.decode_s / n, 3), "launch_ms": round(1e3 * self.launch_s / n, 3),
-                "sample_ms": round(1e3 * self.sample_s / n, 3), "advance_ms": round(1e3 * self.advance_s / n, 3),
-                "prefill_steps": self.prefill_steps, "prefill_s": round(self.prefill_s, 3)}
-
-
-@dataclass
-class Request:
-    """One generation request inside the engine."""
-
-    rid: str
-    prompt_ids: list[int]
-    sampling: RequestSampling
-    return_logprob: bool
-    on_done: Callable[[dict[str, Any]], None]
-    logprob_start_len: int = -1  # >= 0 with return_logprob: log-probs of the prompt's tokens from there on
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    input_logprobs: list[float] | None = None
-    slot: int = -1
-    finish: dict[str, Any] | None = None
-    text_cut: int | None = None  # char offset of a matched stop string (trimmed unless no_stop_trim)
-    error: str | None = None  # this request alone broke a step (the server answers HTTP 400)
-    created: float = field(default_factory=time.monotonic)
-    return_routed_experts: bool = False
-    routed: list[Any] = field(default_factory=list)  # device tensors [rows, L, k]: the prompt's, then one per step
+from posttrain.plugins.engines.local.overlap import OverlappedDecode
+from posttrain.plugins.engines.local.requests import Request, StepStats, input_logprobs
 
 
 class LocalEngine:
     """Continuous-batching generation over a HF checkpoint. Thread-safe public methods."""
 
-    def __init__(self, runner, tokenizer, eos_token_ids: list[int]):
+    def __init__(self, runner, tokenizer, eos_token_ids: list[int], overlap: bool | None = None):
+        """``overlap``: launch decode step N + 1 before step N's tokens reach the host (module docstring);
+        None: on when the runner is on a GPU (on a CPU every op finishes before the next is issued)."""
         self.runner = runner
+        on = runner.device.type == "cuda" if overlap is None else bool(overlap)
+        self._overlap = OverlappedDecode(self) if on else None
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.weight_version = "0"
@@ -175,6 +123,10 @@ class LocalEngine:
         return self._thread.is_alive()
 
     @property
+    def overlap(self) -> bool:
+        return self._overlap is not None
+
+    @property
     def paused(self) -> bool:
         return self._paused
 
@@ -190,8 +142,11 @@ class LocalEngine:
         torch.set_grad_enabled(False)
         while not self._stop:
             self._drain()
-            self._run_calls()
+            if not self._calls.empty():
+                self._land_inflight()  # calls (weight loads, memory release) see every step finished
+                self._run_calls()
             if self._paused or not (self._waiting or self._running):
+                self._land_inflight()
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
@@ -204,11 +159,17 @@ class LocalEngine:
 
                 print(f"engine step failed; aborting {len(self._running) + len(self._waiting)} request(s):\n"
                       f"{traceback.format_exc()}", file=sys.stderr, flush=True)
+                if self._overlap is not None:
+                    self._overlap.inflight = None
                 for req in list(self._running.values()) + list(self._waiting):
                     req.finish = {"type": "abort", "message": f"engine error: {exc!r}"}
                     self._complete(req)
                 self._waiting.clear()
             self.steps += 1
+
+    def _land_inflight(self) -> None:
+        if self._overlap is not None:
+            self._overlap.land_inflight()
 
     def _run_calls(self) -> None:
         while True:
@@ -285,7 +246,10 @@ class LocalEngine:
                 import torch
 
                 logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
-            self._advance(*self._sample_isolated(generating, logits))
+            kept, tokens, logprobs = self._sample_isolated(generating, logits)
+            self._advance(kept, tokens, logprobs)
+            if self._overlap is not None:
+                self._overlap.put_next_tokens(kept, tokens)
         self.stats.prefill_steps += 1
         self.stats.prefill_s += time.perf_counter() - t0
 
@@ -294,6 +258,8 @@ class LocalEngine:
         return req.return_logprob and req.logprob_start_len >= 0
 
     def _decode(self) -> None:
+        if self._overlap is not None:
+            return self._overlap.step()
         import torch
 
         t0 = time.perf_counter()
@@ -314,18 +280,18 @@ class LocalEngine:
         sampled = self._sample_isolated(reqs, logits)
         t2 = time.perf_counter()
         self._advance(*sampled)
-        self.stats.add_decode(len(reqs), t0, t1, t2, time.perf_counter())
+        self.stats.add_decode(len(reqs), t1 - t0, t2 - t1, time.perf_counter() - t2)
 
     def _keep_routing(self, slots: list[int], reqs: list[Request]) -> None:
         """Copy this decode step's expert ids (``[nb, L, k]``, overwritten by the next step) for the
         requests that asked for them: one gather on the device, no host sync."""
-        import torch
+        from posttrain.plugins.engines.local.sampling import to_device
 
         routing = self.runner.routed_experts
         wanted = [i for i, req in enumerate(reqs) if req.return_routed_experts]
         if routing is None or not wanted:
             return
-        rows = routing.index_select(0, torch.tensor([slots[i] for i in wanted], device=routing.device))
+        rows = routing.index_select(0, to_device([slots[i] for i in wanted], routing.device))
         for j, i in enumerate(wanted):
             reqs[i].routed.append(rows[j: j + 1])
 
@@ -436,11 +402,12 @@ class LocalEngine:
             "e2e_latency": time.monotonic() - req.created,
         }
         if req.return_routed_experts and req.routed:
-            meta["routed_experts"] = encode_routed_experts(req.routed)
+            # overlap decodes a request that stopped on a token once more: keep the rows of tokens it read
+            meta["routed_experts"] = encode_routed_experts(req.routed, len(req.prompt_ids) + len(req.output_ids) - 1)
         req.routed = []
         if req.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)]
-            meta["input_token_logprobs"] = self._input_logprobs(req)
+            meta["input_token_logprobs"] = input_logprobs(req)
         result = {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
         if req.error is not None:
             result["error"] = req.error
@@ -462,22 +429,14 @@ class LocalEngine:
             text = self._texts[key] = self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
         return text
 
-    @staticmethod
-    def _input_logprobs(req: Request) -> list[list[Any]]:
-        """SGLang's ``input_token_logprobs``: ``[logprob, token_id, None]`` for each prompt token from
-        ``logprob_start_len`` on, the first with logprob None (SGLang computes none for it); empty for the
-        default ``-1`` (or an aborted request that never ran its prefill)."""
-        if req.logprob_start_len < 0 or req.input_logprobs is None:
-            return []
-        ids = req.prompt_ids[req.logprob_start_len:]
-        return [[None, ids[0], None]] + [[lp, t, None] for lp, t in zip(req.input_logprobs, ids[1:])]
 
-def encode_routed_experts(rows: list[Any]) -> str:
+def encode_routed_experts(rows: list[Any], count: int | None = None) -> str:
     """SGLang's ``meta_info.routed_experts``: base64 of an int32 array ``[prompt + output - 1, L, k]`` in C
     order (every token the model read: the prompt, then each generated token but the last; ``L`` all
-    decoder layers, -1 in dense ones). Decode with ``np.frombuffer(b64decode(s), np.int32).reshape(-1, L, k)``."""
+    decoder layers, -1 in dense ones). Decode with ``np.frombuffer(b64decode(s), np.int32).reshape(-1, L, k)``.
+    ``count``: keep the first ``count`` rows."""
     import base64
 
     import torch
 
-    return base64.b64encode(torch.cat(rows).to(device="cpu", dtype=torch.int32).contiguous().numpy().tobytes()).decode("ascii")
+    return base64.b64encode(torch.cat(rows)[:count].to(device="cpu", dtype=torch.int32).contiguous().numpy().tobytes()).decode("ascii")

@@ -45,25 +45,31 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from posttrain.plugins.engines.local.fused import Fused, fuse_layers, layer_parts, run_fused
+
 DEFAULT_MAX_CONTEXT = 4096
 DECODE_ATTENTION = ("sdpa", "bmm", "triton")  # "triton": decode_kernel.decode_attention
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
 
-def _project_qkv(layer, h, cos, sin, rope):
+def _project_qkv(layer, h, cos, sin, rope, qkv: Fused | None = None):
     """A decoder layer up to its attention: input norm, Q/K/V projections, Qwen3's Q/K norms, rotary.
 
     ``h`` ``[n, q, hidden]``; ``cos``/``sin`` ``[n, q, D]`` -> ``q`` ``[n, H, q, D]``, ``k``/``v``
     ``[n, Hkv, q, D]``. A plain function of its inputs (no runner state) so ``torch.compile`` can
-    reuse one compiled graph for every layer (the layer's parameters are graph inputs).
+    reuse one compiled graph for every layer (the layer's parameters are graph inputs). ``qkv``: the
+    three projections as one matmul (``fused.layer_parts``), else one module each.
     """
     attn = layer.self_attn
     n, q_len, _ = h.shape
     x = layer.input_layernorm(h)
     shape = (n, q_len, -1, attn.head_dim)
-    q = attn.q_proj(x).view(shape)
-    k = attn.k_proj(x).view(shape)
-    v = attn.v_proj(x).view(shape).transpose(1, 2)
+    if qkv is None:
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    else:
+        q, k, v = run_fused(qkv, x)
+    q, k = q.view(shape), k.view(shape)
+    v = v.view(shape).transpose(1, 2)
     if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm on queries and keys before RoPE
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
@@ -80,31 +86,36 @@ def _rotary_of(model):
     return getattr(sys.modules.get(type(model).__module__), "apply_rotary_pos_emb", apply_rotary_pos_emb)
 
 
-def _finish_layer(layer, h, o):
+def _finish_layer(layer, h, o, gate_up: Fused | None = None):
     """The rest of a decoder layer: output projection, residual, post-attention norm, MLP, residual.
 
     ``h`` ``[n, q, hidden]`` (the layer's input), ``o`` ``[n, H, q, D]`` (attention output) ->
     ``(h [n, q, hidden], expert ids [n * q, k] or None)``: a MoE layer also returns the experts it routed
-    each token to (the routed-experts answer of ``return_routed_experts``).
+    each token to (the routed-experts answer of ``return_routed_experts``). ``gate_up``: a dense MLP's
+    gate and up projections as one matmul.
     """
     n, q_len, _ = h.shape
     attn = layer.self_attn.o_proj(o.transpose(1, 2).reshape(n, q_len, -1))
     if hasattr(layer, "post_self_attn_layernorm"):  # GLM-4's sandwich norms after attention and the MLP
         h = h + layer.post_self_attn_layernorm(attn)
-        y, experts = _mlp(layer.mlp, layer.post_attention_layernorm(h))
+        y, experts = _mlp(layer.mlp, layer.post_attention_layernorm(h), gate_up)
         return h + layer.post_mlp_layernorm(y), experts
     h = h + attn
-    y, experts = _mlp(layer.mlp, layer.post_attention_layernorm(h))
+    y, experts = _mlp(layer.mlp, layer.post_attention_layernorm(h), gate_up)
     return h + y, experts
 
 
-def _mlp(mlp, x):
+def _mlp(mlp, x, gate_up: Fused | None = None):
     """A dense MLP, or a HF MoE block run through its own parts so the routing is visible:
     ``mlp.gate(x) -> (logits, weights [m, k], ids [m, k])``, ``mlp.experts(x, ids, weights)`` (HF's
     ``grouped_mm`` implementation by default: experts' matmuls grouped by expert in one kernel, sorted
     by expert with no host sync, so it can be captured in a CUDA graph), plus ungated shared experts
-    (GLM-4.5). The same sum as the block's own ``forward`` (Qwen3-MoE, GLM-4.5).
+    (GLM-4.5). The same sum as the block's own ``forward`` (Qwen3-MoE, GLM-4.5). ``gate_up``: a dense
+    SwiGLU's ``down(act(gate(x)) * up(x))`` with gate and up as one matmul.
     ``x`` ``[n, q, hidden]`` -> ``(y [n, q, hidden], ids [n * q, k] or None)``."""
+    if gate_up is not None:
+        gate, up = run_fused(gate_up, x)
+        return mlp.down_proj(mlp.act_fn(gate) * up), None
     if not hasattr(mlp, "experts"):
         return mlp(x), None
     flat = x.reshape(-1, x.shape[-1])
@@ -195,11 +206,14 @@ class ModelRunner:
 
     def __init__(self, model_dir: str | Path | None, device: str = "cpu", dtype: str = "auto", max_slots: int = 32,
                  context_length: int | None = None, cuda_graphs: bool = False, model: Any = None,
-                 decode_attention: str = "sdpa", compile: bool = False, compile_mode: str = "default"):
+                 decode_attention: str = "sdpa", compile: bool = False, compile_mode: str = "default",
+                 fuse_projections: bool | None = None):
         """``decode_attention``: ``"sdpa"``, ``"bmm"``, ``"triton"`` (see the module docstring) or ``"auto"``
         (``triton`` on CUDA when Triton imports, else ``sdpa``); ``compile``:
         ``torch.compile`` the per-layer decode parts, with Inductor ``compile_mode`` (``"default"`` or
-        ``"max-autotune-no-cudagraphs"``: autotuned matmuls, much longer compiles)."""
+        ``"max-autotune-no-cudagraphs"``: autotuned matmuls, much longer compiles); ``fuse_projections``:
+        each layer's Q/K/V and gate/up as one matmul each (``fused``; None: on a GPU, where it is measured
+        faster; off on the CPU, whose seeded curves were recorded with separate matmuls)."""
         from transformers import AutoModelForCausalLM
 
         if decode_attention == "auto":  # the measured fastest on an H200 (bench/RESULTS.md)
@@ -221,6 +235,8 @@ class ModelRunner:
         self.hf_config = self.model.config
         cfg = self.hf_config
         self.layers = self.model.model.layers
+        fuse = self.device.type == "cuda" if fuse_projections is None else bool(fuse_projections)
+        self.fused_groups = fuse_layers(self.layers) if fuse else 0
         self.num_layers = len(self.layers)
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
@@ -285,8 +301,10 @@ class ModelRunner:
                      if targets[n] is not None and not t.is_floating_point()]
         if require_all:
             groups = self.required_weights()
-            covered = {v.untyped_storage().data_ptr() for v in targets.values() if v is not None}
-            missing = [names[0] for names in groups if params[names[0]].untyped_storage().data_ptr() not in covered]
+            # by address, not storage: fused Q/K/V are blocks of one storage (expert 0's view of a stacked
+            # expert tensor starts at the stacked tensor's address, as every parameter does at its own)
+            covered = {v.data_ptr() for v in targets.values() if v is not None}
+            missing = [names[0] for names in groups if params[names[0]].data_ptr() not in covered]
             if missing:
                 problems.append(f"covers {len(groups) - len(missing)} of {len(groups)} tensors of the model; "
                                 f"missing {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
@@ -321,7 +339,9 @@ class ModelRunner:
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
         """Run ``prompts`` into ``slots``; return the next-token logits ``[n, V]`` (float32).
 
-        Always eager: prompt shapes vary too much for static compiled graphs."""
+        Never in a CUDA graph (prompt shapes vary); with ``compile`` the layer parts are the decode step's
+        compiled ones, compiled once more with the prompt count and width symbolic, so a prefill's norms, rotary
+        and SwiGLU fuse as the decode step's do."""
         return self.prefill_scored(slots, prompts, [None] * len(prompts))[0]
 
     @torch.no_grad()
@@ -356,13 +376,23 @@ class ModelRunner:
         slot_idx = torch.tensor(slots, dtype=torch.long, device=self.device)
         h = self.model.model.embed_tokens(ids)
         cos, sin = self.model.model.rotary_emb(h, positions)
+        project, finish = _project_qkv, _finish_layer
+        if self.compile:  # the decode step's compiled parts; one version for every prompt count and width
+            project, finish = self._qkv, self._finish
+            for t in (h, cos, sin):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+                torch._dynamo.maybe_mark_dynamic(t, 1)
         routed = []
         for l, layer in enumerate(self.layers):
-            q, k, v = _project_qkv(layer, h, cos, sin, self._rope)
+            qkv, gate_up = self._parts(layer)
+            q, k, v = project(layer, h, cos, sin, self._rope, qkv)
             self.k_cache[l, slot_idx, :, :width] = spread(k)
             self.v_cache[l, slot_idx, :, :width] = spread(v)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
-            h, experts = _finish_layer(layer, h, o)
+            if self.compile:  # [n, H, P, D]
+                torch._dynamo.maybe_mark_dynamic(o, 0)
+                torch._dynamo.maybe_mark_dynamic(o, 2)
+            h, experts = finish(layer, h, o, gate_up)
             routed.append(experts)
         self.routed_experts = spread(self._stack_routing(routed, (n, width)))
         last = h[torch.arange(n, device=self.device), lens - 1]
@@ -410,14 +440,20 @@ class ModelRunner:
         attend = self._decode_attention_fn(positions, span)
         routed = []
         for l, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, h, cos, sin, self._rope)
+            qkv, gate_up = self._parts(layer)
+            q, k, v = self._qkv(layer, h, cos, sin, self._rope, qkv)
             self.k_cache[l][rows, :, positions] = k[:, :, 0]
             self.v_cache[l][rows, :, positions] = v[:, :, 0]
             o = attend(q, self.k_cache[l, :nb, :, :span], self.v_cache[l, :nb, :, :span])
-            h, experts = self._finish(layer, h, o)
+            h, experts = self._finish(layer, h, o, gate_up)
             routed.append(experts)
         self._step_routing = self._stack_routing(routed, (nb,))
         return self.model.lm_head(self.model.model.norm(h[:, 0])).float()
+
+    def _parts(self, layer) -> tuple[Fused | None, Fused | None]:
+        """The layer's fused Q/K/V and gate/up matmuls (views of its weights, found again at every pass:
+        a memory release may have moved them), or None each."""
+        return layer_parts(layer) if self.fused_groups else (None, None)
 
     def _stack_routing(self, routed: list, lead: tuple[int, ...]):
         """Per-layer expert ids (``[m, k]`` or None for a dense layer) -> ``[*lead, L, k]`` int32, -1 for

@@ -232,7 +232,7 @@ def _sample_mixed(logits, params: list[RequestSampling], steps: list[int] | None
     import torch
 
     device = logits.device
-    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+    temps = to_device([p.temperature if not p.greedy else 1.0 for p in params], device)
     logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)
     probs = logprobs.exp()
     if any(p.top_p < 1.0 or p.top_k > 0 or p.min_p > 0.0 for p in params if not p.greedy):
@@ -242,16 +242,28 @@ def _sample_mixed(logits, params: list[RequestSampling], steps: list[int] | None
     if rows:
         if steps is None:
             raise ValueError("sample_tokens: rows with a sampling_seed need their steps")
-        index = torch.tensor(rows, device=device)
-        seeds = torch.tensor([params[i].sampling_seed for i in rows], device=device, dtype=torch.int64)
-        step = torch.tensor([steps[i] for i in rows], device=device, dtype=torch.int64)
+        index = to_device(rows, device)
+        seeds = to_device([params[i].sampling_seed for i in rows], device, torch.int64)
+        step = to_device([steps[i] for i in rows], device, torch.int64)
         race = probs[index].double() / -torch.log(seeded_uniform(seeds, step, probs.shape[1]))
         drawn = race.argmax(dim=-1)
         tokens = drawn if tokens is None else tokens.index_copy(0, index, drawn)
     if any(p.greedy for p in params):
-        greedy = torch.tensor([p.greedy for p in params], device=device)
+        greedy = to_device([p.greedy for p in params], device)
         tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def to_device(values: list, device, dtype=None):
+    """A host list as a tensor on ``device`` without a stream sync: on CUDA through pinned memory and an
+    async copy (``torch.tensor(values, device="cuda")`` copies from pageable memory, which waits for the
+    stream to drain: that would stall an overlapped engine until the step in flight ends)."""
+    import torch
+
+    host = torch.tensor(values, dtype=dtype)
+    if getattr(device, "type", str(device).split(":")[0]) != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def to_host(tokens, logprobs) -> tuple[list[int], list[float]]:
@@ -268,9 +280,9 @@ def _truncate(probs, params: list[RequestSampling]):
     import torch
 
     device = probs.device
-    top_p = torch.tensor([p.top_p for p in params], device=device)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else probs.shape[1] for p in params], device=device)
-    min_p = torch.tensor([p.min_p for p in params], device=device)
+    top_p = to_device([p.top_p for p in params], device)
+    top_k = to_device([p.top_k if p.top_k > 0 else probs.shape[1] for p in params], device)
+    min_p = to_device([p.min_p for p in params], device)
     sorted_p, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(probs.shape[1], device=device)[None, :]
     cum_before = sorted_p.cumsum(dim=-1) - sorted_p  # mass strictly above this token

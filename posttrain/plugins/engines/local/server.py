@@ -102,7 +102,7 @@ class EngineServer:
     def __init__(self, model_dir: str, host: str = "127.0.0.1", port: int = 30000, device: str = "cpu",
                  dtype: str = "auto", max_running_requests: int = 32, context_length: int | None = None,
                  cuda_graphs: bool = False, decode_attention: str = "auto", compile: bool = False,
-                 stable_memory: bool = False, api_key: str | None = None, generate_body_limit: int = GENERATE_BODY_LIMIT):
+                 stable_memory: bool = False, overlap: bool = True, api_key: str | None = None, generate_body_limit: int = GENERATE_BODY_LIMIT):
         from transformers import AutoTokenizer
 
         from posttrain.plugins.engines.local.engine import LocalEngine
@@ -118,7 +118,7 @@ class EngineServer:
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos.append(self.tokenizer.eos_token_id)
-        self.engine = LocalEngine(self.runner, self.tokenizer, eos)
+        self.engine = LocalEngine(self.runner, self.tokenizer, eos, overlap=overlap and self.runner.device.type == "cuda")
         self.api_key = api_key
         self.generate_body_limit = generate_body_limit
         self.weights = WeightRoutes(self)
@@ -136,7 +136,7 @@ class EngineServer:
             "device": device, "dtype": str(self.runner.dtype).removeprefix("torch."),
             "context_length": self.runner.context_length, "max_running_requests": max_running_requests,
             "tp_size": 1, "dp_size": 1, "cuda_graphs": self.runner.cuda_graphs,
-            "stable_memory": self.memory.stable,
+            "stable_memory": self.memory.stable, "overlap": self.engine.overlap,
             "decode_attention": self.runner.decode_attention, "compile": bool(compile), "skip_tokenizer_init": False,
         }
 

@@ -1,0 +1,128 @@
+"""The local engine's overlap mode: decode step N + 1 runs on the device while the host lands step N.
+
+The sampled tokens of a step stay on the device as the next step's input (``OverlappedDecode._tokens``,
+one per slot), so a step is launched without waiting for the previous one's tokens; those come back
+through pinned memory with an async copy and a CUDA event, and the host appends them, checks stops and
+answers requests while the device runs the next step (SGLang's overlap scheduler does the same).
+Positions need no tokens: each request moves one position per step. A request whose last token is
+sampled (its ``max_new_tokens`` or the context is reached) is not launched again; one that stops on a
+token is decoded once more on the device, and that token is dropped when it lands.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from posttrain.plugins.engines.local.requests import InFlight, Request
+
+
+class OverlappedDecode:
+    """The overlap half of a :class:`~posttrain.plugins.engines.local.engine.LocalEngine`'s decode: the
+    step in flight, the device-side next tokens and two pinned host buffers. Engine thread only."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.inflight: InFlight | None = None
+        self._tokens = None  # [max_slots] int64 on the device: each slot's next input token
+        self._hosts: list[Any] = []  # two pinned [2 * max_slots] float64, used in turn
+
+    def step(self) -> None:
+        """Launch a decode step from the device-side tokens, then land the step launched before it."""
+        import torch
+
+        from posttrain.plugins.engines.local.sampling import sample_tokens, to_device
+
+        t0 = time.perf_counter()
+        engine, runner = self.engine, self.engine.runner
+        limit = runner.context_length
+        # a request whose last token is already sampled (its length or the context is reached) is not
+        # launched again: it finishes when that token lands
+        reqs = [r for _, r in sorted(engine._running.items())
+                if r.launched < r.sampling.max_new_tokens and len(r.prompt_ids) + r.launched < limit]
+        if not reqs:
+            return self.land_inflight()
+        slots = [r.slot for r in reqs]
+        nb = slots[-1] + 1
+        positions = [0] * nb
+        for r in reqs:
+            positions[r.slot] = len(r.prompt_ids) + r.launched - 1
+        device = runner.device
+        tokens = self._device_tokens()
+        logits = runner.decode(tokens[:nb], to_device(positions, device), max_position=max(positions))
+        engine._keep_routing(slots, reqs)
+        index = None
+        if len(slots) != nb:
+            index = to_device(slots, device)
+            logits = logits[index]
+        try:
+            sampled, logprobs = sample_tokens(logits, [r.sampling for r in reqs], [r.launched for r in reqs])
+        except Exception:  # a row's own parameters break the batched draw: this step goes the synchronous way
+            self.land_inflight()
+            kept, host_tokens, host_logprobs = engine._sample_isolated(reqs, logits)
+            engine._advance(kept, host_tokens, host_logprobs)
+            self.put_next_tokens(kept, host_tokens)
+            return
+        if index is None:
+            tokens[:nb].copy_(sampled)
+        else:
+            tokens.index_copy_(0, index, sampled)
+        host = self._host_buffer(len(reqs))
+        host.copy_(torch.stack([sampled.to(torch.float64), logprobs.to(torch.float64)]), non_blocking=True)
+        ready = None
+        if device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        for r in reqs:
+            r.launched += 1
+        previous, self.inflight = self.inflight, InFlight(reqs, host, ready, time.perf_counter() - t0)
+        if previous is not None:
+            self._land(previous)
+
+    def land_inflight(self) -> None:
+        """Land the step in flight, if any (before calls, pauses and idle waits)."""
+        if self.inflight is not None:
+            step, self.inflight = self.inflight, None
+            self._land(step)
+
+    def _land(self, step: InFlight) -> None:
+        """Wait for ``step``'s tokens and append them; rows that finished or were aborted while it ran
+        (a stop token one step earlier, an abort) drop theirs."""
+        t0 = time.perf_counter()
+        if step.ready is not None:
+            step.ready.synchronize()
+        tokens, logprobs = step.host.tolist()
+        t1 = time.perf_counter()
+        live = [i for i, r in enumerate(step.reqs) if r.finish is None]
+        self.engine._advance([step.reqs[i] for i in live], [int(tokens[i]) for i in live], [logprobs[i] for i in live])
+        self.engine.stats.add_decode(len(step.reqs), step.launch_s, t1 - t0, time.perf_counter() - t1)
+
+    def _device_tokens(self):
+        if self._tokens is None:
+            import torch
+
+            self._tokens = torch.zeros(self.engine.runner.max_slots, dtype=torch.long, device=self.engine.runner.device)
+        return self._tokens
+
+    def put_next_tokens(self, reqs: list[Request], tokens: list[int]) -> None:
+        """Write tokens known on the host (a prefill's first token) as their slots' next decode input."""
+        import torch
+
+        live = [(r.slot, t) for r, t in zip(reqs, tokens) if r.finish is None]
+        for r in reqs:
+            r.launched = len(r.output_ids)
+        if live:
+            both = torch.tensor(list(zip(*live)), device=self.engine.runner.device)  # [2, n]: one copy
+            self._device_tokens()[both[0]] = both[1]
+
+    def _host_buffer(self, n: int):
+        """``[2, n]`` float64 host memory for a step's tokens and log-probs; two buffers used in turn (one
+        may still be filled by the step in flight)."""
+        import torch
+
+        if not self._hosts:
+            pin = self.engine.runner.device.type == "cuda"
+            self._hosts = [torch.empty(2 * self.engine.runner.max_slots, dtype=torch.float64, pin_memory=pin)
+                           for _ in range(2)]
+        self._hosts.reverse()
+        return self._hosts[0][: 2 * n].view(2, n)

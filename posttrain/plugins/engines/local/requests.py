@@ -1,0 +1,95 @@
+"""What the local engine's scheduler keeps per request, per launched step, and per phase of its steps."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from posttrain.plugins.engines.local.sampling import RequestSampling
+
+
+@dataclass
+class StepStats:
+    """Wall time of the engine's steps, summed since the last :meth:`reset` (engine thread only; read
+    it through ``call_in_engine`` so a step is never half counted).
+
+    A decode step is ``launch`` (gather tokens/positions, copy them to the device, run or enqueue the
+    forward pass), ``sample`` (sampling and the device-to-host copy of its result, which waits for
+    the device to finish the step) and ``advance`` (append tokens, check stops, complete requests).
+    With overlap, ``launch`` also enqueues the sampling and ``sample`` is the wait for the step's tokens
+    (the host's work on the previous step hides the rest of it).
+    """
+
+    decode_steps: int = 0
+    decode_rows: int = 0  # running requests summed over decode steps (mean batch = rows / steps)
+    decode_s: float = 0.0
+    launch_s: float = 0.0
+    sample_s: float = 0.0
+    advance_s: float = 0.0
+    prefill_steps: int = 0
+    prefill_s: float = 0.0
+
+    def reset(self) -> None:
+        self.__init__()
+
+    def add_decode(self, rows: int, launch: float, sample: float, advance: float) -> None:
+        """One decode step of ``rows`` requests and its phases' seconds."""
+        self.decode_steps += 1
+        self.decode_rows += rows
+        self.decode_s += launch + sample + advance
+        self.launch_s += launch
+        self.sample_s += sample
+        self.advance_s += advance
+
+    def summary(self) -> dict[str, float]:
+        """Mean milliseconds per decode step for each phase, the mean batch, and prefill totals."""
+        n = max(self.decode_steps, 1)
+        return {"decode_steps": self.decode_steps, "mean_batch": round(self.decode_rows / n, 1),
+                "step_ms": round(1e3 * self.decode_s / n, 3), "launch_ms": round(1e3 * self.launch_s / n, 3),
+                "sample_ms": round(1e3 * self.sample_s / n, 3), "advance_ms": round(1e3 * self.advance_s / n, 3),
+                "prefill_steps": self.prefill_steps, "prefill_s": round(self.prefill_s, 3)}
+
+
+@dataclass
+class Request:
+    """One generation request inside the engine."""
+
+    rid: str
+    prompt_ids: list[int]
+    sampling: RequestSampling
+    return_logprob: bool
+    on_done: Callable[[dict[str, Any]], None]
+    logprob_start_len: int = -1  # >= 0 with return_logprob: log-probs of the prompt's tokens from there on
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[float] | None = None
+    slot: int = -1
+    finish: dict[str, Any] | None = None
+    text_cut: int | None = None  # char offset of a matched stop string (trimmed unless no_stop_trim)
+    error: str | None = None  # this request alone broke a step (the server answers HTTP 400)
+    created: float = field(default_factory=time.monotonic)
+    return_routed_experts: bool = False
+    routed: list[Any] = field(default_factory=list)  # device tensors [rows, L, k]: the prompt's, then one per step
+    launched: int = 0  # overlap: output tokens sampled so far, on the host or still on the device
+
+
+@dataclass
+class InFlight:
+    """A launched decode step whose tokens have not reached the host (overlap mode)."""
+
+    reqs: list[Request]  # its rows, in slot order
+    host: Any  # [2, len(reqs)] float64 in pinned memory: tokens, log-probs (an async copy fills it)
+    ready: Any  # CUDA event recorded after that copy; None on a CPU engine (the copy is done on return)
+    launch_s: float
+
+
+def input_logprobs(req: Request) -> list[list[Any]]:
+    """SGLang's ``input_token_logprobs``: ``[logprob, token_id, None]`` for each prompt token from
+    ``logprob_start_len`` on, the first with logprob None (SGLang computes none for it); empty for the
+    default ``-1`` (or an aborted request that never ran its prefill)."""
+    if req.logprob_start_len < 0 or req.input_logprobs is None:
+        return []
+    ids = req.prompt_ids[req.logprob_start_len:]
+    return [[None, ids[0], None]] + [[lp, t, None] for lp, t in zip(req.input_logprobs, ids[1:])]
