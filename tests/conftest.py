@@ -1,5 +1,6 @@
 """Shared test helpers. Test modules get fresh plugin managers; nothing global is mutated."""
 
+import gc
 import os
 import subprocess
 import sys
@@ -8,6 +9,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _collector_restored():
+    """An in-process run settles the heap (core.gcutil): undo it so later tests see CPython's collector."""
+    threshold, frozen = gc.get_threshold(), gc.get_freeze_count()
+    yield
+    if gc.get_freeze_count() != frozen:
+        gc.unfreeze()
+    if gc.get_threshold() != threshold:
+        gc.set_threshold(*threshold)
 
 
 @pytest.fixture

@@ -72,6 +72,27 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+_forking_pid = 0  # the process that forked, recorded by the before-fork hook; a child reads its copy
+_fork_hooks = False
+
+
+def forks_die_with_parent() -> None:
+    """Every later ``fork`` of this process (a library's multiprocessing workers: Megatron's checkpoint
+    writers fork one per bucket) gets ``PR_SET_PDEATHSIG = SIGKILL``, as :func:`spawn`'s children do: a
+    driver killed in the middle of a checkpoint save leaves no writer behind, blocked forever on a queue
+    whose other end died. Idempotent; a no-op off Linux."""
+    global _fork_hooks
+    if _fork_hooks or _PRCTL is None:
+        return
+    _fork_hooks = True
+
+    def before() -> None:
+        global _forking_pid
+        _forking_pid = os.getpid()
+
+    os.register_at_fork(before=before, after_in_child=lambda: _die_with_parent(_forking_pid))
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nobody listens on right now (bind to 0 and read it back)."""
     with socket.socket() as s:

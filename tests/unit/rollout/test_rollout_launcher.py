@@ -135,3 +135,28 @@ def test_a_spawned_server_exits_once_its_parent_is_gone_without_pdeathsig():
     while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, "the child outlived its parent"
+
+
+@pytest.mark.parametrize("hooked", [True, False])
+def test_a_forked_worker_dies_with_a_parent_killed_mid_save(hooked):
+    """``forks_die_with_parent``: a multiprocessing fork worker (as Megatron's checkpoint writers are) of a
+    process killed with SIGKILL is killed too; without the hook it lives on, parented to init."""
+    import psutil
+
+    parent = ("import multiprocessing as mp, os, time; from posttrain.core.rollout import procs; "
+              f"{'procs.forks_die_with_parent(); ' if hooked else ''}"
+              "p = mp.get_context('fork').Process(target=time.sleep, args=(60,)); p.start(); "
+              "print(p.pid, flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    worker = psutil.Process(int(proc.stdout.readline()))
+    try:
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 5
+        while worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.05)
+        alive = worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE
+        assert alive != hooked, "the worker outlived its killed parent" if hooked else "the control died anyway"
+    finally:
+        if worker.is_running():
+            worker.kill()

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from posttrain.core.errors import UsageError
+from posttrain.core.rollout.procs import forks_die_with_parent
 from posttrain.plugins.trainers.megatron.optim import init_adam_state
 
 
@@ -112,6 +113,7 @@ def save(self: Any, ckpt_dir: str | Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
     if dist.is_initialized():
         dist.barrier()
+    forks_die_with_parent()  # the torch_dist writer forks workers: they must not outlive a killed run
     dist_checkpointing.save(sharded_state(self, is_loading=False), str(path))
 
 
