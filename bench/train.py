@@ -190,7 +190,9 @@ def profile_step(step, sync, table_path: str | None) -> dict:
         by_kind[kernel_kind(evt.key)] = by_kind.get(kernel_kind(evt.key), 0.0) + us / 1000.0
     if table_path:
         Path(table_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(table_path).write_text(prof.key_averages().table(sort_by="self_device_time_total", row_limit=50))
+        on_gpu = bool(by_kind)  # a CPU run has no device time to sort by: its table goes by CPU time
+        key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+        Path(table_path).write_text(prof.key_averages().table(sort_by=key, row_limit=50))
     return {k: round(v, 1) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}
 
 

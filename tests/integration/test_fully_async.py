@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 
-from tests.integration.test_loop import QUICKSTART, SMALL, describe, jsonl, leftovers, rl_cli
+from tests.integration.test_loop import QUICKSTART, SMALL, descendants, describe, jsonl, leftovers, rl_cli
 
 pytestmark = pytest.mark.slow
 FULLY = ["rollout.mode=fully_async", "rollout.partial=true"]
@@ -51,13 +51,14 @@ def test_kill_9_then_resume_trains_every_prompt_once_per_epoch(tmp_path, write):
     while len(jsonl(run / "metrics.jsonl")) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(random.uniform(0, 0.3))
+    family = descendants(proc.pid)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert len(jsonl(run / "metrics.jsonl")) < 6, "the run finished before it could be killed"
     deadline = time.monotonic() + 30
-    while leftovers(run) and time.monotonic() < deadline:
+    while leftovers(run, family) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not leftovers(run), describe(leftovers(run))
+    assert not leftovers(run, family), describe(leftovers(run, family))
     state = json.loads((run / "checkpoints" / (run / "checkpoints" / "latest").read_text() / "state.json").read_text())
     saved = state["fully_async"]
     assert saved["queue"] or saved["in_flight"], "nothing was queued or in flight at the checkpoint"

@@ -33,8 +33,9 @@ def jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def leftovers(run_dir):
-    """Processes (engines, router) still running for this run directory."""
+def leftovers(run_dir, family=()):
+    """Processes (engines, router) still running for this run directory, and those of ``family`` (a killed
+    driver's descendants: checkpoint writers, multiprocessing managers and trackers) not yet gone."""
     found = []
     for p in psutil.process_iter(["cmdline"]):
         try:
@@ -42,7 +43,21 @@ def leftovers(run_dir):
                 found.append(p)
         except psutil.Error:
             pass
-    return found
+    return found + [p for p in family if p not in found and alive(p)]
+
+
+def alive(p) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def descendants(pid):
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
 
 
 def describe(procs):
@@ -87,13 +102,14 @@ def test_kill_9_then_resume_loses_and_repeats_no_step(tmp_path):
     deadline = time.monotonic() + 300
     while len(jsonl(run / "metrics.jsonl")) < 3 and time.monotonic() < deadline:  # steps 0-2 done, ckpt at 1
         time.sleep(0.2)
+    family = descendants(proc.pid)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert len(jsonl(run / "metrics.jsonl")) < 6, "the run finished before it could be killed"
     deadline = time.monotonic() + 30
-    while leftovers(run) and time.monotonic() < deadline:  # engines and router die with their parent
+    while leftovers(run, family) and time.monotonic() < deadline:  # every child dies with its parent
         time.sleep(0.2)
-    assert not leftovers(run), describe(leftovers(run))
+    assert not leftovers(run, family), describe(leftovers(run, family))
 
     out = rl_cli("--resume", run)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]

@@ -33,11 +33,15 @@ def exit_with_parent(poll_s: float = 0.5) -> None:
     it once the process that started it is gone. Defence in depth for ``PR_SET_PDEATHSIG``, which the
     kernel ties to the *thread* that forked (a server restarted from a worker thread) and which a
     reparenting to a subreaper does not trigger; this depends on neither. A no-op without the variable."""
-    import threading
-
     parent = int(os.environ.pop(PARENT_ENV, "0") or 0)
-    if parent <= 1:
-        return
+    if parent > 1:
+        watch_parent(parent, poll_s)
+
+
+def watch_parent(parent: int, poll_s: float = 0.5) -> None:
+    """A daemon thread that ends this process once ``parent`` is no longer its parent (it died: the
+    process was reparented). Module-level, so a spawned helper can run it as its initializer."""
+    import threading
 
     def watch() -> None:
         while os.getppid() == parent:

@@ -47,6 +47,8 @@ class MegatronBackend(TrainerBackend):
             "auto", help="core attention: auto = TE if installed on GPU, else SDPA")
         compile: bool = option(False, help="torch.compile each transformer layer (fuses norms, SwiGLU, rotary)")
         sequence_packing: bool = option(True, help="pack a micro-batch's samples into one row (THD attention)")
+        dedup_inputs: bool = option(True, help="padded rows: samples with the same inputs run the layers once "
+                                    "(GRPO's one-token answers; dense models without dropout; trainers/megatron/dedup.py)")
         log_probs_chunk_size: int = option(1024, ge=1, help="tokens per chunk of the vocab-parallel log-softmax")
         log_probs_recompute: bool = option(True, help="backward recomputes each chunk's logits (least memory); "
                                                       "false keeps them (tokens x vocab/tp in bf16) and skips that matmul")

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from posttrain.core.errors import UsageError
-from posttrain.core.rollout.procs import forks_die_with_parent
+from posttrain.core.rollout.procs import forks_die_with_parent, watch_parent
 from posttrain.plugins.trainers.megatron.optim import init_adam_state
 
 
@@ -114,7 +114,28 @@ def save(self: Any, ckpt_dir: str | Path) -> None:
     if dist.is_initialized():
         dist.barrier()
     forks_die_with_parent()  # the torch_dist writer forks workers: they must not outlive a killed run
+    _writer_queue_dies_with_us()
     dist_checkpointing.save(sharded_state(self, is_loading=False), str(path))
+
+
+def _writer_queue_dies_with_us() -> None:
+    """Megatron's torch_dist writer collects results through a queue of a spawned multiprocessing Manager
+    (``filesystem_async._get_write_results_queue``): a server process that outlives a run killed with
+    SIGKILL (and keeps its resource tracker alive). Give the writer the queue of a Manager whose server
+    exits once this process is gone (:func:`watch_parent`). Left alone where Megatron has no such queue."""
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        return
+    if getattr(filesystem_async, "_results_queue", "absent") is not None:  # made already, or none to make
+        return
+    import multiprocessing
+    import os
+    from multiprocessing.managers import SyncManager
+
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=watch_parent, initargs=(os.getpid(),))
+    filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
 
 
 def load(self: Any, ckpt_dir: str | Path) -> None:

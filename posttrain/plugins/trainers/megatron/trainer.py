@@ -48,7 +48,7 @@ import torch
 from posttrain.core.errors import UsageError
 from posttrain.core.losses import total_loss
 from posttrain.core.trainer_backend import lr_at
-from posttrain.plugins.trainers.megatron import checkpoint, data_parallel, grads, pipeline, rope
+from posttrain.plugins.trainers.megatron import checkpoint, data_parallel, dedup, grads, pipeline, rope
 from posttrain.plugins.trainers.megatron import model as M
 from posttrain.core.train_batch import TrainBatch, pack
 from posttrain.plugins.trainers.megatron.logprobs import vocab_parallel_log_probs
@@ -94,6 +94,9 @@ class MegatronTrainer:
         if has_ckpt:
             M.load_hf(self.model, spec, self.hf, spec.config.path)
         self.moe = MoERuntime(self.model, self.backend.routing_replay, self._packed, self.device)
+        config = self.gpt.config
+        self._dedup = (self.backend.dedup_inputs and not self._packed and not self.moe.routers
+                       and not config.hidden_dropout and not config.attention_dropout)
         if self._packed:  # THD rotary from cu_seqlens as tensors: no host sync per layer, no recompiles
             rope.install()
         if self.backend.compile:  # before DDP wrapping; graph breaks (packed cu_seqlens) are fine
@@ -193,9 +196,12 @@ class MegatronTrainer:
                 psp.cu_seqlens_host = p.cu_host  # read by SDPAttention: no device sync per layer
                 hidden = self.model(p.input_ids, p.position_ids, attention_mask=None, packed_seq_params=psp)[0]
                 return hidden, p.targets, lambda v: p.unpack(v, lengths.cpu(), width)
-            positions = torch.arange(width, device=self.device).unsqueeze(0).expand_as(tokens)
+            distinct, inverse = dedup.distinct_rows(tokens, lengths) if self._dedup else (tokens, None)
+            positions = torch.arange(width, device=self.device).unsqueeze(0).expand_as(distinct)
             causal = torch.triu(torch.ones(width, width, dtype=torch.bool, device=self.device), 1)[None, None]
-            hidden = self.model(tokens, positions, attention_mask=causal)  # [B, T, H]
+            hidden = self.model(distinct, positions, attention_mask=causal)  # [U, T, H]
+            if inverse is not None:  # samples of the same inputs share their hidden states
+                hidden = hidden.index_select(0, inverse)  # [B, T, H]
         targets = torch.cat([tokens[:, 1:], tokens.new_zeros(tokens.shape[0], 1)], dim=1)
 
         def unpack(v: torch.Tensor) -> torch.Tensor:
