@@ -28,6 +28,11 @@
 #   overlap17 the engine's GPU tests (overlap, fused projections, graphs, compiled variants), then decode at the
 #             benchmark shape: overlapped + fused (the defaults), then without each (triton+compile throughout)
 #   prefill17 the same tests, then decode at the benchmark shape with the compiled prefill (triton+compile), and triton
+#   decode17b the new kernels' GPU tests (cache writes inside the decode attention, one-pass sampling), decode at the
+#             benchmark shape with each new lever off in turn (kernel tables of each variant), the engine's GPU tests
+#   decode17c the same kernels' tests, decode with the new levers and without (kernel table), the engine's GPU tests,
+#             the colocated GPU run test, then decode with inductor's max-autotune (long compiles: last)
+#   autotune17 decode at the benchmark shape with inductor's max-autotune (Triton matmul templates against cuBLAS)
 #   gpuruns17 tests/gpu's runs, then its trainer-engine equivalence variants (each with its own limit)
 #   colocated_test, compiled_gpu_tests: the colocated GPU run test alone; the compiled decode variants' GPU tests
 #   trl_gpu   TRL's GRPOTrainer on that workload (bench/trl_gpu.py; wheels in .whl/trl/: trl, datasets, dill,
@@ -160,6 +165,30 @@ why = vmm_supported(0); print('vmm:', why or 'supported'); raise SystemExit(1 if
                tests/unit/rollout/test_decode_variants.py -m gpu
              step rollout_prefill 200 python3 bench/rollout.py --device cuda --shape qwen3-1.7b --prompts 256 --prompt-len 128 \
                --new-tokens 256 --skip-hf --profile --variants triton+compile,triton ;;
+  decode17b) step kernel_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
+               tests/unit/rollout/test_decode_kernel.py tests/unit/rollout/test_sampling_kernel.py
+             step rollout_levers ${LEVERS_S:-330} python3 bench/rollout.py --device cuda --shape qwen3-1.7b --prompts 256 \
+               --prompt-len 128 --new-tokens 256 --skip-hf --profile --kernel-tables "$LOGS/kernels" \
+               --variants ${DECODE_VARIANTS:-triton+compile,triton+compile+kvwrites+torchsample+prefill8k,triton+compile+kvwrites,triton+compile+torchsample,triton+compile+prefill8k}
+             head -n 45 "$LOGS/kernels/triton+compile.txt" | cut -c1-180
+             step engine_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/rollout/test_rollout_gpu.py \
+               tests/unit/rollout/test_decode_variants.py tests/unit/rollout/test_engine_overlap.py \
+               tests/unit/rollout/test_fused_projections.py ;;
+  decode17c) step kernel_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
+               tests/unit/rollout/test_decode_kernel.py tests/unit/rollout/test_sampling_kernel.py
+             step rollout_levers 200 python3 bench/rollout.py --device cuda --shape qwen3-1.7b --prompts 256 \
+               --prompt-len 128 --new-tokens 256 --skip-hf --profile --kernel-tables "$LOGS/kernels" \
+               --variants triton+compile,triton+compile+kvwrites,triton+compile+kvwrites+torchsample+prefill8k
+             head -n 30 "$LOGS/kernels/triton+compile.txt" | cut -c1-180
+             step engine_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/rollout/test_rollout_gpu.py \
+               tests/unit/rollout/test_decode_variants.py tests/unit/rollout/test_engine_overlap.py \
+               tests/unit/rollout/test_fused_projections.py
+             step colocated_test 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_runs_gpu.py -k colocated
+             step rollout_autotune ${AUTOTUNE_S:-150} python3 bench/rollout.py --device cuda --shape qwen3-1.7b \
+               --prompts 256 --prompt-len 128 --new-tokens 256 --skip-hf --profile --variants triton+autotune ;;
+  autotune17) step rollout_autotune ${AUTOTUNE_S:-330} python3 bench/rollout.py --device cuda --shape qwen3-1.7b \
+                --prompts 256 --prompt-len 128 --new-tokens 256 --skip-hf --profile --variants triton+autotune
+              grep -h "^AUTOTUNE\|^  mm \|^  triton_mm" "$LOGS/rollout_autotune.log" | grep -A1 "^AUTOTUNE" | cut -c1-60 ;;
   gpuruns17) step runs_gpu_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_runs_gpu.py
              step equivalence_gpu_tests 320 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_equivalence_gpu.py ;;
   colocated_test) step colocated_test 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_runs_gpu.py -k colocated ;;

@@ -12,7 +12,12 @@ Decode levers (``ModelRunner`` arguments): ``--decode-attention sdpa|bmm``, ``--
 (``--compile-mode``). ``--variants`` measures several in one call on the same built model, one JSON line
 each, e.g. ``--variants sdpa,bmm,sdpa+compile,bmm+compile,sdpa+eager``: ``+``-joined words among
 ``sdpa``/``bmm`` (attention), ``compile``/``autotune`` (torch.compile, default or
-max-autotune-no-cudagraphs mode), ``eager``/``graphs`` (CUDA graphs off/on). A variant that fails prints
+max-autotune-no-cudagraphs mode), ``eager``/``graphs`` (CUDA graphs off/on), ``sync``/``overlap``,
+``unfused``/``fused`` (projections), ``kvwrites``/``kvinkernel`` (the cache write as two kernels per layer,
+or inside the triton attention), ``torchsample``/``fusedsample`` (torch's sampling or the Triton kernel),
+``prefill8k``/``prefill32k`` (prompt tokens per prefill batch), ``floatlogits`` (the decode step's logits in
+float32, not the model's dtype as the engine server takes them on a GPU); unnamed levers take the engine's
+defaults. A variant that fails prints
 its line with ``error`` and the next one still runs. The HF baseline (unless ``--skip-hf``) runs once,
 first, and its numbers go on every line.
 
@@ -174,7 +179,12 @@ VARIANT_WORDS = {"sdpa": {"decode_attention": "sdpa"}, "bmm": {"decode_attention
                  "autotune": {"compile": True, "compile_mode": "max-autotune-no-cudagraphs"},
                  "eager": {"cuda_graphs": False}, "graphs": {"cuda_graphs": True},
                  "sync": {"overlap": False}, "overlap": {"overlap": True},
-                 "unfused": {"fuse_projections": False}, "fused": {"fuse_projections": True}}
+                 "unfused": {"fuse_projections": False}, "fused": {"fuse_projections": True},
+                 "kvwrites": {"attention_writes_kv": False}, "kvinkernel": {"attention_writes_kv": True},
+                 "torchsample": {"fused_sampling": False}, "fusedsample": {"fused_sampling": True},
+                 "prefill8k": {"prefill_tokens": 8192}, "prefill32k": {"prefill_tokens": 32768},
+                 "floatlogits": {"float_logits": True}}
+ENGINE_OPTIONS = ("overlap", "fused_sampling", "prefill_tokens")  # LocalEngine's; the rest are ModelRunner's
 
 
 def parse_variant(name: str, defaults: dict) -> dict:
@@ -201,10 +211,11 @@ def time_ms(fn, device: str, iters: int = 20, warmup: int = 3) -> float:
     return round(1e3 * (time.perf_counter() - start) / iters, 3)
 
 
-def profile_runner(runner, batch: int, position: int, device: str, prompt_len: int = 0) -> dict:
+def profile_runner(runner, batch: int, position: int, device: str, prompt_len: int = 0, budget: int = 8192,
+                   fused: bool | None = None) -> dict:
     """Decode step alone, eager forward, and sampling alone at ``batch`` slots all at ``position``; one
     prefill batch as the engine forms it (``prefill_batch_prompts`` distinct prompts of ``prompt_len``
-    tokens, its 8,192-token budget) in ``prefill_batch_ms``. Run in the engine thread while the engine is
+    tokens, the engine's token ``budget``) in ``prefill_batch_ms``; sampling as the engine does (``fused``). Run in the engine thread while the engine is
     idle: it writes K/V into idle slots."""
     import torch
 
@@ -218,9 +229,9 @@ def profile_runner(runner, batch: int, position: int, device: str, prompt_len: i
         out["decode_eager_ms"] = time_ms(lambda: runner._decode_eager(tokens, positions, span), device)
     logits = runner.decode(tokens, positions, max_position=position).clone()
     params = [parse_sampling({"temperature": 0})] * batch
-    out["sampling_ms"] = time_ms(lambda: to_host(*sample_tokens(logits, params)), device)
+    out["sampling_ms"] = time_ms(lambda: to_host(*sample_tokens(logits, params, fused=fused)), device)
     if prompt_len:
-        n = max(1, min(batch, 8192 // prompt_len))
+        n = max(1, min(batch, budget // prompt_len))
         prompts = torch.randint(1, runner.vocab_size, (n, prompt_len)).tolist()
         out["prefill_batch_prompts"] = n
         out["prefill_batch_ms"] = time_ms(lambda: runner.prefill(list(range(n)), prompts), device, iters=5, warmup=1)
@@ -281,11 +292,13 @@ def bench_variant(model, prompts: list[list[int]], args, name: str, opts: dict, 
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     context = args.prompt_len + args.new_tokens + 1
     position = args.prompt_len + args.new_tokens // 2  # the run's mean context, for the profile
-    runner_opts = {k: v for k, v in opts.items() if k != "overlap"}
+    runner_opts = {k: v for k, v in opts.items() if k not in ENGINE_OPTIONS}
+    runner_opts.setdefault("float_logits", not args.device.startswith("cuda"))  # as the engine server runs it
     runner = ModelRunner(None, device=args.device, dtype=dtype, max_slots=args.prompts, context_length=context,
                          model=model, **runner_opts)
-    engine = LocalEngine(runner, tokenizer=None, eos_token_ids=[], overlap=opts.get("overlap"))
-    out.update(overlap=engine.overlap, fused_groups=runner.fused_groups)
+    engine = LocalEngine(runner, tokenizer=None, eos_token_ids=[], **{k: opts.get(k) for k in ENGINE_OPTIONS})
+    out.update(overlap=engine.overlap, fused_groups=runner.fused_groups, prefill_tokens=engine.prefill_tokens,
+               attention_writes_kv=runner.attention_writes_kv, fused_sampling=engine.fused_sampling)
     try:
         start = time.perf_counter()
         run_engine(engine, prompts, min(args.new_tokens, 8))  # warm-up: kernels, allocator, graphs, compiles
@@ -302,8 +315,9 @@ def bench_variant(model, prompts: list[list[int]], args, name: str, opts: dict, 
                        step_sample_ms=stats["sample_ms"], step_advance_ms=stats["advance_ms"],
                        mean_batch=stats["mean_batch"], decode_steps=stats["decode_steps"], prefill_s=stats["prefill_s"])
             try:
-                out.update(engine.call_in_engine(lambda: profile_runner(runner, len(prompts), position, args.device,
-                                                                       args.prompt_len)))
+                out.update(engine.call_in_engine(lambda: profile_runner(
+                    runner, len(prompts), position, args.device, args.prompt_len, engine.prefill_tokens,
+                    engine.fused_sampling)))
             except Exception as exc:  # instrumentation must not cost the throughput numbers
                 out["profile_error"] = repr(exc)[:300]
         if args.kernel_tables:

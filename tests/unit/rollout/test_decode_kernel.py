@@ -9,12 +9,8 @@ inside a CUDA graph replayed with new lengths, and the graphed runner against ``
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +19,8 @@ import torch.nn.functional as F
 from posttrain.plugins.engines.local import decode_kernel
 from posttrain.plugins.engines.local.decode_kernel import decode_attention_reference, triton_available
 from posttrain.plugins.engines.local.model_runner import ModelRunner
+from tests.conftest import run_triton_interpreted
 
-ROOT = Path(__file__).resolve().parents[3]
 PROMPTS = {0: [5, 6, 7, 8, 9], 2: [10, 11], 3: [12, 13, 14]}  # slot 1 idle: a hole below busy slots
 
 
@@ -99,6 +95,25 @@ def test_reference_rows_without_positions_are_zero_and_long_lengths_clamp():
     torch.testing.assert_close(decode_attention_reference(q, k, v, torch.tensor([0, 100, 0]), 0.25)[1], out[1])
 
 
+def test_reference_writes_the_new_row_then_attends_to_it():
+    """``k_new``/``v_new``: the same cache and output as writing them at ``lengths - 1`` first; a slot
+    with no valid position writes nothing."""
+    k, v = cache_views(2, 4, 2, 32, 16, 4, 32, seed=5)
+    q = torch.randn(4, 4, 1, 16)
+    k_new, v_new = torch.randn(4, 2, 1, 16), torch.randn(4, 2, 1, 16)
+    lengths = torch.tensor([1, 9, 0, 32])
+    k2, v2 = k.clone(), v.clone()
+    for i, n in enumerate(lengths.tolist()):
+        if n:
+            k2[i, :, n - 1], v2[i, :, n - 1] = k_new[i, :, 0], v_new[i, :, 0]
+    expected = decode_attention_reference(q, k2, v2, lengths, 0.25)
+    out = decode_attention_reference(q, k, v, lengths, 0.25, k_new=k_new, v_new=v_new)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    assert torch.equal(k, k2) and torch.equal(v, v2)
+    with pytest.raises(ValueError, match="k_new"):
+        decode_attention_reference(q, k, v, lengths, 0.25, k_new=torch.zeros(4, 3, 16), v_new=v_new)
+
+
 def test_reference_rejects_mismatched_shapes():
     k = torch.zeros(2, 2, 4, 16)
     with pytest.raises(ValueError, match="multiple"):
@@ -164,6 +179,19 @@ def test_triton_engine_greedy_matches_hf_generate_on_cpu(tiny_ckpt, hf_model):
         assert out["output_ids"] == hf_greedy(hf_model, p, 6)
 
 
+def test_triton_runner_writing_in_the_kernel_equals_separate_writes(tiny_ckpt):
+    """``attention_writes_kv`` (default with triton) against the separate cache writes: the same logits
+    and the same cache after three steps (on CPU through the reference)."""
+    on = ModelRunner(tiny_ckpt, max_slots=4, context_length=64, decode_attention="triton")
+    off = ModelRunner(tiny_ckpt, max_slots=4, context_length=64, decode_attention="triton", attention_writes_kv=False)
+    assert on.attention_writes_kv and not off.attention_writes_kv
+    a, b = decode_steps(on), decode_steps(off)
+    for x, y in zip(a[0], b[0]):
+        torch.testing.assert_close(x, y, atol=0, rtol=0)
+    assert torch.equal(on.k_cache, off.k_cache) and torch.equal(on.v_cache, off.v_cache)
+    assert not ModelRunner(tiny_ckpt, max_slots=2, context_length=32).attention_writes_kv  # sdpa writes itself
+
+
 def test_runner_accepts_triton_and_still_rejects_unknown(tiny_ckpt):
     assert ModelRunner(tiny_ckpt, max_slots=2, context_length=32, decode_attention="triton").decode_attention == "triton"
     with pytest.raises(ValueError, match="decode_attention"):
@@ -192,6 +220,18 @@ INTERPRETED = textwrap.dedent("""
         tol = 1e-5 if dtype == torch.float32 else 2e-3
         assert out.shape == q.shape and out.dtype == dtype
         torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    for nb, heads, hkv, d, span, splits, dtype in cases:  # the new keys and values written by the kernel
+        k, v = torch.randn(nb, hkv, span, d).to(dtype), torch.randn(nb, hkv, span, d).to(dtype)
+        q = torch.randn(nb, heads, 1, d).to(dtype)
+        k_new, v_new = torch.randn(nb, hkv, 1, d).to(dtype), torch.randn(nb, hkv, 1, d).to(dtype)
+        lengths = torch.randint(1, span + 1, (nb,))
+        lengths[0], lengths[-1] = 1, span
+        k2, v2 = k.clone(), v.clone()
+        ref = dk.decode_attention_reference(q, k2, v2, lengths, d ** -0.5, k_new=k_new, v_new=v_new)
+        out = dk.decode_attention(q, k, v, lengths, d ** -0.5, num_splits=splits, k_new=k_new, v_new=v_new)
+        tol = 1e-5 if dtype == torch.float32 else 2e-3
+        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+        assert torch.equal(k, k2) and torch.equal(v, v2), "the kernel wrote the cache as the reference does"
     k, v = torch.randn(3, 2, 40, 64), torch.randn(3, 2, 40, 64)
     q = torch.randn(3, 4, 64)
     for splits in (1, 2):  # no valid position (0, negative): zeros; past the span: clamped
@@ -207,11 +247,7 @@ INTERPRETED = textwrap.dedent("""
 def test_kernel_under_the_triton_interpreter():
     """The kernel's index, mask, online-softmax and split-merge logic on CPU tensors (``TRITON_INTERPRET=1``
     must be set before the kernel is defined: a fresh process)."""
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, timeout=300, env=env,
-                         cwd=str(ROOT))
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    run_triton_interpreted(INTERPRETED)
 
 
 # -- the kernel on CUDA --------------------------------------------------------------------------------
@@ -250,6 +286,39 @@ def test_kernel_matches_reference(nb, heads, hkv, d, span, splits, dtype, tol):
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
     out3 = decode_kernel.decode_attention(q[:, :, 0], k, v, lengths.to(torch.int32), scale, num_splits=splits)
     torch.testing.assert_close(out3, out[:, :, 0], atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("nb,heads,hkv,d,span,splits", [
+    (256, 16, 8, 128, 640, None), (3, 16, 8, 128, 640, None), (9, 8, 2, 256, 130, 2), (4, 12, 4, 96, 77, None)])
+def test_kernel_writes_the_new_keys_and_values(nb, heads, hkv, d, span, splits, dtype, tol):
+    """``k_new``/``v_new``: the kernel's cache afterwards equals the reference's bit for bit (one slot per
+    program writes its row), and its output matches, also replayed in a CUDA graph with new lengths."""
+    if not triton_available():
+        pytest.skip("triton did not import")
+    k, v = cache_views(2, nb + 1, hkv, span + 64, d, nb, span, dtype=dtype, device="cuda")
+    q = torch.randn(nb, heads, 1, d, device="cuda").to(dtype)
+    k_new, v_new = (torch.randn(nb, hkv, 1, d, device="cuda").to(dtype) for _ in range(2))
+    lengths = ragged_lengths(nb, span, device="cuda")
+    scale = d ** -0.5
+    k2, v2 = k.clone(), v.clone()
+    ref = decode_attention_reference(q, k2, v2, lengths, scale, k_new=k_new, v_new=v_new)
+    out = decode_kernel.decode_attention(q, k, v, lengths, scale, num_splits=splits, k_new=k_new, v_new=v_new)
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    assert torch.equal(k, k2) and torch.equal(v, v2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_kernel.decode_attention(q, k, v, lengths, scale, num_splits=splits, k_new=k_new, v_new=v_new)
+    lengths.copy_(ragged_lengths(nb, span, device="cuda", seed=7))
+    k_new.normal_()
+    k2, v2 = k.clone(), v.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = decode_attention_reference(q, k2, v2, lengths, scale, k_new=k_new, v_new=v_new)
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    assert torch.equal(k, k2) and torch.equal(v, v2)
 
 
 @pytest.mark.gpu

@@ -116,6 +116,15 @@ def test_bad_lever_values_are_rejected(tiny_ckpt):
         ModelRunner(tiny_ckpt, max_slots=2, context_length=32, compile=True, compile_mode="fast")
 
 
+def test_autotune_mode_leaves_the_prefill_on_the_default_mode(tiny_ckpt):
+    """Under max-autotune only the decode step's parts autotune; the prefill compiles its own default-mode
+    parts (its timings at thousands of rows cost minutes and chose cuBLAS on an H200). Default mode: shared."""
+    tuned = ModelRunner(tiny_ckpt, max_slots=2, context_length=32, compile=True, compile_mode="max-autotune-no-cudagraphs")
+    assert tuned._prefill_parts[0] is not tuned._qkv and tuned._prefill_parts[1] is not tuned._finish
+    plain = ModelRunner(tiny_ckpt, max_slots=2, context_length=32, compile=True)
+    assert plain._prefill_parts == (plain._qkv, plain._finish)
+
+
 # -- the engine with each variant against HF generate ----------------------------------------------
 def run_engine(runner, prompts, params):
     """Generate for ``prompts`` on a fresh engine; returns the outputs (in order) and the step stats."""

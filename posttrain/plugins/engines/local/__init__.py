@@ -48,6 +48,9 @@ class LocalEngine(EngineBackend):
         decode_attention: Literal["auto", "sdpa", "bmm", "triton"] = option(
             "auto", help="decode attention: auto = triton on a GPU (reads each request's own length), sdpa elsewhere")
         compile: bool = option(False, help="torch.compile the decode step (GPU; slower start)")
+        compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = option(
+            "default", help="with compile: Inductor's mode; max-autotune-no-cudagraphs times Triton matmul templates "
+                            "against cuBLAS per shape (minutes more at start, cached on disk)")
         stable_memory: bool = option(
             True, help="colocated GPU engines: weights and KV cache at fixed virtual addresses (CUDA VMM), so a "
                        "release keeps the CUDA graphs (no recapture each step); off, or where the driver refuses: "
@@ -55,6 +58,11 @@ class LocalEngine(EngineBackend):
         overlap: bool = option(
             True, help="GPU: launch decode step N + 1 before step N's tokens reach the host (the host's work on a "
                        "step hides behind the next one); same answers, each one step later")
+        fused_sampling: bool = option(
+            True, help="GPU: draw uniform batches (all greedy, or one temperature without top-p/top-k/min-p or seeds) "
+                       "with a one-pass Triton kernel (Gumbel-max: the same distribution as multinomial, other draws)")
+        prefill_tokens: int = option(0, ge=0, help="prompt tokens per prefill batch (bounds its activation memory); "
+                                                   "0: 8192 on the CPU, 32768 on a GPU")
         context_length: int = option(0, ge=0, help="tokens per request; 0: the model's maximum (at most 4096)")
         dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
             "auto", help="weights and KV cache: auto = float32 on the CPU; on a GPU the checkpoint's torch_dtype (a "
@@ -95,6 +103,8 @@ class LocalEngine(EngineBackend):
             slot.model_path, slot.port, host=slot.host, device=device, max_running_requests=cfg.max_running_requests,
             context_length=cfg.context_length or None, cuda_graphs=device == "cuda",
             decode_attention=cfg.decode_attention, compile=cfg.compile, no_overlap=not cfg.overlap,
+            compile_mode=None if cfg.compile_mode == "default" else cfg.compile_mode,
+            no_fused_sampling=not cfg.fused_sampling, prefill_tokens=cfg.prefill_tokens or None,
             stable_memory=device == "cuda" and cfg.stable_memory and slot.resources.colocate, dtype=None if cfg.dtype == "auto" else cfg.dtype), env)
 
 

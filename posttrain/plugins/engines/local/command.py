@@ -16,6 +16,7 @@ app = typer.Typer(help="Serve a HF checkpoint over SGLang's native HTTP API (CPU
 
 
 DECODE_ATTENTION = ("auto", "sdpa", "bmm", "triton")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")  # model_runner.COMPILE_MODES, without importing torch here
 
 
 class HTTP2ProbeFilter(logging.Filter):
@@ -49,8 +50,11 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
           cuda_graphs: bool = typer.Option(False, "--cuda-graphs", help="capture the decode step in CUDA graphs (GPU only)"),
           decode_attention: str = typer.Option("auto", "--decode-attention", help="decode attention: auto (triton on a GPU, else sdpa) | sdpa | bmm | triton"),
           compile: bool = typer.Option(False, "--compile", help="torch.compile the decode step's layer parts (fused norms, rotary, SwiGLU)"),
+          compile_mode: str = typer.Option("default", "--compile-mode", help="with --compile: default | max-autotune-no-cudagraphs (Triton matmul templates timed against cuBLAS; longer start)"),
           stable_memory: bool = typer.Option(False, "--stable-memory", help="GPU: weights and KV cache at fixed virtual addresses (CUDA VMM), so memory release keeps the CUDA graphs"),
           no_overlap: bool = typer.Option(False, "--no-overlap", help="GPU: wait for each decode step's tokens before launching the next (default: launch step N + 1 first)"),
+          no_fused_sampling: bool = typer.Option(False, "--no-fused-sampling", help="GPU: draw with torch (multinomial) instead of the one-pass Triton kernel (Gumbel-max, same distribution)"),
+          prefill_tokens: int = typer.Option(0, "--prefill-tokens", help="prompt tokens per prefill batch (bounds its activation memory); 0: 8192 on CPU, 32768 on GPU"),
           no_api_key: bool = typer.Option(False, "--no-api-key", help="serve without an API key: any process that reaches the port may load weights (and run code) in the engine")) -> None:
     """Serve MODEL_DIR: /generate, /health_generate, abort/pause, weight updates, /model_info, /server_info.
 
@@ -64,8 +68,12 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
         raise UsageError(f"--port: {port} is not a TCP port")
     if max_running_requests < 1:
         raise UsageError("--max-running-requests: must be >= 1")
+    if prefill_tokens < 0:
+        raise UsageError(f"--prefill-tokens: must be >= 0, got {prefill_tokens}")
     if dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise UsageError(f"--dtype: expected auto, float32, bfloat16 or float16, got {dtype!r}")
+    if compile_mode not in COMPILE_MODES:
+        raise UsageError(f"--compile-mode: expected {', '.join(COMPILE_MODES)}, got {compile_mode!r}")
     if decode_attention not in DECODE_ATTENTION:
         raise UsageError(f"--decode-attention: expected {', '.join(DECODE_ATTENTION)}, got {decode_attention!r}")
     if device != "cpu" and not device.startswith("cuda"):
@@ -85,4 +93,5 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
     run(str(model_dir), host=host, port=port, device=device, dtype=dtype,
         max_running_requests=max_running_requests, context_length=context_length or None, cuda_graphs=cuda_graphs,
         decode_attention=decode_attention, compile=compile, stable_memory=stable_memory, overlap=not no_overlap,
-        api_key=api_key)
+        api_key=api_key, fused_sampling=not no_fused_sampling, prefill_tokens=prefill_tokens or None,
+        compile_mode=compile_mode)

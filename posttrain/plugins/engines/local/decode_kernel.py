@@ -7,7 +7,10 @@ For slot ``b`` with ``n_b = lengths[b]`` valid cache positions, query head ``h``
     s_t    = scale * <q[b, h], k[b, j, t]>                  t = 0 .. n_b - 1
     out[b, h] = sum_t softmax(s)_t * v[b, j, t]
 
-Positions ``t >= n_b`` are never read. This is the difference from the ``sdpa``/``bmm`` decode paths of
+Positions ``t >= n_b`` are never read. With ``k_new``/``v_new`` (``[nb, Hkv, D]``: this step's keys and
+values), the kernel also writes them into the cache at position ``n_b - 1`` and attends to them there (the
+loaded tile takes the new row from registers), which saves the decode step two cache-write kernels per
+layer. This is the difference from the ``sdpa``/``bmm`` decode paths of
 ``model_runner``, which attend over a span shared by the whole batch (``max(positions) + 1``, or its
 256-rounded bucket inside a CUDA graph) and mask the tail of each row: their cost follows the longest slot
 (rounded up), this kernel's follows each slot's own length. A slot with ``n_b <= 0`` gets zeros (finite,
@@ -83,14 +86,18 @@ def _check(q3: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Te
 
 
 def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
-                               scale: float) -> torch.Tensor:
+                               scale: float, k_new: torch.Tensor | None = None,
+                               v_new: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`decode_attention` in plain torch, same semantics: ``q`` ``[nb, H, D]`` or ``[nb, H, 1, D]``,
-    ``k``/``v`` ``[nb, Hkv, S, D]``, ``lengths`` ``[nb]`` -> the shape of ``q`` in ``q``'s dtype.
+    ``k``/``v`` ``[nb, Hkv, S, D]``, ``lengths`` ``[nb]`` -> the shape of ``q`` in ``q``'s dtype;
+    ``k_new``/``v_new`` (``[nb, Hkv, D]`` or ``[nb, Hkv, 1, D]``) are first written at ``lengths - 1``.
 
     Scores, softmax and the weighted sum run in float32 over the whole span with positions
     ``>= lengths[b]`` masked out; a row with no valid position gives zeros."""
     q3, four_d = _as_3d(q)
     nb, heads, hkv, span, d = _check(q3, k, v, lengths)
+    if k_new is not None:
+        _write_newest(k, v, _new_rows(k_new, k, "k_new"), _new_rows(v_new, k, "v_new"), lengths)
     qg = q3.reshape(nb, hkv, heads // hkv, d).float()
     scores = torch.einsum("bjgd,bjsd->bjgs", qg, k.float()) * scale
     valid = torch.arange(span, device=k.device)[None, :] < lengths[:, None]  # [nb, S]
@@ -102,19 +109,46 @@ def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return out[:, :, None, :] if four_d else out
 
 
+def _new_rows(x: torch.Tensor | None, k: torch.Tensor, name: str) -> torch.Tensor:
+    """``k_new``/``v_new`` as ``[nb, Hkv, D]`` (a view), checked against the cache view ``k``."""
+    if x is None:
+        raise ValueError("k_new and v_new go together")
+    if x.dim() == 4 and x.shape[2] == 1:
+        x = x[:, :, 0]
+    if x.shape != (k.shape[0], k.shape[1], k.shape[3]) or x.dtype != k.dtype:
+        raise ValueError(f"{name}: expected {k.dtype} [{k.shape[0]}, {k.shape[1]}, {k.shape[3]}], "
+                         f"got {x.dtype} {tuple(x.shape)}")
+    return x
+
+
+def _write_newest(k, v, k_new, v_new, lengths) -> None:
+    """``k[b, :, lengths[b] - 1] = k_new[b]`` (and ``v``) for every slot with ``1 <= lengths[b] <= S``."""
+    rows = torch.arange(k.shape[0], device=k.device)
+    valid = (lengths >= 1) & (lengths <= k.shape[2])
+    at = (lengths - 1).clamp(0, k.shape[2] - 1)
+    k[rows[valid], :, at[valid]] = k_new[valid]
+    v[rows[valid], :, at[valid]] = v_new[valid]
+
+
 if triton is not None:
 
     @triton.jit(do_not_specialize=["span", "chunk"])
-    def _decode_kernel(Q, K, V, LENS, OUT, PART_ACC, PART_M, PART_L, scale_log2, span, chunk,
+    def _decode_kernel(Q, K, V, LENS, OUT, PART_ACC, PART_M, PART_L, KN, VN, scale_log2, span, chunk,
                        stride_qb, stride_qh, stride_qd,
+                       stride_knb, stride_knh, stride_knd, stride_vnb, stride_vnh, stride_vnd,
                        stride_kb, stride_kh, stride_ks, stride_kd,
                        stride_vb, stride_vh, stride_vs, stride_vd,
                        stride_ob, stride_oh, stride_od,
                        G: tl.constexpr, G_PAD: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
+                       BLOCK: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, WRITE_NEW: tl.constexpr):
         """One (slot, KV head, chunk): positions ``[split * chunk, min((split + 1) * chunk, length))``.
 
-        Scores are kept in base 2 (``scale_log2 = scale * log2(e)``, ``exp2``): the same softmax."""
+        Scores are kept in base 2 (``scale_log2 = scale * log2(e)``, ``exp2``): the same softmax.
+        ``WRITE_NEW``: position ``length - 1`` is this step's ``KN``/``VN`` row, not the cache's. The loop
+        over the cache stops before it (the loop is the one without ``WRITE_NEW``: a substituted row inside
+        the loaded tiles cost the tiles their path from shared memory into ``tl.dot``, 76 -> 119 us per
+        layer on an H200), and the chunk holding it adds it as one more online-softmax step, from
+        registers, then stores it into the cache."""
         slot = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -124,7 +158,11 @@ if triton is not None:
         length = tl.load(LENS + slot).to(tl.int32)
         length = tl.minimum(tl.maximum(length, 0), span)
         lo = split * chunk
-        hi = tl.minimum(lo + chunk, length)
+        hi_all = tl.minimum(lo + chunk, length)
+        newest = length - 1
+        hi = hi_all  # the cache positions this program reads
+        if WRITE_NEW:
+            hi = tl.minimum(hi_all, newest)
 
         offs_g = tl.arange(0, G_PAD)
         offs_d = tl.arange(0, BLOCK_D)
@@ -139,6 +177,11 @@ if triton is not None:
         q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)
         k_base = K + slot.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
         v_base = V + slot.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
+        if WRITE_NEW:  # this step's key and value, [BLOCK_D]
+            k_new = tl.load(KN + slot.to(tl.int64) * stride_knb + kvh * stride_knh + offs_d * stride_knd,
+                            mask=mask_d, other=0.0)
+            v_new = tl.load(VN + slot.to(tl.int64) * stride_vnb + kvh * stride_vnh + offs_d * stride_vnd,
+                            mask=mask_d, other=0.0)
 
         m_i = tl.full([G_PAD], -1.0e30, dtype=tl.float32)  # finite: exp2(m_i - m_new) is 0, never NaN
         l_i = tl.zeros([G_PAD], dtype=tl.float32)
@@ -164,6 +207,21 @@ if triton is not None:
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
+        if WRITE_NEW:  # the chunk holding the newest position: attend to it, then store it (nobody else reads it)
+            at_g = newest + 0 * offs_g  # block masks (the interpreter rejects scalar ones here)
+            owns_g = (at_g >= lo) & (at_g < hi_all)
+            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale_log2  # [G_PAD]
+            s_new = tl.where(owns_g, s_new, float("-inf"))
+            m_new = tl.maximum(m_i, s_new)
+            alpha = tl.exp2(m_i - m_new)
+            p_new = tl.exp2(s_new - m_new)  # 0 where this chunk does not hold the newest position
+            l_i = l_i * alpha + p_new
+            acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
+            m_i = m_new
+            at_d = newest + 0 * offs_d
+            owns_d = mask_d & (at_d >= lo) & (at_d < hi_all)
+            tl.store(k_base + newest * stride_ks + offs_d * stride_kd, k_new, mask=owns_d)
+            tl.store(v_base + newest * stride_vs + offs_d * stride_vd, v_new, mask=owns_d)
 
         if SPLIT:  # partials [nb, H, splits] (max, sum) and [nb, H, splits, BLOCK_D] (unnormalized sum of V)
             row = (slot.to(tl.int64) * heads + head) * num_splits + split
@@ -238,7 +296,8 @@ def _plan_splits(nb: int, hkv: int, span: int, device: torch.device, num_splits:
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float,
                      out: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
-                     num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                     num_warps: int = 4, num_stages: int = 2, k_new: torch.Tensor | None = None,
+                     v_new: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention with the Triton kernel.
 
     ``q`` ``[nb, H, D]`` or ``[nb, H, 1, D]``; ``k``/``v`` ``[nb, Hkv, S, D]``, any strides (one layer's
@@ -249,6 +308,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     ``h // (H / Hkv)``. ``num_splits``: sequence chunks per (slot, KV head), default chosen from the
     shapes (1 when ``nb * Hkv`` fills the GPU); ``block_n`` (a power of two >= 16), ``num_warps``,
     ``num_stages``: launch tuning (defaults: 64 positions per iteration for bf16 at ``D <= 128``).
+    ``k_new``/``v_new`` (``[nb, Hkv, D]`` or ``[nb, Hkv, 1, D]``, any strides): this step's keys and values,
+    written into ``k``/``v`` at ``lengths[b] - 1`` by the kernel itself and attended to there (the decode
+    step then needs no separate cache write); every ``lengths[b]`` must then be ``<= S`` (not clamped).
 
     No host synchronization and no allocation but the output (and the split partials): capturable in a
     CUDA graph, and a replay with new ``lengths`` values attends over the new lengths.
@@ -268,6 +330,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
         out = torch.empty((nb, heads, d), dtype=q3.dtype, device=q3.device)
     elif out.shape != (nb, heads, d) or out.dtype != q3.dtype:
         raise ValueError(f"out: expected {q3.dtype} [{nb}, {heads}, {d}], got {out.dtype} {tuple(out.shape)}")
+    if k_new is not None:
+        k_new, v_new = _new_rows(k_new, k, "k_new"), _new_rows(v_new, k, "v_new")
     if nb == 0:
         return out[:, :, None, :] if four_d else out
 
@@ -285,10 +349,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
         part_acc = part_m = part_l = out
     with torch.cuda.device(q3.device) if q3.is_cuda else contextlib.nullcontext():
         _decode_kernel[(nb, hkv, splits)](
-            q3, k, v, lengths, out, part_acc, part_m, part_l, float(scale) * math.log2(math.e), span, chunk,
-            *q3.stride(), *k.stride(), *v.stride(), *out.stride(),
+            q3, k, v, lengths, out, part_acc, part_m, part_l, q3 if k_new is None else k_new,
+            q3 if v_new is None else v_new, float(scale) * math.log2(math.e), span, chunk, *q3.stride(),
+            *(q3.stride() if k_new is None else k_new.stride()), *(q3.stride() if v_new is None else v_new.stride()),
+            *k.stride(), *v.stride(), *out.stride(),
             G=g, G_PAD=max(MIN_DOT_ROWS, _pow2(g)), HEAD_D=d, BLOCK_D=block_d, BLOCK=block,
-            SPLIT=splits > 1, IEEE=q3.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
+            SPLIT=splits > 1, IEEE=q3.dtype == torch.float32, WRITE_NEW=k_new is not None,
+            num_warps=num_warps, num_stages=num_stages)
         if splits > 1:
             _merge_kernel[(nb, heads)](out, part_acc, part_m, part_l, splits, *out.stride(),
                                        HEAD_D=d, BLOCK_D=block_d, SPLITS_PAD=max(2, _pow2(splits)), num_warps=4)

@@ -42,10 +42,20 @@ from posttrain.plugins.engines.local.requests import Request, StepStats, input_l
 class LocalEngine:
     """Continuous-batching generation over a HF checkpoint. Thread-safe public methods."""
 
-    def __init__(self, runner, tokenizer, eos_token_ids: list[int], overlap: bool | None = None):
+    def __init__(self, runner, tokenizer, eos_token_ids: list[int], overlap: bool | None = None,
+                 fused_sampling: bool | None = None, prefill_tokens: int | None = None):
         """``overlap``: launch decode step N + 1 before step N's tokens reach the host (module docstring);
-        None: on when the runner is on a GPU (on a CPU every op finishes before the next is issued)."""
+        None: on when the runner is on a GPU (on a CPU every op finishes before the next is issued).
+        ``fused_sampling``: draw uniform batches with the one-pass Triton kernel (``sampling_kernel``;
+        None: where it runs, CUDA). ``prefill_tokens``: prompt tokens per prefill batch (it bounds the
+        prefill's activation memory; None: 8,192 on a CPU, 32,768 on a GPU, where one batch of 256
+        prompts of 128 tokens prefills faster than four)."""
         self.runner = runner
+        self.fused_sampling = fused_sampling
+        on_gpu = runner.device.type == "cuda"
+        self.prefill_tokens = (32768 if on_gpu else 8192) if prefill_tokens is None else int(prefill_tokens)
+        if self.prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
         on = runner.device.type == "cuda" if overlap is None else bool(overlap)
         self._overlap = OverlappedDecode(self) if on else None
         self.tokenizer = tokenizer
@@ -203,7 +213,7 @@ class LocalEngine:
 
     def _admit(self) -> None:
         batch: list[Request] = []
-        budget = 8192  # prompt tokens per prefill batch: bounds the prefill activation memory
+        budget = self.prefill_tokens  # prompt tokens per prefill batch: bounds the prefill activation memory
         while self._waiting and self._free_slots and (not batch or budget > 0):
             req = self._waiting.popleft()
             limit = self.runner.context_length
@@ -300,7 +310,8 @@ class LocalEngine:
         Python lists (one device-to-host copy: the step's only sync on the fast path)."""
         from posttrain.plugins.engines.local.sampling import sample_tokens, to_host
 
-        return to_host(*sample_tokens(logits, [r.sampling for r in reqs], [len(r.output_ids) for r in reqs]))
+        return to_host(*sample_tokens(logits, [r.sampling for r in reqs], [len(r.output_ids) for r in reqs],
+                                      fused=self.fused_sampling))
 
     def _sample_isolated(self, reqs: list[Request], logits) -> tuple[list[Request], list[int], list[float]]:
         """:meth:`_sample` for the batch; when that raises, row by row, so a request whose own parameters

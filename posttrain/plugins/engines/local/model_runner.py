@@ -29,7 +29,8 @@ Decode levers (constructor arguments, defaults are the safe baseline; ``bench/ro
 - ``compile``: ``torch.compile`` (``fullgraph``, ``dynamic=False``) of the per-layer parts around the
   attention (norms, projections, rotary, residuals, SwiGLU MLP) so their elementwise work fuses. The
   KV-cache write and the attention stay eager: a compiled in-place write into a cache passed as an
-  input may be functionalized into a copy of the whole cache layer. Decode batches are padded to
+  input may be functionalized into a copy of the whole cache layer. With ``triton`` the attention
+  kernel writes the step's keys and values itself (``attention_writes_kv``): two launches fewer per layer. Decode batches are padded to
   the power-of-two bucket so the compiled code sees a handful of shapes (one compile per bucket).
 """
 
@@ -207,13 +208,19 @@ class ModelRunner:
     def __init__(self, model_dir: str | Path | None, device: str = "cpu", dtype: str = "auto", max_slots: int = 32,
                  context_length: int | None = None, cuda_graphs: bool = False, model: Any = None,
                  decode_attention: str = "sdpa", compile: bool = False, compile_mode: str = "default",
-                 fuse_projections: bool | None = None):
+                 fuse_projections: bool | None = None, attention_writes_kv: bool | None = None,
+                 float_logits: bool = True):
         """``decode_attention``: ``"sdpa"``, ``"bmm"``, ``"triton"`` (see the module docstring) or ``"auto"``
         (``triton`` on CUDA when Triton imports, else ``sdpa``); ``compile``:
         ``torch.compile`` the per-layer decode parts, with Inductor ``compile_mode`` (``"default"`` or
         ``"max-autotune-no-cudagraphs"``: autotuned matmuls, much longer compiles); ``fuse_projections``:
         each layer's Q/K/V and gate/up as one matmul each (``fused``; None: on a GPU, where it is measured
-        faster; off on the CPU, whose seeded curves were recorded with separate matmuls)."""
+        faster; off on the CPU, whose seeded curves were recorded with separate matmuls);
+        ``attention_writes_kv``: with ``triton`` decode attention, the kernel writes each step's keys and
+        values into the cache itself (no two cache-write kernels per layer; None: on with ``triton``);
+        ``float_logits``: :meth:`decode` returns float32 logits; False: the model's dtype (a bf16 step then
+        writes 2 bytes per logit instead of 6, and a sampler reading bf16, ``sampling_kernel``, reads half:
+        the engine's choice on a GPU, where its sampling upcasts anyway)."""
         from transformers import AutoModelForCausalLM
 
         if decode_attention == "auto":  # the measured fastest on an H200 (bench/RESULTS.md)
@@ -261,6 +268,8 @@ class ModelRunner:
         # graphs share one memory pool: they never run at the same time
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.decode_attention = decode_attention
+        self.attention_writes_kv = decode_attention == "triton" and attention_writes_kv is not False
+        self.float_logits = bool(float_logits)
         self._fp32_scores = decode_attention == "bmm" and _bmm_fp32_out_supported(self.device, self.dtype)
         self.compile = bool(compile)
         self.compile_mode = compile_mode
@@ -268,6 +277,11 @@ class ModelRunner:
         if self.compile:
             _raise_recompile_limit(self._bucket(self.max_slots).bit_length() + 1)
             self._qkv, self._finish = _compiled(_project_qkv, compile_mode), _compiled(_finish_layer, compile_mode)
+        # the prefill's parts: the decode step's, except under max-autotune, whose timings at the prefill's
+        # thousands of rows cost a minute or more of start-up and picked cuBLAS anyway on an H200 (RESULTS.md)
+        self._prefill_parts = (self._qkv, self._finish)
+        if self.compile and compile_mode != "default":
+            self._prefill_parts = (_compiled(_project_qkv, "default"), _compiled(_finish_layer, "default"))
 
     # -- weights --------------------------------------------------------------------------------
     def named_weights(self) -> dict[str, torch.Tensor]:
@@ -378,7 +392,7 @@ class ModelRunner:
         cos, sin = self.model.model.rotary_emb(h, positions)
         project, finish = _project_qkv, _finish_layer
         if self.compile:  # the decode step's compiled parts; one version for every prompt count and width
-            project, finish = self._qkv, self._finish
+            project, finish = self._prefill_parts
             for t in (h, cos, sin):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
                 torch._dynamo.maybe_mark_dynamic(t, 1)
@@ -411,7 +425,8 @@ class ModelRunner:
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, max_position: int | None = None) -> torch.Tensor:
-        """One step for slots ``0 .. nb - 1``: ``tokens``/``positions`` ``[nb]`` -> logits ``[nb, V]``.
+        """One step for slots ``0 .. nb - 1``: ``tokens``/``positions`` ``[nb]`` -> logits ``[nb, V]`` (float32,
+        or the model's dtype without ``float_logits``).
 
         ``max_position``: ``max(positions)`` when the caller knows it (the engine does, from Python
         ints); it saves a device-to-host sync per step that would stall the CPU until the GPU is idle.
@@ -434,7 +449,6 @@ class ModelRunner:
         positions past each slot's own are masked). ``tokens``/``positions`` ``[nb]`` -> logits ``[nb, V]``;
         the step's expert ids ``[nb, L, k]`` int32 (or None) are left in ``_step_routing``."""
         nb = tokens.shape[0]
-        rows = torch.arange(nb, device=self.device)
         h = self.model.model.embed_tokens(tokens[:, None])
         cos, sin = self.model.model.rotary_emb(h, positions[:, None])
         attend = self._decode_attention_fn(positions, span)
@@ -442,13 +456,12 @@ class ModelRunner:
         for l, layer in enumerate(self.layers):
             qkv, gate_up = self._parts(layer)
             q, k, v = self._qkv(layer, h, cos, sin, self._rope, qkv)
-            self.k_cache[l][rows, :, positions] = k[:, :, 0]
-            self.v_cache[l][rows, :, positions] = v[:, :, 0]
-            o = attend(q, self.k_cache[l, :nb, :, :span], self.v_cache[l, :nb, :, :span])
+            o = attend(l, q, k, v)
             h, experts = self._finish(layer, h, o, gate_up)
             routed.append(experts)
         self._step_routing = self._stack_routing(routed, (nb,))
-        return self.model.lm_head(self.model.model.norm(h[:, 0])).float()
+        logits = self.model.lm_head(self.model.model.norm(h[:, 0]))
+        return logits.float() if self.float_logits else logits
 
     def _parts(self, layer) -> tuple[Fused | None, Fused | None]:
         """The layer's fused Q/K/V and gate/up matmuls (views of its weights, found again at every pass:
@@ -464,18 +477,33 @@ class ModelRunner:
         return torch.stack([dense if r is None else r.to(torch.int32).reshape(*lead, -1) for r in routed], dim=-2)
 
     def _decode_attention_fn(self, positions, span: int):
-        """``attend(q [nb, H, 1, D], k, v [nb, Hkv, span, D]) -> [nb, H, 1, D]`` for this step, with its
-        mask built once for all layers."""
+        """``attend(l, q [nb, H, 1, D], k, v [nb, Hkv, 1, D]) -> [nb, H, 1, D]`` for this step: writes the
+        step's keys and values into layer ``l``'s cache at ``positions`` and attends over the cache's first
+        ``span`` positions, with the mask built once for all layers."""
+        nb = positions.shape[0]
+        caches = lambda l: (self.k_cache[l, :nb, :, :span], self.v_cache[l, :nb, :, :span])  # noqa: E731
         if self.decode_attention == "triton":  # no mask: each slot reads its own ``position + 1`` entries
             lengths = positions + 1
-            attend = self._triton_attention(positions.is_cuda)
-            return lambda q, k, v: attend(q, k, v, lengths, self.scaling)
-        past = torch.arange(span, device=self.device)[None, :] > positions[:, None]  # [nb, span]: masked out
-        if self.decode_attention == "bmm":
-            masked = past[:, None, :]
-            return lambda q, k, v: self._attend_bmm(q, k, v, masked)
-        allowed = ~past[:, None, None, :]
-        return lambda q, k, v: self._attend_sdpa(q, k, v, allowed)
+            kernel = self._triton_attention(positions.is_cuda)
+            if self.attention_writes_kv:  # the kernel writes k, v at ``position`` itself
+                return lambda l, q, k, v: kernel(q, *caches(l), lengths, self.scaling, k_new=k, v_new=v)
+            attend = lambda q, kc, vc: kernel(q, kc, vc, lengths, self.scaling)  # noqa: E731
+        else:
+            past = torch.arange(span, device=self.device)[None, :] > positions[:, None]  # [nb, span]: masked out
+            if self.decode_attention == "bmm":
+                masked = past[:, None, :]
+                attend = lambda q, kc, vc: self._attend_bmm(q, kc, vc, masked)  # noqa: E731
+            else:
+                allowed = ~past[:, None, None, :]
+                attend = lambda q, kc, vc: self._attend_sdpa(q, kc, vc, allowed)  # noqa: E731
+        rows = torch.arange(nb, device=self.device)
+
+        def write_then_attend(l, q, k, v):
+            self.k_cache[l][rows, :, positions] = k[:, :, 0]
+            self.v_cache[l][rows, :, positions] = v[:, :, 0]
+            return attend(q, *caches(l))
+
+        return write_then_attend
 
     def _attend_sdpa(self, q, k, v, allowed):
         """SDPA with one query token per slot. ``q`` ``[nb, H, 1, D]``, ``k``/``v`` ``[nb, Hkv, span, D]``,

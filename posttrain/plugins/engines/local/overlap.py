@@ -56,7 +56,8 @@ class OverlappedDecode:
             index = to_device(slots, device)
             logits = logits[index]
         try:
-            sampled, logprobs = sample_tokens(logits, [r.sampling for r in reqs], [r.launched for r in reqs])
+            sampled, logprobs = sample_tokens(logits, [r.sampling for r in reqs], [r.launched for r in reqs],
+                                              fused=engine.fused_sampling)
         except Exception:  # a row's own parameters break the batched draw: this step goes the synchronous way
             self.land_inflight()
             kept, host_tokens, host_logprobs = engine._sample_isolated(reqs, logits)

@@ -151,13 +151,18 @@ def _integer(key: str, value: Any, low: int) -> None:
         raise SamplingError(f"sampling_params.{key}: must be in [{low}, 2**63), got {value}")
 
 
-def sample_tokens(logits, params: list[RequestSampling], steps: list[int] | None = None):
+def sample_tokens(logits, params: list[RequestSampling], steps: list[int] | None = None,
+                  fused: bool | None = None):
     """Pick one token per row and its log-prob under ``softmax(logits / T)``.
 
     :param logits: ``[B, V]`` float logits of the next token.
     :param params: ``B`` per-row parameters.
     :param steps: per-row count of tokens the request has generated so far; needed only for rows with
         a ``sampling_seed`` (their draw is a function of ``(seed, step)``, see :func:`seeded_uniform`).
+    :param fused: take the one-pass Triton kernel (``sampling_kernel``) for an all-greedy batch or one
+        sampled at one temperature without truncation or seeds; None: wherever it can run (CUDA with
+        Triton). Its greedy tokens are torch's; its sampled ones follow the same distribution through
+        other draws (Gumbel-max instead of ``multinomial``).
     :returns: ``(tokens [B] int64, logprobs [B] float32)``, on the logits' device.
 
     The path is chosen from the Python parameters, never from device values (that would be a
@@ -166,9 +171,13 @@ def sample_tokens(logits, params: list[RequestSampling], steps: list[int] | None
     """
     import torch
 
-    logits = logits.float()
     temperature = uniform_temperature(params)
     seeded = any(p.sampling_seed is not None for p in params)
+    if temperature is not None and not seeded and _fused(logits, fused):
+        from posttrain.plugins.engines.local.sampling_kernel import fused_sample
+
+        return fused_sample(logits if logits.stride(-1) == 1 else logits.contiguous(), temperature)
+    logits = logits.float()
     if temperature == 0.0:  # every row greedy (seeds do not matter): argmax, log-prob at T = 1
         logprobs = torch.log_softmax(logits, dim=-1)
         tokens = logits.argmax(dim=-1)
@@ -178,6 +187,17 @@ def sample_tokens(logits, params: list[RequestSampling], steps: list[int] | None
     else:
         return _sample_mixed(logits, params, steps)
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _fused(logits, fused: bool | None) -> bool:
+    """Whether to take the Triton sampling kernel: as asked, or (None) on a CUDA tensor where Triton imports."""
+    if fused is not None:
+        return fused
+    if not logits.is_cuda:
+        return False
+    from posttrain.plugins.engines.local.sampling_kernel import fused_sample_available
+
+    return fused_sample_available()
 
 
 def uniform_temperature(params: list[RequestSampling]) -> float | None:

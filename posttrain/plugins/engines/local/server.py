@@ -102,7 +102,9 @@ class EngineServer:
     def __init__(self, model_dir: str, host: str = "127.0.0.1", port: int = 30000, device: str = "cpu",
                  dtype: str = "auto", max_running_requests: int = 32, context_length: int | None = None,
                  cuda_graphs: bool = False, decode_attention: str = "auto", compile: bool = False,
-                 stable_memory: bool = False, overlap: bool = True, api_key: str | None = None, generate_body_limit: int = GENERATE_BODY_LIMIT):
+                 stable_memory: bool = False, overlap: bool = True, api_key: str | None = None,
+                 generate_body_limit: int = GENERATE_BODY_LIMIT, fused_sampling: bool = True,
+                 prefill_tokens: int | None = None, compile_mode: str = "default"):
         from transformers import AutoTokenizer
 
         from posttrain.plugins.engines.local.engine import LocalEngine
@@ -112,13 +114,15 @@ class EngineServer:
         self.host, self.port, self.device = host, port, device
         self.runner = ModelRunner(self.model_dir, device=device, dtype=dtype, max_slots=max_running_requests,
                                   context_length=context_length, cuda_graphs=cuda_graphs,
-                                  decode_attention=decode_attention, compile=compile)
+                                  decode_attention=decode_attention, compile=compile, compile_mode=compile_mode,
+                                  float_logits=not str(device).startswith("cuda"))  # sampling upcasts on a GPU
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         eos = self.runner.hf_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos.append(self.tokenizer.eos_token_id)
-        self.engine = LocalEngine(self.runner, self.tokenizer, eos, overlap=overlap and self.runner.device.type == "cuda")
+        self.engine = LocalEngine(self.runner, self.tokenizer, eos, overlap=overlap and self.runner.device.type == "cuda",
+                                  fused_sampling=None if fused_sampling else False, prefill_tokens=prefill_tokens)
         self.api_key = api_key
         self.generate_body_limit = generate_body_limit
         self.weights = WeightRoutes(self)
@@ -137,7 +141,9 @@ class EngineServer:
             "context_length": self.runner.context_length, "max_running_requests": max_running_requests,
             "tp_size": 1, "dp_size": 1, "cuda_graphs": self.runner.cuda_graphs,
             "stable_memory": self.memory.stable, "overlap": self.engine.overlap,
-            "decode_attention": self.runner.decode_attention, "compile": bool(compile), "skip_tokenizer_init": False,
+            "prefill_tokens": self.engine.prefill_tokens, "fused_sampling": fused_sampling,
+            "decode_attention": self.runner.decode_attention, "compile": bool(compile), "compile_mode": compile_mode,
+            "skip_tokenizer_init": False,
         }
 
     # -- helpers --------------------------------------------------------------------------------

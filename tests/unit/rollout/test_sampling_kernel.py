@@ -1,0 +1,140 @@
+"""The one-pass sampling kernel (``posttrain.plugins.engines.local.sampling_kernel``) behind
+``sample_tokens(..., fused=...)``.
+
+On CPU: ``sample_tokens`` keeps the torch path unless asked (the CPU quickstart's draws are unchanged),
+and, where ``triton`` is installed, the kernel under the Triton interpreter: greedy tokens equal torch's
+argmax (ties to the first index, across chunks too), log-probs equal ``log_softmax``, sampled tokens
+follow ``softmax(z / T)``. On CUDA (``gpu``): the same at the Qwen3 vocabulary and a decode batch of 256,
+through ``sample_tokens``' default."""
+
+from __future__ import annotations
+
+import importlib.util
+import textwrap
+
+import pytest
+import torch
+
+from posttrain.plugins.engines.local import sampling
+from posttrain.plugins.engines.local.sampling import parse_sampling, sample_tokens
+from tests.conftest import run_triton_interpreted
+
+
+def test_cpu_tensors_keep_the_torch_path(monkeypatch):
+    calls = []
+    import posttrain.plugins.engines.local.sampling_kernel as kernel
+
+    monkeypatch.setattr(kernel, "fused_sample", lambda *a, **kw: calls.append(1))
+    logits = torch.randn(4, 50)
+    tokens, logprobs = sample_tokens(logits, [parse_sampling({"temperature": 0})] * 4)
+    assert not calls and torch.equal(tokens, logits.argmax(-1))
+    torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0])
+    assert sampling._fused(logits, None) is False and sampling._fused(logits, True) is True
+
+
+def test_the_kernel_needs_triton_when_it_is_missing():
+    import posttrain.plugins.engines.local.sampling_kernel as kernel
+
+    if kernel.triton is None:
+        with pytest.raises(RuntimeError, match="triton"):
+            kernel.fused_sample(torch.zeros(2, 8), 0.0)
+    else:
+        with pytest.raises(ValueError, match="unit stride"):
+            kernel.fused_sample(torch.zeros(8, 2).t(), 0.0)
+
+
+INTERPRETED = textwrap.dedent("""
+    import torch
+    from posttrain.plugins.engines.local import sampling_kernel as sk
+    from posttrain.plugins.engines.local.sampling import parse_sampling, sample_tokens
+
+    torch.manual_seed(0)
+    # greedy over three chunks of one row (V = 10000 > 2 * BLOCK), ties to the first index, across chunks too
+    logits = torch.randn(5, 10000)
+    logits[0, 100] = logits[0, 9000] = 50.0  # equal maxima in the first and the last chunk
+    logits[1, 7000] = logits[1, 7001] = 60.0  # equal maxima side by side
+    logits[2, 9999] = 70.0  # the last entry
+    for x in (logits, logits.to(torch.bfloat16)):
+        tokens, logprobs = sample_tokens(x, [parse_sampling({"temperature": 0})] * 5, fused=True)
+        assert torch.equal(tokens, x.float().argmax(-1)), tokens
+        assert tokens[:3].tolist() == [100, 7000, 9999]
+        ref = torch.log_softmax(x.float(), -1).gather(1, tokens[:, None])[:, 0]
+        torch.testing.assert_close(logprobs, ref, atol=1e-5, rtol=1e-5)
+    # sampled at T = 0.7: the draws follow softmax(z / T); the log-prob is log_softmax(z / T) at the draw
+    z = torch.tensor([1.0, 0.2, -1.0, 2.0, 0.0, -3.0, 1.5])
+    rows = 1500
+    tokens, logprobs = sample_tokens(z.expand(rows, 7).contiguous(), [parse_sampling({"temperature": 0.7})] * rows,
+                                     fused=True)
+    p = torch.softmax(z / 0.7, -1)
+    freq = torch.bincount(tokens, minlength=7).float() / rows
+    assert (freq - p).abs().max() < 0.05, (freq, p)  # 4 sigma at the largest p
+    torch.testing.assert_close(logprobs, torch.log_softmax(z / 0.7, -1)[tokens], atol=1e-5, rtol=1e-5)
+    # the same seed, the same draws; another seed, other draws
+    seed, few = torch.tensor([1234]), z.expand(64, 7).contiguous()
+    a, b = sk.fused_sample(few, 1.0, seed=seed)[0], sk.fused_sample(few, 1.0, seed=seed)[0]
+    c = sk.fused_sample(few, 1.0, seed=seed + 1)[0]
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_kernel_under_the_triton_interpreter():
+    run_triton_interpreted(INTERPRETED)
+
+
+# -- on CUDA ---------------------------------------------------------------------------------------------
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_on_cuda_equals_torch(dtype):
+    logits = (torch.randn(256, 151936, device="cuda") * 3).to(dtype)
+    logits[0, 5] = logits[0, 150000] = 100.0
+    params = [parse_sampling({"temperature": 0})] * 256
+    tokens, logprobs = sample_tokens(logits, params)  # the default on CUDA: the kernel
+    ref_tokens, ref_logprobs = sample_tokens(logits, params, fused=False)
+    assert torch.equal(tokens, ref_tokens) and int(tokens[0]) == 5
+    torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_sampled_on_cuda_follows_the_softmax():
+    torch.manual_seed(0)
+    z = torch.randn(64, device="cuda") * 2
+    rows = 20000
+    params = [parse_sampling({"temperature": 1.3})] * rows
+    tokens, logprobs = sample_tokens(z.expand(rows, 64).contiguous(), params)
+    p = torch.softmax(z / 1.3, -1)
+    freq = torch.bincount(tokens, minlength=64).float() / rows
+    assert (freq - p).abs().max() < 0.015
+    torch.testing.assert_close(logprobs, torch.log_softmax(z / 1.3, -1)[tokens], atol=1e-5, rtol=1e-5)
+    torch.manual_seed(1)
+    a = sample_tokens(z.expand(rows, 64).contiguous(), params)[0]
+    torch.manual_seed(1)
+    assert torch.equal(a, sample_tokens(z.expand(rows, 64).contiguous(), params)[0])  # torch's seed repeats it
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_runner_without_float_logits_hands_the_kernel_bf16(tiny_ckpt):
+    """``float_logits=False`` (the engine server's choice on a GPU): the graphed decode step returns the
+    model's bf16 logits, whose float32 upcast is the float32 runner's output, and the kernel samples
+    them to the same tokens and log-probs."""
+    from posttrain.plugins.engines.local.model_runner import ModelRunner
+
+    runners = [ModelRunner(tiny_ckpt, device="cuda", dtype="bfloat16", max_slots=4, context_length=64,
+                           cuda_graphs=True, decode_attention="triton", float_logits=f) for f in (True, False)]
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    outs = []
+    for r in runners:
+        r.prefill([0, 1, 2], prompts)
+        outs.append(r.decode(torch.tensor([3, 4, 5], device="cuda"), torch.tensor([3, 2, 4], device="cuda"), 4).clone())
+    assert outs[0].dtype == torch.float32 and outs[1].dtype == torch.bfloat16
+    assert torch.equal(outs[1].float(), outs[0])
+    params = [parse_sampling({"temperature": 0})] * 3
+    a, b = sample_tokens(outs[0], params), sample_tokens(outs[1], params)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
