@@ -215,8 +215,8 @@ def profile_runner(runner, batch: int, position: int, device: str, prompt_len: i
                    fused: bool | None = None) -> dict:
     """Decode step alone, eager forward, and sampling alone at ``batch`` slots all at ``position``; one
     prefill batch as the engine forms it (``prefill_batch_prompts`` distinct prompts of ``prompt_len``
-    tokens, the engine's token ``budget``) in ``prefill_batch_ms``; sampling as the engine does (``fused``). Run in the engine thread while the engine is
-    idle: it writes K/V into idle slots."""
+    tokens, the engine's token ``budget``) in ``prefill_batch_ms``; sampling as the engine does (``fused``).
+    Run in the engine thread while the engine is idle: it writes K/V into idle slots."""
     import torch
 
     from posttrain.plugins.engines.local.sampling import parse_sampling, sample_tokens, to_host

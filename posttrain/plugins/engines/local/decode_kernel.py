@@ -255,8 +255,16 @@ if triton is not None:
 
 
 @functools.lru_cache(maxsize=8)
-def _sm_count(index: int) -> int:
+def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (cached); an H200's 132 off CUDA (the Triton interpreter in
+    tests), so launch plans there are the ones a GPU would get."""
+    if device.type != "cuda":
+        return 132
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _pow2(n: int) -> int:
@@ -281,10 +289,7 @@ def _plan_splits(nb: int, hkv: int, span: int, device: torch.device, num_splits:
     ``MIN_SPLIT_POSITIONS`` for about two programs per SM."""
     if num_splits is None:
         programs = nb * hkv
-        if device.type == "cuda":
-            sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-        else:  # the Triton interpreter (tests)
-            sms = 132
+        sms = sm_count(device)
         if programs >= sms:
             num_splits = 1
         else:

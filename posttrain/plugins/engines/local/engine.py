@@ -56,7 +56,7 @@ class LocalEngine:
         self.prefill_tokens = (32768 if on_gpu else 8192) if prefill_tokens is None else int(prefill_tokens)
         if self.prefill_tokens < 1:
             raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
-        on = runner.device.type == "cuda" if overlap is None else bool(overlap)
+        on = on_gpu if overlap is None else bool(overlap)
         self._overlap = OverlappedDecode(self) if on else None
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)

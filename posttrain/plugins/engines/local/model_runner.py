@@ -30,8 +30,9 @@ Decode levers (constructor arguments, defaults are the safe baseline; ``bench/ro
   attention (norms, projections, rotary, residuals, SwiGLU MLP) so their elementwise work fuses. The
   KV-cache write and the attention stay eager: a compiled in-place write into a cache passed as an
   input may be functionalized into a copy of the whole cache layer. With ``triton`` the attention
-  kernel writes the step's keys and values itself (``attention_writes_kv``): two launches fewer per layer. Decode batches are padded to
-  the power-of-two bucket so the compiled code sees a handful of shapes (one compile per bucket).
+  kernel writes the step's keys and values itself (``attention_writes_kv``): two launches fewer per
+  layer. Decode batches are padded to the power-of-two bucket so the compiled code sees a handful of
+  shapes (one compile per bucket).
 """
 
 from __future__ import annotations
@@ -391,7 +392,7 @@ class ModelRunner:
         h = self.model.model.embed_tokens(ids)
         cos, sin = self.model.model.rotary_emb(h, positions)
         project, finish = _project_qkv, _finish_layer
-        if self.compile:  # the decode step's compiled parts; one version for every prompt count and width
+        if self.compile:  # compiled parts (``_prefill_parts``); one version for every prompt count and width
             project, finish = self._prefill_parts
             for t in (h, cos, sin):
                 torch._dynamo.maybe_mark_dynamic(t, 0)

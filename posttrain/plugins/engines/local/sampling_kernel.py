@@ -28,6 +28,8 @@ import functools
 
 import torch
 
+from posttrain.plugins.engines.local.decode_kernel import sm_count
+
 try:  # optional dependency: CPU-only installs have no triton
     import triton
     import triton.language as tl
@@ -114,15 +116,9 @@ if triton is not None:
         tl.store(LOGPROBS + row, z - row_m - tl.log(total))
 
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _chunks(rows: int, vocab: int, device: torch.device) -> tuple[int, int]:
     """``(chunks, chunk)`` per row: about four programs per SM in all, each at least one ``BLOCK``."""
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 132  # the Triton interpreter (tests)
+    sms = sm_count(device)
     blocks = -(-vocab // BLOCK)
     chunks = max(1, min(-(-4 * sms // max(rows, 1)), blocks, 64))
     chunk = -(-blocks // chunks) * BLOCK
