@@ -1,16 +1,24 @@
 """The parts of one decode step timed alone on a GPU, one JSON line per measurement (issue 17's decode profile).
 
-    python bench/decode_parts.py [--slots 256] [--mean-context 256] [--attention] [--gemms]
+    python bench/decode_parts.py [--slots 256] [--mean-context 256] [--attention] [--gemms] [--gemm-backends]
 
 ``--attention``: our Triton decode kernel (``decode_kernel.decode_attention``) over one layer's slot cache
 at the Qwen3-1.7B shape (8 KV heads of 128, 16 query heads, bf16), slot lengths spread evenly over
-``mean-context +- 128``, for every launch setting of a small grid (positions per iteration, warps,
-pipeline stages, sequence splits). Reports microseconds per call and the fraction of the bandwidth
+``mean-context +- 128`` (``--equal-lengths``: all at ``mean-context``, as in a benchmark batch), for every
+launch setting of a small grid (positions per iteration, warps, pipeline stages, sequence splits; ``--quick``
+a smaller one); ``--write-new``: as the engine calls it, writing the step's keys and values too. Reports microseconds per call and the fraction of the bandwidth
 bound (the K and V bytes the call must read / 4.8 TB/s).
 
 ``--gemms``: the decode step's matmuls at ``M = slots`` rows, as the engine runs them (Q, K, V separately;
 gate and up separately) and fused (one ``[Q; K; V]`` matmul; one ``[gate; up]`` matmul), in microseconds
 per layer and against the weight-read bound.
+
+``--gemm-backends``: each of the step's matmul shapes at ``M = slots`` (fused Q/K/V, o_proj, fused gate/up,
+down, the output layer) over as many weight copies as a step reads (28 layers; 2 of the output layer), so
+no weight is still in L2 when it is read again, as in the step: cuBLAS (``F.linear``), cuBLASLt
+(``torch.backends.cuda.preferred_blas_library``), ``addmm`` with a residual (the output projections as one
+kernel with the add), and a plain Triton matmul (``skinny_mm`` below) over a grid of tiles, warps, stages and
+split-K; microseconds per matmul and TFLOP/s.
 """
 
 from __future__ import annotations
@@ -55,15 +63,23 @@ def attention(args) -> None:
     v = torch.randn_like(k)
     q = torch.randn(nb, hkv * g, d, dtype=torch.bfloat16, device=dev)
     lengths = torch.linspace(args.mean_context - 128, args.mean_context + 128, nb, device=dev).round().long()
+    if args.equal_lengths:  # every slot at the mean (a benchmark batch: same prompt length, same step)
+        lengths = torch.full((nb,), args.mean_context, device=dev)
     kv_bytes = int(lengths.sum()) * hkv * d * 2 * 2
     bound_us = 1e6 * kv_bytes / BANDWIDTH
     out = torch.empty(nb, hkv * g, d, dtype=torch.bfloat16, device=dev)
-    for block, warps, stages, splits in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4), (1, 2, 4)):
-        row = {"bench": "decode_attention", "slots": nb, "mean_context": args.mean_context, "block_n": block,
+    new = {}
+    if args.write_new:  # the engine's call: the kernel also writes this step's K/V row at lengths - 1
+        new = {"k_new": torch.randn(nb, hkv, d, dtype=torch.bfloat16, device=dev),
+               "v_new": torch.randn(nb, hkv, d, dtype=torch.bfloat16, device=dev)}
+    grid = ((32, 64), (4, 8), (2, 3), (1, 2, 3)) if args.quick else ((32, 64, 128), (2, 4, 8), (1, 2, 3, 4), (1, 2, 4))
+    for block, warps, stages, splits in itertools.product(*grid):
+        row = {"bench": "decode_attention", "slots": nb, "mean_context": args.mean_context,
+               "equal_lengths": args.equal_lengths, "write_new": args.write_new, "block_n": block,
                "num_warps": warps, "num_stages": stages, "num_splits": splits}
         try:
             us = bench_us(lambda: decode_attention(q, k, v, lengths, 0.088, out=out, num_splits=splits,
-                                                   block_n=block, num_warps=warps, num_stages=stages))
+                                                   block_n=block, num_warps=warps, num_stages=stages, **new))
             row.update(us=us, bound_us=round(bound_us, 2), fraction_of_bound=round(bound_us / us, 3))
         except Exception as exc:  # noqa: BLE001 - a setting that does not fit (shared memory) is reported
             row["error"] = repr(exc)[:200]
@@ -98,17 +114,129 @@ def gemms(args) -> None:
                           "fraction_of_bound": round(bound / us, 3)}), flush=True)
 
 
+def _skinny_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, BM: tl.constexpr, BN: tl.constexpr,
+               BK: tl.constexpr, SPLIT: tl.constexpr):
+        """``Y[M, N] (+)= X[M, K] @ W[N, K]^T`` over one ``BM x BN`` tile and the ``pid_k``-th of ``SPLIT``
+        K ranges; with ``SPLIT > 1``, ``Y`` is float32 and the ranges add up atomically. K is a multiple
+        of ``BK * SPLIT`` (the bench's shapes)."""
+        pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        span = K // SPLIT
+        k0 = pid_k * span
+        x_ptrs = X + rm[:, None] * stride_xm + (k0 + rk)[None, :]
+        w_ptrs = W + rn[:, None] * stride_wn + (k0 + rk)[None, :]
+        mask_m, mask_n = rm < M, rn < N
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for _ in range(0, span, BK):
+            a = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+            b = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
+            acc += tl.dot(a, tl.trans(b))
+            x_ptrs += BK
+            w_ptrs += BK
+        y_ptrs = Y + rm[:, None] * stride_ym + rn[None, :]
+        mask = mask_m[:, None] & mask_n[None, :]
+        if SPLIT == 1:
+            tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask)
+        else:
+            tl.atomic_add(y_ptrs, acc, mask=mask)
+
+    return kernel
+
+
+def skinny_mm(x, w, bm: int, bn: int, bk: int, split: int, warps: int, stages: int, kernel):
+    """``x [M, K] @ w[N, K]^T`` with the Triton kernel; split-K adds into a zeroed float32 buffer, then casts."""
+    import torch
+
+    m, k = x.shape
+    n = w.shape[0]
+    grid = (-(-n // bn), -(-m // bm), split)
+    if split == 1:
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        kernel[grid](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), BM=bm, BN=bn, BK=bk, SPLIT=1,
+                     num_warps=warps, num_stages=stages)
+        return y
+    y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    kernel[grid](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), BM=bm, BN=bn, BK=bk, SPLIT=split,
+                 num_warps=warps, num_stages=stages)
+    return y.to(x.dtype)
+
+
+GEMM_SHAPES = (("qkv", 4096, 2048, 28), ("o", 2048, 2048, 28), ("gate_up", 12288, 2048, 28),
+               ("down", 2048, 6144, 28), ("lm_head", 151936, 2048, 2))  # (part, N, K, weight copies)
+SKINNY_CONFIGS = ((64, 64, 64, 1, 4, 4), (64, 64, 128, 1, 4, 3), (64, 128, 64, 1, 4, 4), (128, 64, 64, 1, 4, 4),
+                  (64, 128, 128, 1, 8, 3), (128, 128, 64, 1, 8, 3), (64, 64, 64, 1, 4, 6), (32, 64, 128, 1, 4, 4),
+                  (64, 64, 64, 2, 4, 4), (64, 128, 64, 2, 4, 4), (128, 128, 64, 2, 8, 3), (64, 64, 128, 4, 4, 3))
+
+
+def gemm_backends(args) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    dev = torch.device("cuda")
+    m = args.slots
+    kernel = _skinny_kernel()
+    for part, n, k, copies in GEMM_SHAPES:
+        x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
+        ws = [torch.randn(n, k, dtype=torch.bfloat16, device=dev) * 0.02 for _ in range(copies)]
+        res = torch.randn(m, n, dtype=torch.bfloat16, device=dev)
+        ref = F.linear(x, ws[0]).float()
+        flop = 2 * m * n * k
+
+        def report(backend, fn, check=None, **extra):
+            row = {"bench": "decode_gemm_backend", "part": part, "m": m, "n": n, "k": k, "backend": backend, **extra}
+            try:
+                if check is not None:
+                    err = (check().float() - ref).abs().max().item()
+                    row["max_abs_err"] = round(err, 4)
+                us = bench_us(lambda: [fn(w) for w in ws], iters=10) / copies
+                row.update(us=round(us, 2), tflops=round(flop / us / 1e6, 1),
+                           weight_bound_us=round(1e6 * n * k * 2 / BANDWIDTH, 2))
+            except Exception as exc:  # noqa: BLE001 - a config that does not fit is reported
+                row["error"] = repr(exc)[:200]
+            print(json.dumps(row), flush=True)
+
+        report("cublas", lambda w: F.linear(x, w))
+        before = torch.backends.cuda.preferred_blas_library()
+        try:
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+            report("cublaslt", lambda w: F.linear(x, w), check=lambda: F.linear(x, ws[0]))
+        finally:
+            torch.backends.cuda.preferred_blas_library(before)
+        report("addmm_residual", lambda w: torch.addmm(res, x, w.t()),
+               check=lambda: torch.addmm(res, x, ws[0].t()) - res)
+        for bm, bn, bk, split, warps, stages in SKINNY_CONFIGS:
+            cfg = dict(bm=bm, bn=bn, bk=bk, split=split, warps=warps, stages=stages)
+            if k % (bk * split):
+                continue
+            report("triton", lambda w, c=cfg: skinny_mm(x, w, kernel=kernel, **c),
+                   check=lambda c=cfg: skinny_mm(x, ws[0], kernel=kernel, **c), **cfg)
+        del ws
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--slots", type=int, default=256)
     ap.add_argument("--mean-context", type=int, default=256)
     ap.add_argument("--attention", action="store_true")
     ap.add_argument("--gemms", action="store_true")
+    ap.add_argument("--gemm-backends", action="store_true")
+    ap.add_argument("--equal-lengths", action="store_true", help="--attention: every slot at --mean-context")
+    ap.add_argument("--quick", action="store_true", help="--attention: a smaller grid of launch settings")
+    ap.add_argument("--write-new", action="store_true", help="--attention: the kernel also writes the step's K/V")
     args = ap.parse_args()
     if args.attention:
         attention(args)
     if args.gemms:
         gemms(args)
+    if args.gemm_backends:
+        gemm_backends(args)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,17 @@
 #             benchmark shape with each new lever off in turn (kernel tables of each variant), the engine's GPU tests
 #   decode17c the same kernels' tests, decode with the new levers and without (kernel table), the engine's GPU tests,
 #             the colocated GPU run test, then decode with inductor's max-autotune (long compiles: last)
+#   decode17d the decode step's matmul shapes under cuBLAS, cuBLASLt, addmm and a Triton matmul (bench/decode_parts.py
+#             --gemm-backends), decode at the benchmark shape with the layers joined and not (kernel tables, the
+#             trace's device-busy fraction), the engine's GPU tests
+#   decode17e the kernels' and the engine's GPU tests (sampling inside the decode graph among them), the decode
+#             attention at equal slot lengths (a quick launch grid), decode at the benchmark shape with the new
+#             defaults and with sampling after the graph (kernel tables)
+#   decode17f the sampling kernel's GPU tests, the decode attention at equal lengths writing the step's K/V (quick
+#             grid), decode at the benchmark shape: the defaults, three attention stages, Inductor's combo kernels
+#             (the trace's idle time per step by the operations around it)
+#   decode17g the kernels' and the engine's GPU tests, decode at the benchmark shape with the new defaults (three
+#             attention stages, combo kernels), without combo kernels, and with two stages
 #   autotune17 decode at the benchmark shape with inductor's max-autotune (Triton matmul templates against cuBLAS)
 #   gpuruns17 tests/gpu's runs, then its trainer-engine equivalence variants (each with its own limit)
 #   colocated_test, compiled_gpu_tests: the colocated GPU run test alone; the compiled decode variants' GPU tests
@@ -186,6 +197,41 @@ why = vmm_supported(0); print('vmm:', why or 'supported'); raise SystemExit(1 if
              step colocated_test 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_runs_gpu.py -k colocated
              step rollout_autotune ${AUTOTUNE_S:-150} python3 bench/rollout.py --device cuda --shape qwen3-1.7b \
                --prompts 256 --prompt-len 128 --new-tokens 256 --skip-hf --profile --variants triton+autotune ;;
+  decode17d) step gemm_backends 150 python3 bench/decode_parts.py --gemm-backends
+             step rollout_joined ${ROLLOUT_S:-240} python3 bench/rollout.py --device cuda --shape qwen3-1.7b --prompts 256 \
+               --prompt-len 128 --new-tokens 256 --skip-hf --profile --kernel-tables "$LOGS/kernels" \
+               --variants ${VARIANTS:-triton+compile,triton+compile+unjoined}
+             head -n 30 "$LOGS/kernels/triton+compile.txt" | cut -c1-180
+             head -n 24 "$LOGS/kernels/triton+compile.prefill.txt" | cut -c1-180
+             step engine_gpu_tests 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/rollout/test_rollout_gpu.py \
+               tests/unit/rollout/test_decode_variants.py tests/unit/rollout/test_engine_overlap.py \
+               tests/unit/rollout/test_fused_projections.py tests/unit/rollout/test_sampling_kernel.py ;;
+  decode17e) step kernel_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
+               tests/unit/rollout/test_decode_kernel.py tests/unit/rollout/test_sampling_kernel.py
+             step engine_gpu_tests 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/rollout/test_rollout_gpu.py \
+               tests/unit/rollout/test_decode_variants.py tests/unit/rollout/test_engine_overlap.py \
+               tests/unit/rollout/test_fused_projections.py
+             step attention_equal 90 python3 bench/decode_parts.py --attention --equal-lengths --quick
+             grep -h '^{' "$LOGS/attention_equal.log" | python3 -c "import sys, json; rows = [json.loads(l) for l in sys.stdin]; \
+               [print(r) for r in sorted((r for r in rows if 'us' in r), key=lambda r: r['us'])[:5]]"
+             step rollout_e ${ROLLOUT_S:-200} python3 bench/rollout.py --device cuda --shape qwen3-1.7b --prompts 256 \
+               --prompt-len 128 --new-tokens 256 --skip-hf --profile --kernel-tables "$LOGS/kernels" \
+               --variants ${VARIANTS:-triton+compile,triton+compile+aftersample} ;;
+  decode17f) step kernel_gpu_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/rollout/test_sampling_kernel.py
+             step attention_write 90 python3 bench/decode_parts.py --attention --equal-lengths --quick --write-new
+             grep -h '^{' "$LOGS/attention_write.log" | python3 -c "import sys, json; rows = [json.loads(l) for l in sys.stdin]; \
+               [print(r) for r in sorted((r for r in rows if 'us' in r), key=lambda r: r['us'])[:4]]"
+             step rollout_f ${ROLLOUT_S:-200} python3 bench/rollout.py --device cuda --shape qwen3-1.7b --prompts 256 \
+               --prompt-len 128 --new-tokens 256 --skip-hf --profile \
+               --variants ${VARIANTS:-triton+compile,triton+compile+stages3,triton+compile+combo} ;;
+  decode17g) step kernel_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
+               tests/unit/rollout/test_decode_kernel.py tests/unit/rollout/test_sampling_kernel.py
+             step engine_gpu_tests 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/rollout/test_rollout_gpu.py \
+               tests/unit/rollout/test_decode_variants.py tests/unit/rollout/test_engine_overlap.py \
+               tests/unit/rollout/test_fused_projections.py
+             step rollout_g ${ROLLOUT_S:-200} python3 bench/rollout.py --device cuda --shape qwen3-1.7b --prompts 256 \
+               --prompt-len 128 --new-tokens 256 --skip-hf --profile \
+               --variants ${VARIANTS:-triton+compile,triton+compile+nocombo,triton+compile+stages2} ;;
   autotune17) step rollout_autotune ${AUTOTUNE_S:-330} python3 bench/rollout.py --device cuda --shape qwen3-1.7b \
                 --prompts 256 --prompt-len 128 --new-tokens 256 --skip-hf --profile --variants triton+autotune
               grep -h "^AUTOTUNE\|^  mm \|^  triton_mm" "$LOGS/rollout_autotune.log" | grep -A1 "^AUTOTUNE" | cut -c1-60 ;;

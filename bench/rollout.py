@@ -16,20 +16,31 @@ max-autotune-no-cudagraphs mode), ``eager``/``graphs`` (CUDA graphs off/on), ``s
 ``unfused``/``fused`` (projections), ``kvwrites``/``kvinkernel`` (the cache write as two kernels per layer,
 or inside the triton attention), ``torchsample``/``fusedsample`` (torch's sampling or the Triton kernel),
 ``prefill8k``/``prefill32k`` (prompt tokens per prefill batch), ``floatlogits`` (the decode step's logits in
-float32, not the model's dtype as the engine server takes them on a GPU); unnamed levers take the engine's
-defaults. A variant that fails prints
+float32, not the model's dtype as the engine server takes them on a GPU), ``joined``/``unjoined`` (with compile:
+one graph from each attention to the next, or each layer's two halves apart), ``stepsample``/``aftersample``
+(uniform batches sampled inside the decode step's graph, or by the kernel's own launches after it),
+``combo``/``nocombo`` (Inductor's combo kernels: independent kernels of a compiled part launched as one),
+``stages2``/``stages3`` (pipeline stages of the triton decode attention); unnamed
+levers take the engine's defaults. A variant that fails prints
 its line with ``error`` and the next one still runs. The HF baseline (unless ``--skip-hf``) runs once,
 first, and its numbers go on every line.
 
 ``--profile`` adds where the time goes, in ms: ``decode_ms`` (the model's decode step alone at the full
 batch and the mean context: graph replay, or the eager forward without graphs), ``decode_eager_ms``
 (the eager forward too, when graphs are on: the difference is launch overhead), ``sampling_ms`` (greedy
-sampling plus the device-to-host copy on full-batch logits), and from the timed run's engine steps
+sampling plus the device-to-host copy on full-batch logits), ``decode_sampled_ms`` (the step with its greedy
+sampling inside, where the kernel runs), and from the timed run's engine steps
 (``perf_counter`` around each phase, averaged over decode steps): ``step_ms`` (the whole step), split into
 ``step_launch_ms`` (host prep, H2D copy, enqueueing the forward), ``step_sample_ms`` (sampling and the
 D2H copy, which waits for the device) and ``step_advance_ms`` (Python bookkeeping); ``mean_batch``,
-``decode_steps``, ``prefill_s``. ``--kernel-tables DIR`` writes a ``torch.profiler`` op table of a few
-eager decode steps per variant to ``DIR/<variant>.txt`` (inside a CUDA graph the ops are not visible).
+``decode_steps``, ``prefill_s``; ``trace_gpu_busy`` and ``trace_ms_per_step``: one more engine run of
+``--new-tokens`` under ``torch.profiler`` (device activity only), the fraction of its decode window in which
+some kernel or copy ran (below 1: the device waited) and the window per decode step; ``trace_gap_us_per_step``
+(the idle microseconds per step between consecutive device operations, by the names around each gap, top 10)
+and ``trace_op_us_per_step`` (each operation's own time per step, top 10).
+``--kernel-tables DIR`` writes a ``torch.profiler`` op table of a few eager decode steps per variant to
+``DIR/<variant>.txt`` (inside a CUDA graph the ops are not visible), and one of a prefill batch as the engine
+forms it to ``DIR/<variant>.prefill.txt``.
 
 Memory-bandwidth bound (``--bandwidth-gbs``, default 4800 on CUDA for an H200, none on CPU): each
 decode step must read every weight once plus the KV cache of every running sequence, so
@@ -183,8 +194,12 @@ VARIANT_WORDS = {"sdpa": {"decode_attention": "sdpa"}, "bmm": {"decode_attention
                  "kvwrites": {"attention_writes_kv": False}, "kvinkernel": {"attention_writes_kv": True},
                  "torchsample": {"fused_sampling": False}, "fusedsample": {"fused_sampling": True},
                  "prefill8k": {"prefill_tokens": 8192}, "prefill32k": {"prefill_tokens": 32768},
-                 "floatlogits": {"float_logits": True}}
-ENGINE_OPTIONS = ("overlap", "fused_sampling", "prefill_tokens")  # LocalEngine's; the rest are ModelRunner's
+                 "floatlogits": {"float_logits": True},
+                 "joined": {"join_layers": True}, "unjoined": {"join_layers": False},
+                 "stepsample": {"sample_in_step": True}, "aftersample": {"sample_in_step": False},
+                 "combo": {"combo_kernels": True}, "nocombo": {"combo_kernels": False},
+                 "stages2": {"attention_launch": {"num_stages": 2}}, "stages3": {"attention_launch": {"num_stages": 3}}}
+ENGINE_OPTIONS = ("overlap", "fused_sampling", "prefill_tokens", "sample_in_step")  # LocalEngine's; the rest are ModelRunner's
 
 
 def parse_variant(name: str, defaults: dict) -> dict:
@@ -219,7 +234,7 @@ def profile_runner(runner, batch: int, position: int, device: str, prompt_len: i
     Run in the engine thread while the engine is idle: it writes K/V into idle slots."""
     import torch
 
-    from posttrain.plugins.engines.local.sampling import parse_sampling, sample_tokens, to_host
+    from posttrain.plugins.engines.local.sampling import fused_temperature, parse_sampling, sample_tokens, to_host
 
     tokens = torch.randint(1, runner.vocab_size, (batch,), device=device)
     positions = torch.full((batch,), position, device=device)
@@ -230,12 +245,90 @@ def profile_runner(runner, batch: int, position: int, device: str, prompt_len: i
     logits = runner.decode(tokens, positions, max_position=position).clone()
     params = [parse_sampling({"temperature": 0})] * batch
     out["sampling_ms"] = time_ms(lambda: to_host(*sample_tokens(logits, params, fused=fused)), device)
+    if fused_temperature(params, fused, runner.device) is not None:  # the step with its sampling (graphed)
+        out["decode_sampled_ms"] = time_ms(lambda: runner.decode_sampled(tokens, positions, 0.0, position), device)
     if prompt_len:
         n = max(1, min(batch, budget // prompt_len))
         prompts = torch.randint(1, runner.vocab_size, (n, prompt_len)).tolist()
         out["prefill_batch_prompts"] = n
         out["prefill_batch_ms"] = time_ms(lambda: runner.prefill(list(range(n)), prompts), device, iters=5, warmup=1)
     return out
+
+
+def _op_table(prof, cuda: bool) -> str:
+    averages = prof.key_averages()
+    for key in (["self_device_time_total", "self_cuda_time_total"] if cuda else []) + ["self_cpu_time_total"]:
+        try:  # the device-time column's name changed across torch versions
+            return averages.table(sort_by=key, row_limit=40)
+        except (AttributeError, KeyError, ValueError):
+            continue
+    return averages.table(row_limit=40)
+
+
+def prefill_table(runner, prompts: int, prompt_len: int, budget: int, device: str, path: str) -> None:
+    """Write ``torch.profiler``'s op table of one prefill batch as the engine forms it (``budget`` prompt
+    tokens of distinct random prompts) to ``path``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    n = max(1, min(prompts, budget // max(1, prompt_len)))
+    batch = torch.randint(1, runner.vocab_size, (n, prompt_len)).tolist()
+    runner.prefill(list(range(n)), batch)
+    sync(device)
+    cuda = device.startswith("cuda")
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        runner.prefill(list(range(n)), batch)
+        sync(device)
+    with open(path, "w") as f:
+        f.write(_op_table(prof, cuda))
+
+
+def gpu_busy(engine, prompts, new_tokens: int) -> dict:
+    """One more engine run under ``torch.profiler`` (device activity only, so the host's pace is barely
+    touched): the fraction of the decode window (the run's last ``decode_steps x step_ms``, after its
+    prefill) in which a kernel or copy ran, and the window per decode step."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.call_in_engine(engine.stats.reset)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_engine(engine, prompts, new_tokens)
+        sync("cuda")
+    stats = engine.call_in_engine(engine.stats.summary)
+    events = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start))
+    spans = [(a, b) for a, b, _ in events]
+    if not spans:
+        return {}
+    # the decode window: the run's last ``decode_steps x step_ms`` (host-timed), after its prefill
+    steps = max(1, int(stats["decode_steps"]))
+    end = max(b for _, b in spans)
+    start = max(spans[0][0], end - 1e3 * stats["step_ms"] * steps)  # profiler times are in us
+    busy, cursor = 0.0, start
+    for a, b in spans:  # the union of the intervals
+        a = max(a, cursor)
+        if b > a:
+            busy += b - a
+            cursor = b
+    window = end - start
+    # where the device waits: idle time per step between consecutive operations, by the pair of names around
+    # it, and the operations' own time per step
+    gaps: dict[str, float] = {}
+    own: dict[str, float] = {}
+    last_end, last_name = None, None
+    for a, b, name in events:
+        if b <= start:
+            continue
+        own[name[:60]] = own.get(name[:60], 0.0) + (b - max(a, start))
+        if last_end is not None and a > last_end:
+            key = f"{last_name[:40]} -> {name[:40]}"
+            gaps[key] = gaps.get(key, 0.0) + a - last_end
+        if last_end is None or b > last_end:
+            last_end, last_name = b, name
+    per_step = lambda d: {k: round(v / steps, 2) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:10]}  # noqa: E731
+    return {"trace_gpu_busy": round(busy / window, 4) if window > 0 else None,
+            "trace_ms_per_step": round(window / 1e3 / steps, 3),
+            "trace_gap_us_per_step": per_step(gaps), "trace_op_us_per_step": per_step(own)}
 
 
 def kernel_table(runner, batch: int, position: int, device: str, path: str) -> None:
@@ -256,16 +349,8 @@ def kernel_table(runner, batch: int, position: int, device: str, path: str) -> N
             logits = runner._decode_eager(tokens, positions, position + 1)
             to_host(*sample_tokens(logits, params))
         sync(device)
-    averages = prof.key_averages()
-    table = None
-    for key in (["self_device_time_total", "self_cuda_time_total"] if cuda else []) + ["self_cpu_time_total"]:
-        try:  # the device-time column's name changed across torch versions
-            table = averages.table(sort_by=key, row_limit=40)
-            break
-        except (AttributeError, KeyError, ValueError):
-            continue
     with open(path, "w") as f:
-        f.write(table if table is not None else averages.table(row_limit=40))
+        f.write(_op_table(prof, cuda))
 
 
 def experts_hit(routed) -> float | None:
@@ -298,7 +383,8 @@ def bench_variant(model, prompts: list[list[int]], args, name: str, opts: dict, 
                          model=model, **runner_opts)
     engine = LocalEngine(runner, tokenizer=None, eos_token_ids=[], **{k: opts.get(k) for k in ENGINE_OPTIONS})
     out.update(overlap=engine.overlap, fused_groups=runner.fused_groups, prefill_tokens=engine.prefill_tokens,
-               attention_writes_kv=runner.attention_writes_kv, fused_sampling=engine.fused_sampling)
+               attention_writes_kv=runner.attention_writes_kv, fused_sampling=engine.fused_sampling,
+               sample_in_step=engine.sample_in_step, join_layers=runner.join_layers)
     try:
         start = time.perf_counter()
         run_engine(engine, prompts, min(args.new_tokens, 8))  # warm-up: kernels, allocator, graphs, compiles
@@ -320,11 +406,18 @@ def bench_variant(model, prompts: list[list[int]], args, name: str, opts: dict, 
                     engine.fused_sampling)))
             except Exception as exc:  # instrumentation must not cost the throughput numbers
                 out["profile_error"] = repr(exc)[:300]
+            if args.device.startswith("cuda"):
+                try:
+                    out.update(gpu_busy(engine, prompts, args.new_tokens))
+                except Exception as exc:
+                    out["trace_error"] = repr(exc)[:300]
         if args.kernel_tables:
             os.makedirs(args.kernel_tables, exist_ok=True)
             path = os.path.join(args.kernel_tables, f"{name}.txt")
             try:
                 engine.call_in_engine(lambda: kernel_table(runner, len(prompts), position, args.device, path))
+                engine.call_in_engine(lambda: prefill_table(runner, len(prompts), args.prompt_len, engine.prefill_tokens,
+                                                            args.device, path.removesuffix(".txt") + ".prefill.txt"))
             except Exception as exc:
                 out["kernel_table_error"] = repr(exc)[:300]
     finally:

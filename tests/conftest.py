@@ -56,10 +56,10 @@ def env_with(path: Path | None = None, **extra: str) -> dict:
     return env
 
 
-def run_triton_interpreted(script: str) -> None:
-    """Run ``script`` in a fresh interpreter under ``TRITON_INTERPRET=1`` (it must be set before a kernel is
-    defined) on CPU tensors; it must print ``ok`` last."""
+def run_triton_interpreted(script: str, *args: str) -> None:
+    """Run ``script`` (with ``args`` as ``sys.argv[1:]``) in a fresh interpreter under ``TRITON_INTERPRET=1``
+    (it must be set before a kernel is defined) on CPU tensors; it must print ``ok`` last."""
     env = env_with(ROOT, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env,
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300, env=env,
                          cwd=str(ROOT))
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

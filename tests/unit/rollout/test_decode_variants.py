@@ -114,6 +114,8 @@ def test_bad_lever_values_are_rejected(tiny_ckpt):
         ModelRunner(tiny_ckpt, max_slots=2, context_length=32, decode_attention="flash")
     with pytest.raises(ValueError, match="compile_mode"):
         ModelRunner(tiny_ckpt, max_slots=2, context_length=32, compile=True, compile_mode="fast")
+    with pytest.raises(ValueError, match="attention_launch: unknown keys \\['stages'\\]"):
+        ModelRunner(tiny_ckpt, max_slots=2, context_length=32, attention_launch={"stages": 3})
 
 
 def test_autotune_mode_leaves_the_prefill_on_the_default_mode(tiny_ckpt):
@@ -178,15 +180,16 @@ def compile_unavailable(device: str = "cpu") -> str | None:
 
 def test_compiled_decode_matches_eager(tiny_ckpt):
     """Compiled per-layer parts give the eager logits, for both attentions, at a power-of-two batch
-    (4 slots) and at a batch padded to its bucket (3 slots -> 4)."""
+    (4 slots) and at a batch padded to its bucket (3 slots -> 4); joined or not, with combo kernels too."""
     reason = compile_unavailable()
     if reason:
         pytest.skip(reason)
     torch.set_num_threads(1)
     eager = ModelRunner(tiny_ckpt, max_slots=4, context_length=64)
-    for attention, fuse in (("sdpa", False), ("bmm", False), ("sdpa", True)):
+    for attention, fuse, join, combo in (("sdpa", False, True, False), ("bmm", False, True, False),
+                                         ("sdpa", True, True, True), ("sdpa", False, False, False)):
         compiled = ModelRunner(tiny_ckpt, max_slots=4, context_length=64, decode_attention=attention, compile=True,
-                               fuse_projections=fuse)
+                               fuse_projections=fuse, join_layers=join, combo_kernels=combo)
         a, seqs_a = decode_steps(eager, steps=2)
         b, seqs_b = decode_steps(compiled, steps=2)
         assert seqs_a == seqs_b
@@ -323,26 +326,43 @@ def test_bench_prints_one_json_line_per_variant_with_profile():
         assert r["decode_attention"] == r["variant"]
 
 
-@pytest.mark.parametrize("fuse", [False, True])
-def test_compiled_decode_compiles_a_few_times_for_every_batch_bucket(tiny_ckpt, monkeypatch, fuse):
+@pytest.mark.parametrize("fuse,join", [(False, True), (True, True), (False, False)])
+def test_compiled_decode_compiles_a_few_times_for_every_batch_bucket(tiny_ckpt, monkeypatch, fuse, join):
     """Automatic dynamic shapes: the batch buckets 1, 2, 4, 8 cost at most three compiles of each compiled
     part (size 1, the first other size, then one symbolic version for the rest), not one per bucket, and
-    every bucket still gives the eager logits; with fused projections (their weights passed in) too."""
+    every bucket still gives the eager logits; with fused projections (their weights passed in) too. The
+    joined step has four parts (the embedding with the rotary tables, the first layer's start, each
+    layer's end with the next one's start, the last layer's end with the head); the unjoined one two."""
     from torch._dynamo.testing import CompileCounter
 
     torch._dynamo.reset()
     counter, real = CompileCounter(), torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": counter}))
+    # the counting backend takes no Inductor options (combo kernels): they are Inductor's, not dynamo's
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "options": None, "backend": counter}))
     torch.set_num_threads(1)
     eager = ModelRunner(tiny_ckpt, max_slots=8, context_length=64)
-    compiled = ModelRunner(tiny_ckpt, max_slots=8, context_length=64, compile=True, fuse_projections=fuse)
+    compiled = ModelRunner(tiny_ckpt, max_slots=8, context_length=64, compile=True, fuse_projections=fuse,
+                           join_layers=join)
     for nb in (1, 2, 3, 5, 8, 4):  # buckets 1, 2, 4, 8, 8, 4
         for r in (eager, compiled):  # fresh slots: a padded step writes position 0 of the idle ones
             r.prefill(list(range(8)), [[5 + i, 6, 7] for i in range(8)])
         tokens, positions = torch.arange(20, 20 + nb), torch.full((nb,), 3)
         torch.testing.assert_close(compiled.decode(tokens, positions), eager.decode(tokens, positions),
                                    atol=1e-5, rtol=1e-5, msg=f"batch {nb}")
-    assert 2 <= counter.frame_count <= 6, f"{counter.frame_count} compiles for 4 buckets of 2 parts"
+    parts = 4 if join else 2
+    assert parts <= counter.frame_count <= 3 * parts, f"{counter.frame_count} compiles for 4 buckets of {parts} parts"
+
+
+def test_joined_layers_run_the_same_ops_as_the_separate_parts(tiny_ckpt):
+    """Uncompiled, ``join_layers`` only regroups the step's calls: the logits are bit-identical to the
+    separate parts'; it is on with ``compile`` and off without by default."""
+    torch.set_num_threads(1)
+    runners = [ModelRunner(tiny_ckpt, max_slots=4, context_length=64, join_layers=j) for j in (False, True)]
+    outs = [decode_steps(r)[0] for r in runners]
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert ModelRunner(tiny_ckpt, max_slots=4, context_length=64, compile=True).join_layers
+    assert not ModelRunner(tiny_ckpt, max_slots=4, context_length=64).join_layers
 
 
 def test_compiled_prefill_matches_eager_and_compiles_once_for_every_width(tiny_ckpt, monkeypatch):
@@ -353,7 +373,8 @@ def test_compiled_prefill_matches_eager_and_compiles_once_for_every_width(tiny_c
 
     torch._dynamo.reset()
     counter, real = CompileCounter(), torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": counter}))
+    # the counting backend takes no Inductor options (combo kernels): they are Inductor's, not dynamo's
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "options": None, "backend": counter}))
     torch.set_num_threads(1)
     eager = ModelRunner(tiny_ckpt, max_slots=8, context_length=64)
     compiled = ModelRunner(tiny_ckpt, max_slots=8, context_length=64, compile=True)

@@ -29,7 +29,15 @@ def test_cpu_tensors_keep_the_torch_path(monkeypatch):
     tokens, logprobs = sample_tokens(logits, [parse_sampling({"temperature": 0})] * 4)
     assert not calls and torch.equal(tokens, logits.argmax(-1))
     torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0])
-    assert sampling._fused(logits, None) is False and sampling._fused(logits, True) is True
+    greedy = [parse_sampling({"temperature": 0})] * 4
+    assert sampling.fused_temperature(greedy, None, logits.device) is None
+    assert sampling.fused_temperature(greedy, True, logits.device) == 0.0
+    hot = [parse_sampling({"temperature": 0.7})] * 4
+    assert sampling.fused_temperature(hot, True, "cpu") == 0.7 and sampling.fused_temperature(hot, False, "cuda") is None
+    seeded = [parse_sampling({"temperature": 0.7, "sampling_seed": 3})] * 4
+    assert sampling.fused_temperature(seeded, True, "cuda") is None  # seeded rows draw from their own seed
+    mixed = hot[:2] + [parse_sampling({"temperature": 0.7, "top_p": 0.9})] * 2
+    assert sampling.fused_temperature(mixed, True, "cuda") is None
 
 
 def test_the_kernel_needs_triton_when_it_is_missing():
@@ -138,3 +146,84 @@ def test_a_runner_without_float_logits_hands_the_kernel_bf16(tiny_ckpt):
     params = [parse_sampling({"temperature": 0})] * 3
     a, b = sample_tokens(outs[0], params), sample_tokens(outs[1], params)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+# -- sampling inside the runner's step (ModelRunner.decode_sampled, the overlapped engine's uniform batches) ---
+IN_STEP = textwrap.dedent("""
+    import sys, threading
+    import torch
+    from posttrain.plugins.engines.local.engine import LocalEngine
+    from posttrain.plugins.engines.local.model_runner import ModelRunner
+    from posttrain.plugins.engines.local.sampling import RequestSampling
+
+    torch.set_num_threads(1)
+    runner = ModelRunner(sys.argv[1], max_slots=4, context_length=32)
+    runner.prefill([0, 2], [[5, 6, 7], [8, 9]])
+    tokens, positions = torch.tensor([3, 0, 4]), torch.tensor([3, 0, 2])
+    logits = runner.decode(tokens, positions).clone()
+    runner.prefill([0, 2], [[5, 6, 7], [8, 9]])  # the same cache again: the step rewrites position 3 / 2
+    drawn, logprobs = runner.decode_sampled(tokens, positions, 0.0)
+    assert torch.equal(drawn, logits.argmax(-1)), (drawn, logits.argmax(-1))
+    ref = torch.log_softmax(logits, -1).gather(1, drawn[:, None])[:, 0]
+    torch.testing.assert_close(logprobs, ref, atol=1e-5, rtol=1e-5)
+
+    def run(overlap, fused):  # greedy answers of the engine, and how often the runner sampled in its step
+        calls, real = [], runner.decode_sampled
+        runner.decode_sampled = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+        engine = LocalEngine(runner, None, [0], overlap=overlap, fused_sampling=fused)
+        outs, done = [], threading.Semaphore(0)
+        try:
+            engine.pause(mode="in_place")
+            for i, p in enumerate([[5, 6, 7, 8], [9, 10], [11, 12, 13], [14]]):
+                s = RequestSampling(max_new_tokens=3 + i, temperature=0.0, ignore_eos=True)
+                engine.submit(p, s, True, lambda o: (outs.append(o), done.release()), rid=f"r{i}")
+            engine.resume()
+            for _ in range(4):
+                assert done.acquire(timeout=120)
+        finally:
+            engine.shutdown()
+            runner.decode_sampled = real
+        got = sorted((o["meta_info"]["id"], o["output_ids"], [x[0] for x in o["meta_info"]["output_token_logprobs"]])
+                     for o in outs)
+        return got, len(calls)
+
+    (base, n0), (fused, n1) = run(False, False), run(True, True)
+    assert n0 == 0 and n1 > 0, (n0, n1)
+    for a, b in zip(base, fused):
+        assert a[:2] == b[:2], (a, b)
+        assert max(abs(x - y) for x, y in zip(a[2], b[2])) < 1e-4
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_in_step_sampling_under_the_triton_interpreter(tiny_ckpt):
+    """``decode_sampled`` at temperature 0 is the argmax of ``decode``'s logits with their log-softmax, and
+    the overlapped engine, which samples uniform batches through it, answers as the synchronous engine
+    with torch's sampler does (ids and log-probs)."""
+    run_triton_interpreted(IN_STEP, str(tiny_ckpt))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graphed_in_step_sampling_on_cuda(tiny_ckpt):
+    """Inside a CUDA graph: greedy draws equal the logits graph's argmax, one graph per temperature; at
+    temperature 1 a replay draws new noise (the graph advances torch's generator), and the seed repeats."""
+    from posttrain.plugins.engines.local.model_runner import ModelRunner
+
+    r = ModelRunner(tiny_ckpt, device="cuda", dtype="bfloat16", max_slots=8, context_length=64, cuda_graphs=True,
+                    decode_attention="triton")
+    r.prefill(list(range(6)), [[5 + i, 6, 7] for i in range(6)])
+    tokens, positions = torch.arange(20, 26, device="cuda"), torch.full((6,), 3, device="cuda")
+    logits = r.decode(tokens, positions, 3).float().clone()
+    drawn, logprobs = r.decode_sampled(tokens, positions, 0.0, 3)
+    assert torch.equal(drawn, logits.argmax(-1))
+    torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).gather(1, drawn[:, None])[:, 0], atol=1e-4, rtol=1e-4)
+    assert {k[2] for k in r._graphs} == {None, 0.0}
+    r.decode_sampled(tokens, positions, 1.0, 3)  # captures (its warm-up draws from the generator too)
+    assert {k[2] for k in r._graphs} == {None, 0.0, 1.0}
+    torch.manual_seed(5)
+    draws = [r.decode_sampled(tokens, positions, 1.0, 3)[0].clone() for _ in range(8)]
+    assert any(not torch.equal(draws[0], d) for d in draws[1:])
+    torch.manual_seed(5)  # replays read the generator's state: the seed repeats them
+    assert torch.equal(r.decode_sampled(tokens, positions, 1.0, 3)[0], draws[0])

@@ -5,9 +5,11 @@ Modules (none imported here: this entry module stays light):
 
 - ``server``: the HTTP server speaking SGLang's native API (generate, abort, pause, weight updates by
   disk, Gloo/NCCL group or CUDA IPC, memory release for colocation);
-- ``engine``: continuous batching in one thread; ``model_runner``: the forward passes over a static
-  slot KV cache (CUDA graphs on GPU); ``decode_kernel``: the Triton flash-decoding kernel;
-  ``sampling``: per-row sampling (temperature, top-p/k, min-p, seeds); ``memory``: release/resume;
+- ``engine``: continuous batching in one thread (``overlap``: step N + 1 launched before step N lands);
+  ``model_runner``: the forward passes over a static slot KV cache (CUDA graphs on GPU), with the decoder
+  layer's parts in ``layers`` and the decode attention in ``attention``; ``decode_kernel``: the Triton
+  flash-decoding kernel; ``sampling``: per-row sampling (temperature, top-p/k, min-p, seeds), and
+  ``sampling_kernel`` its one-pass Triton kernel for uniform batches; ``memory``: release/resume;
 - ``command``: the ``rl-cli engine serve`` command, added through ``posttrain_register_commands``.
 """
 
@@ -21,7 +23,7 @@ from posttrain import hookimpl
 from posttrain.core.rollout.backend import EngineBackend, EngineLaunch, EngineSlot
 from posttrain.core.schema import option
 
-# HF architectures whose decoder layer the model runner knows (model_runner._project_qkv/_finish_layer)
+# HF architectures whose decoder layer the model runner knows (layers.project_qkv/finish_layer)
 SERVED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Glm4ForCausalLM",
                         "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM")
 

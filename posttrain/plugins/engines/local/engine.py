@@ -43,15 +43,14 @@ class LocalEngine:
     """Continuous-batching generation over a HF checkpoint. Thread-safe public methods."""
 
     def __init__(self, runner, tokenizer, eos_token_ids: list[int], overlap: bool | None = None,
-                 fused_sampling: bool | None = None, prefill_tokens: int | None = None):
-        """``overlap``: launch decode step N + 1 before step N's tokens reach the host (module docstring);
-        None: on when the runner is on a GPU (on a CPU every op finishes before the next is issued).
-        ``fused_sampling``: draw uniform batches with the one-pass Triton kernel (``sampling_kernel``;
-        None: where it runs, CUDA). ``prefill_tokens``: prompt tokens per prefill batch (it bounds the
-        prefill's activation memory; None: 8,192 on a CPU, 32,768 on a GPU, where one batch of 256
-        prompts of 128 tokens prefills faster than four)."""
-        self.runner = runner
-        self.fused_sampling = fused_sampling
+                 fused_sampling: bool | None = None, prefill_tokens: int | None = None, sample_in_step=None):
+        """``overlap``: launch decode step N + 1 before step N's tokens reach the host (module docstring); None:
+        on when the runner is on a GPU (on a CPU every op finishes before the next is issued). ``fused_sampling``:
+        draw uniform batches with the one-pass Triton kernel (``sampling_kernel``; None: where it runs, CUDA);
+        ``sample_in_step`` (None: on): with overlap, inside the runner's step (``ModelRunner.decode_sampled``).
+        ``prefill_tokens``: prompt tokens per prefill batch (it bounds the prefill's activation memory; None:
+        8,192 on a CPU, 32,768 on a GPU, where one batch of 256 prompts of 128 tokens prefills faster than four)."""
+        self.runner, self.fused_sampling, self.sample_in_step = runner, fused_sampling, sample_in_step is not False
         on_gpu = runner.device.type == "cuda"
         self.prefill_tokens = (32768 if on_gpu else 8192) if prefill_tokens is None else int(prefill_tokens)
         if self.prefill_tokens < 1:

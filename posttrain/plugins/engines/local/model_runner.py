@@ -26,13 +26,19 @@ Decode levers (constructor arguments, defaults are the safe baseline; ``bench/ro
   only each slot's own ``position + 1`` cache entries. All compute the same attention (equal to
   float32 rounding); ``"auto"`` picks ``triton`` on CUDA. On an H200 (Qwen3-1.7B shape, 256 slots)
   SDPA's masked kernel took ~70% of the step; triton + compile decodes 2.1x faster (bench/RESULTS.md).
-- ``compile``: ``torch.compile`` (``fullgraph``, ``dynamic=False``) of the per-layer parts around the
+- ``compile``: ``torch.compile`` (``fullgraph``) of the per-layer parts around the
   attention (norms, projections, rotary, residuals, SwiGLU MLP) so their elementwise work fuses. The
   KV-cache write and the attention stay eager: a compiled in-place write into a cache passed as an
   input may be functionalized into a copy of the whole cache layer. With ``triton`` the attention
   kernel writes the step's keys and values itself (``attention_writes_kv``): two launches fewer per
   layer. Decode batches are padded to the power-of-two bucket so the compiled code sees a handful of
-  shapes (one compile per bucket).
+  shapes (automatic dynamic shapes: a few compiles in all). ``join_layers`` (on with ``compile``) cuts the
+  step at the attentions only (``layers.py``): a layer's closing residual add fuses into the next layer's
+  input norm, and the final norm and rotary tables are fused kernels.
+- :meth:`ModelRunner.decode_sampled`: the step with the one-pass sampler (``sampling_kernel``) inside its
+  CUDA graph, for the engine's uniform batches (all greedy, or one temperature): one launch per step.
+
+The layer parts are in ``layers``, the decode attention paths in ``attention``.
 """
 
 from __future__ import annotations
@@ -47,85 +53,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from posttrain.plugins.engines.local.fused import Fused, fuse_layers, layer_parts, run_fused
+from posttrain.plugins.engines.local.attention import checked_launch, step_attention
+from posttrain.plugins.engines.local.fused import Fused, fuse_layers, layer_parts
+from posttrain.plugins.engines.local.layers import (embed_and_rotary, finish_layer, finish_then_head, finish_then_project,
+                                                   project_qkv, rotary_of, through_parts)
 
 DEFAULT_MAX_CONTEXT = 4096
 DECODE_ATTENTION = ("sdpa", "bmm", "triton")  # "triton": decode_kernel.decode_attention
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
-
-
-def _project_qkv(layer, h, cos, sin, rope, qkv: Fused | None = None):
-    """A decoder layer up to its attention: input norm, Q/K/V projections, Qwen3's Q/K norms, rotary.
-
-    ``h`` ``[n, q, hidden]``; ``cos``/``sin`` ``[n, q, D]`` -> ``q`` ``[n, H, q, D]``, ``k``/``v``
-    ``[n, Hkv, q, D]``. A plain function of its inputs (no runner state) so ``torch.compile`` can
-    reuse one compiled graph for every layer (the layer's parameters are graph inputs). ``qkv``: the
-    three projections as one matmul (``fused.layer_parts``), else one module each.
-    """
-    attn = layer.self_attn
-    n, q_len, _ = h.shape
-    x = layer.input_layernorm(h)
-    shape = (n, q_len, -1, attn.head_dim)
-    if qkv is None:
-        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-    else:
-        q, k, v = run_fused(qkv, x)
-    q, k = q.view(shape), k.view(shape)
-    v = v.view(shape).transpose(1, 2)
-    if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm on queries and keys before RoPE
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-    return q, k, v
-
-
-def _rotary_of(model):
-    """The checkpoint's own ``apply_rotary_pos_emb(q, k, cos, sin)`` (from its modeling module): GLM's
-    rotate only part of each head (and dense GLM-4 interleaved pairs); Llama's is the fallback."""
-    import sys
-
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    return getattr(sys.modules.get(type(model).__module__), "apply_rotary_pos_emb", apply_rotary_pos_emb)
-
-
-def _finish_layer(layer, h, o, gate_up: Fused | None = None):
-    """The rest of a decoder layer: output projection, residual, post-attention norm, MLP, residual.
-
-    ``h`` ``[n, q, hidden]`` (the layer's input), ``o`` ``[n, H, q, D]`` (attention output) ->
-    ``(h [n, q, hidden], expert ids [n * q, k] or None)``: a MoE layer also returns the experts it routed
-    each token to (the routed-experts answer of ``return_routed_experts``). ``gate_up``: a dense MLP's
-    gate and up projections as one matmul.
-    """
-    n, q_len, _ = h.shape
-    attn = layer.self_attn.o_proj(o.transpose(1, 2).reshape(n, q_len, -1))
-    if hasattr(layer, "post_self_attn_layernorm"):  # GLM-4's sandwich norms after attention and the MLP
-        h = h + layer.post_self_attn_layernorm(attn)
-        y, experts = _mlp(layer.mlp, layer.post_attention_layernorm(h), gate_up)
-        return h + layer.post_mlp_layernorm(y), experts
-    h = h + attn
-    y, experts = _mlp(layer.mlp, layer.post_attention_layernorm(h), gate_up)
-    return h + y, experts
-
-
-def _mlp(mlp, x, gate_up: Fused | None = None):
-    """A dense MLP, or a HF MoE block run through its own parts so the routing is visible:
-    ``mlp.gate(x) -> (logits, weights [m, k], ids [m, k])``, ``mlp.experts(x, ids, weights)`` (HF's
-    ``grouped_mm`` implementation by default: experts' matmuls grouped by expert in one kernel, sorted
-    by expert with no host sync, so it can be captured in a CUDA graph), plus ungated shared experts
-    (GLM-4.5). The same sum as the block's own ``forward`` (Qwen3-MoE, GLM-4.5). ``gate_up``: a dense
-    SwiGLU's ``down(act(gate(x)) * up(x))`` with gate and up as one matmul.
-    ``x`` ``[n, q, hidden]`` -> ``(y [n, q, hidden], ids [n * q, k] or None)``."""
-    if gate_up is not None:
-        gate, up = run_fused(gate_up, x)
-        return mlp.down_proj(mlp.act_fn(gate) * up), None
-    if not hasattr(mlp, "experts"):
-        return mlp(x), None
-    flat = x.reshape(-1, x.shape[-1])
-    _, weights, ids = mlp.gate(flat)
-    y = mlp.experts(flat, ids, weights).reshape(x.shape)
-    if hasattr(mlp, "shared_experts"):
-        y = y + mlp.shared_experts(x)
-    return y, ids
 
 
 _CKPT_EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -153,13 +88,20 @@ def _weight_view(params: dict[str, torch.Tensor], name: str) -> torch.Tensor | N
     return stacked[e, :half] if kind == "gate_proj" else stacked[e, half:]
 
 
-def _compiled(fn, mode: str):
+def _compiled(fn, mode: str, combo: bool = False):
     """``fn`` under ``torch.compile``: one graph (``fullgraph``), no Inductor CUDA graphs (ours wrap the
     whole step), and automatic dynamic shapes: the second batch size seen recompiles ``fn`` with the batch
     dimension symbolic, and that version serves every later bucket. (Static shapes compiled once per
     bucket, each a few seconds on an H200, so a colocated step that first met a bucket took seconds
-    longer than the others.) Each CUDA graph still captures the kernels at its own bucket's size."""
-    return torch.compile(fn, fullgraph=True, dynamic=None, mode=None if mode == "default" else mode)
+    longer than the others.) Each CUDA graph still captures the kernels at its own bucket's size.
+    ``combo``: Inductor's combo kernels (independent kernels of one graph, such as the Q and the K norm with
+    their rotary, launched as one)."""
+    if not combo:
+        return torch.compile(fn, fullgraph=True, dynamic=None, mode=None if mode == "default" else mode)
+    from torch._inductor import list_mode_options
+
+    options = dict(list_mode_options(mode)) if mode != "default" else {}
+    return torch.compile(fn, fullgraph=True, dynamic=None, options={**options, "combo_kernels": True})
 
 
 def _raise_recompile_limit(shapes: int) -> None:
@@ -170,18 +112,6 @@ def _raise_recompile_limit(shapes: int) -> None:
 
     name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
     setattr(dynamo_config, name, max(getattr(dynamo_config, name), 4 * shapes))
-
-
-def _bmm_fp32_out_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``torch.bmm(..., out_dtype=torch.float32)`` works here for ``dtype`` inputs (CUDA
-    half/bf16 only): scores then leave the matmul in float32 instead of being rounded to bf16."""
-    if device.type != "cuda" or dtype == torch.float32:
-        return False
-    try:
-        a = torch.zeros((1, 2, 8), dtype=dtype, device=device)
-        return torch.bmm(a, a.transpose(1, 2), out_dtype=torch.float32).dtype == torch.float32
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
 
 
 def resolve_dtype(dtype: str, device: torch.device, model_dir: str | None) -> str:
@@ -210,7 +140,8 @@ class ModelRunner:
                  context_length: int | None = None, cuda_graphs: bool = False, model: Any = None,
                  decode_attention: str = "sdpa", compile: bool = False, compile_mode: str = "default",
                  fuse_projections: bool | None = None, attention_writes_kv: bool | None = None,
-                 float_logits: bool = True):
+                 float_logits: bool = True, join_layers: bool | None = None, combo_kernels: bool | None = None,
+                 attention_launch: dict | None = None):
         """``decode_attention``: ``"sdpa"``, ``"bmm"``, ``"triton"`` (see the module docstring) or ``"auto"``
         (``triton`` on CUDA when Triton imports, else ``sdpa``); ``compile``:
         ``torch.compile`` the per-layer decode parts, with Inductor ``compile_mode`` (``"default"`` or
@@ -221,7 +152,13 @@ class ModelRunner:
         values into the cache itself (no two cache-write kernels per layer; None: on with ``triton``);
         ``float_logits``: :meth:`decode` returns float32 logits; False: the model's dtype (a bf16 step then
         writes 2 bytes per logit instead of 6, and a sampler reading bf16, ``sampling_kernel``, reads half:
-        the engine's choice on a GPU, where its sampling upcasts anyway)."""
+        the engine's choice on a GPU, where its sampling upcasts anyway); ``join_layers``: compile the decode
+        step in one graph per stretch between attentions (``layers.py``: a layer's end with the next layer's
+        start, the last with the final norm and output layer; None: on with ``compile``, else nothing to join);
+        ``combo_kernels``: with ``compile``, Inductor launches independent kernels of a part as one (the Q and
+        the K norm with their rotary: one kernel instead of two per layer; None: on with ``compile``);
+        ``attention_launch``: launch settings of the Triton decode attention (``decode_kernel.decode_attention``'s
+        ``block_n``, ``num_warps``, ``num_stages``, ``num_splits``; None: its defaults)."""
         from transformers import AutoModelForCausalLM
 
         if decode_attention == "auto":  # the measured fastest on an H200 (bench/RESULTS.md)
@@ -260,29 +197,40 @@ class ModelRunner:
         # default: the model's maximum, capped so a long-context model does not allocate a huge cache
         self.context_length = int(context_length or min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT))
         self.max_slots = int(max_slots)
-        self._rope = _rotary_of(self.model)
+        self._rope = rotary_of(self.model)
         shape = (self.num_layers, self.max_slots, self.num_kv_heads, self.context_length, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
-        self._graphs: dict[tuple[int, int], tuple[Any, dict[str, torch.Tensor]]] = {}
+        # (batch bucket, span bucket, sampling temperature or None) -> (graph, its static tensors)
+        self._graphs: dict[tuple[int, int, float | None], tuple[Any, dict[str, torch.Tensor]]] = {}
         # graphs share one memory pool: they never run at the same time
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.decode_attention = decode_attention
         self.attention_writes_kv = decode_attention == "triton" and attention_writes_kv is not False
+        self.attention_launch = checked_launch(attention_launch)
         self.float_logits = bool(float_logits)
-        self._fp32_scores = decode_attention == "bmm" and _bmm_fp32_out_supported(self.device, self.dtype)
         self.compile = bool(compile)
         self.compile_mode = compile_mode
-        self._qkv, self._finish = _project_qkv, _finish_layer  # the decode step's per-layer parts
+        self.join_layers = self.compile if join_layers is None else bool(join_layers)
+        self.combo_kernels = self.compile if combo_kernels is None else bool(combo_kernels)
+        self._qkv, self._finish = project_qkv, finish_layer  # the per-layer parts (the prefill's, and the
+        # decode step's without join_layers)
+        # the decode step between attentions: joined (layers.py), or through the separate parts
+        joined = (embed_and_rotary, finish_then_project, finish_then_head)
+        self._embed, self._step, self._last = joined if self.join_layers else (  # late-bound parts: compiled below
+            embed_and_rotary, *through_parts(lambda *a: self._finish(*a), lambda *a: self._qkv(*a)))
         if self.compile:
             _raise_recompile_limit(self._bucket(self.max_slots).bit_length() + 1)
-            self._qkv, self._finish = _compiled(_project_qkv, compile_mode), _compiled(_finish_layer, compile_mode)
+            compiled = lambda f: _compiled(f, compile_mode, self.combo_kernels)  # noqa: E731
+            self._qkv, self._finish = compiled(project_qkv), compiled(finish_layer)
+            if self.join_layers:  # one graph from each attention to the next
+                self._embed, self._step, self._last = (compiled(f) for f in joined)
         # the prefill's parts: the decode step's, except under max-autotune, whose timings at the prefill's
         # thousands of rows cost a minute or more of start-up and picked cuBLAS anyway on an H200 (RESULTS.md)
         self._prefill_parts = (self._qkv, self._finish)
         if self.compile and compile_mode != "default":
-            self._prefill_parts = (_compiled(_project_qkv, "default"), _compiled(_finish_layer, "default"))
+            self._prefill_parts = (_compiled(project_qkv, "default"), _compiled(finish_layer, "default"))
 
     # -- weights --------------------------------------------------------------------------------
     def named_weights(self) -> dict[str, torch.Tensor]:
@@ -388,10 +336,14 @@ class ModelRunner:
             return x[rows] if n < len(prompts) and x is not None else x
 
         positions = torch.arange(width, device=self.device)[None, :].expand(n, width)
-        slot_idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        # the cache rows to fill: a slice when the slots are consecutive (a plain copy; an indexed write ran
+        # at a tenth of the bandwidth, 11 of a 256 x 128 prefill's 175 ms on an H200), else an index_copy_
+        lo = slots[0] if slots else 0
+        dest = slice(lo, lo + len(slots)) if slots == list(range(lo, lo + len(slots))) else \
+            torch.tensor(slots, dtype=torch.long, device=self.device)
         h = self.model.model.embed_tokens(ids)
         cos, sin = self.model.model.rotary_emb(h, positions)
-        project, finish = _project_qkv, _finish_layer
+        project, finish = project_qkv, finish_layer
         if self.compile:  # compiled parts (``_prefill_parts``); one version for every prompt count and width
             project, finish = self._prefill_parts
             for t in (h, cos, sin):
@@ -401,8 +353,11 @@ class ModelRunner:
         for l, layer in enumerate(self.layers):
             qkv, gate_up = self._parts(layer)
             q, k, v = project(layer, h, cos, sin, self._rope, qkv)
-            self.k_cache[l, slot_idx, :, :width] = spread(k)
-            self.v_cache[l, slot_idx, :, :width] = spread(v)
+            for cache, x in ((self.k_cache[l, :, :, :width], k), (self.v_cache[l, :, :, :width], v)):
+                if isinstance(dest, slice):
+                    cache[dest].copy_(spread(x))
+                else:
+                    cache.index_copy_(0, dest, spread(x))
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
             if self.compile:  # [n, H, P, D]
                 torch._dynamo.maybe_mark_dynamic(o, 0)
@@ -450,19 +405,22 @@ class ModelRunner:
         positions past each slot's own are masked). ``tokens``/``positions`` ``[nb]`` -> logits ``[nb, V]``;
         the step's expert ids ``[nb, L, k]`` int32 (or None) are left in ``_step_routing``."""
         nb = tokens.shape[0]
-        h = self.model.model.embed_tokens(tokens[:, None])
-        cos, sin = self.model.model.rotary_emb(h, positions[:, None])
+        model = self.model.model
+        h, cos, sin = self._embed(model, tokens[:, None], positions[:, None])
         attend = self._decode_attention_fn(positions, span)
+        parts = [self._parts(layer) for layer in self.layers]  # [(qkv, gate_up)] per layer
+        q, k, v = self._qkv(self.layers[0], h, cos, sin, self._rope, parts[0][0])
         routed = []
         for l, layer in enumerate(self.layers):
-            qkv, gate_up = self._parts(layer)
-            q, k, v = self._qkv(layer, h, cos, sin, self._rope, qkv)
             o = attend(l, q, k, v)
-            h, experts = self._finish(layer, h, o, gate_up)
+            if l + 1 < self.num_layers:
+                h, experts, q, k, v = self._step(layer, self.layers[l + 1], h, o, cos, sin, self._rope, parts[l][1],
+                                                 parts[l + 1][0])
+            else:
+                logits, experts = self._last(layer, h, o, model.norm, self.model.lm_head, self.float_logits, parts[l][1])
             routed.append(experts)
         self._step_routing = self._stack_routing(routed, (nb,))
-        logits = self.model.lm_head(self.model.model.norm(h[:, 0]))
-        return logits.float() if self.float_logits else logits
+        return logits
 
     def _parts(self, layer) -> tuple[Fused | None, Fused | None]:
         """The layer's fused Q/K/V and gate/up matmuls (views of its weights, found again at every pass:
@@ -478,77 +436,8 @@ class ModelRunner:
         return torch.stack([dense if r is None else r.to(torch.int32).reshape(*lead, -1) for r in routed], dim=-2)
 
     def _decode_attention_fn(self, positions, span: int):
-        """``attend(l, q [nb, H, 1, D], k, v [nb, Hkv, 1, D]) -> [nb, H, 1, D]`` for this step: writes the
-        step's keys and values into layer ``l``'s cache at ``positions`` and attends over the cache's first
-        ``span`` positions, with the mask built once for all layers."""
-        nb = positions.shape[0]
-        caches = lambda l: (self.k_cache[l, :nb, :, :span], self.v_cache[l, :nb, :, :span])  # noqa: E731
-        if self.decode_attention == "triton":  # no mask: each slot reads its own ``position + 1`` entries
-            lengths = positions + 1
-            kernel = self._triton_attention(positions.is_cuda)
-            if self.attention_writes_kv:  # the kernel writes k, v at ``position`` itself
-                return lambda l, q, k, v: kernel(q, *caches(l), lengths, self.scaling, k_new=k, v_new=v)
-            attend = lambda q, kc, vc: kernel(q, kc, vc, lengths, self.scaling)  # noqa: E731
-        else:
-            past = torch.arange(span, device=self.device)[None, :] > positions[:, None]  # [nb, span]: masked out
-            if self.decode_attention == "bmm":
-                masked = past[:, None, :]
-                attend = lambda q, kc, vc: self._attend_bmm(q, kc, vc, masked)  # noqa: E731
-            else:
-                allowed = ~past[:, None, None, :]
-                attend = lambda q, kc, vc: self._attend_sdpa(q, kc, vc, allowed)  # noqa: E731
-        rows = torch.arange(nb, device=self.device)
-
-        def write_then_attend(l, q, k, v):
-            self.k_cache[l][rows, :, positions] = k[:, :, 0]
-            self.v_cache[l][rows, :, positions] = v[:, :, 0]
-            return attend(q, *caches(l))
-
-        return write_then_attend
-
-    def _attend_sdpa(self, q, k, v, allowed):
-        """SDPA with one query token per slot. ``q`` ``[nb, H, 1, D]``, ``k``/``v`` ``[nb, Hkv, span, D]``,
-        ``allowed`` ``[nb, 1, 1, span]`` bool -> ``[nb, H, 1, D]``.
-
-        GQA: the ``G = H / Hkv`` query heads sharing a KV head become ``G`` query rows of that head
-        (``[nb, Hkv, G, D]``), so the kernel reads each cached K/V once instead of expanding it."""
-        nb, heads, _, d = q.shape
-        qg = q.reshape(nb, self.num_kv_heads, heads // self.num_kv_heads, d)
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=allowed, scale=self.scaling)
-        return o.reshape(nb, heads, 1, d)
-
-    @staticmethod
-    def _triton_attention(on_cuda: bool):
-        """The Triton flash-decoding kernel (``decode_kernel.decode_attention``), called as
-        ``attend(q [nb, H, 1, D], k/v [nb, Hkv, span, D] (strided cache views), lengths [nb], scale)
-        -> [nb, H, 1, D]``; each slot reads only its own ``lengths[i] = position + 1`` cache entries.
-        Without CUDA or triton, the same attention in plain torch (``decode_attention_reference``).
-        Resolved once per step, not per layer."""
-        from posttrain.plugins.engines.local.decode_kernel import (decode_attention, decode_attention_reference, triton_available)
-
-        return decode_attention if on_cuda and triton_available() else decode_attention_reference
-
-    def _attend_bmm(self, q, k, v, masked):
-        """The same attention as two batched matmuls. ``q`` ``[nb, H, 1, D]``, ``k``/``v``
-        ``[nb, Hkv, span, D]`` (strided views of the cache), ``masked`` ``[nb, 1, span]`` bool (True past
-        the slot's position) -> ``[nb, H, 1, D]``.
-
-        ``scores = q_g @ K^T`` over ``[nb*Hkv, G, D] x [nb*Hkv, D, span]`` (the cache views merge
-        ``nb`` and ``Hkv`` without a copy), scaled and masked in float32, softmax in float32, cast back
-        to the cache dtype for ``@ V``."""
-        nb, heads, _, d = q.shape
-        hkv, span = k.shape[1], k.shape[2]
-        g = heads // hkv
-        qg = q.reshape(nb * hkv, g, d)
-        kt = k.reshape(nb * hkv, span, d).transpose(1, 2)
-        if self._fp32_scores:  # bf16 inputs, float32 accumulator written out as float32
-            scores = torch.bmm(qg, kt, out_dtype=torch.float32)
-        else:
-            scores = torch.bmm(qg, kt).float()
-        scores = scores.view(nb, hkv * g, span).mul_(self.scaling).masked_fill_(masked, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v.dtype).view(nb * hkv, g, span)
-        o = torch.bmm(probs, v.reshape(nb * hkv, span, d))
-        return o.view(nb, heads, 1, d)
+        """``attend(l, q, k, v)`` for this step (``attention.step_attention``)."""
+        return step_attention(self, positions, span)
 
     def _bucket(self, nb: int) -> int:
         b = 1
@@ -560,25 +449,54 @@ class ModelRunner:
         """Attention span of a graph: ``need`` (longest context) rounded up to 256, capped at the context length."""
         return min(self.context_length, -(-need // 256) * 256)
 
-    def _decode_graphed(self, tokens, positions, need: int):
-        """CUDA-graph decode: one graph per (power-of-two batch bucket, 256-token span bucket)."""
+    def _decode_graphed(self, tokens, positions, need: int, temperature: float | None = None):
+        """CUDA-graph decode: one graph per (power-of-two batch bucket, 256-token span bucket, sampling):
+        ``temperature`` None returns ``(logits, routing)``; a float, ``((tokens, logprobs), routing)`` of the
+        graph's own fused sampling."""
         nb = tokens.shape[0]
         bucket = self._bucket(nb)
         span = self._span(need)
-        key = (bucket, span)
+        key = (bucket, span, temperature)
         if key not in self._graphs:
-            self._capture(bucket, span)
+            self._capture(bucket, span, temperature)
         graph, static = self._graphs[key]
         static["tokens"][:nb].copy_(tokens)
         static["positions"][:nb].copy_(positions)
         if bucket > nb:
             static["positions"][nb:].zero_()
         graph.replay()
-        return static["logits"][:nb], static["routing"]
+        if temperature is None:
+            return static["logits"][:nb], static["routing"]
+        return (static["sampled"][:nb], static["logprobs"][:nb]), static["routing"]
 
-    def _capture(self, bucket: int, span: int) -> None:
-        """Capture the decode step of ``bucket`` slots over ``span`` positions into ``self._graphs`` (one
-        line on stderr each, with its seconds: the engine log then shows what a slow step captured)."""
+    def decode_sampled(self, tokens: torch.Tensor, positions: torch.Tensor, temperature: float,
+                       max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`decode`, then one token per slot from ``sampling_kernel.fused_sample`` at ``temperature``
+        (0: greedy): ``(tokens [nb] int64, logprobs [nb] float32)``. With ``cuda_graphs`` the sampling is
+        part of the step's graph (one graph per temperature seen; the Gumbel noise comes from torch's CUDA
+        generator, which a graph replay advances), so a step costs one launch and no separate sampler
+        kernels. Views of a graph's static outputs: read them before the next step. Needs CUDA and Triton
+        (``sampling_kernel.fused_sample_available``)."""
+        from posttrain.plugins.engines.local.sampling_kernel import fused_sample
+
+        if not self.cuda_graphs:
+            return fused_sample(self.decode(tokens, positions, max_position), temperature)
+        need = (int(positions.max()) if max_position is None else int(max_position)) + 1
+        nb = tokens.shape[0]
+        drawn, routing = self._decode_graphed(tokens, positions, need, float(temperature))
+        self.routed_experts = None if routing is None else routing[:nb]
+        return drawn
+
+    def _capture(self, bucket: int, span: int, temperature: float | None = None) -> None:
+        """Capture the decode step of ``bucket`` slots over ``span`` positions (and its fused sampling at
+        ``temperature``, unless None) into ``self._graphs`` (one line on stderr each, with its seconds: the
+        engine log then shows what a slow step captured)."""
+        from posttrain.plugins.engines.local.sampling_kernel import fused_sample
+
+        def step():
+            logits = self._decode_eager(static["tokens"], static["positions"], span)
+            return logits, (None if temperature is None else fused_sample(logits, temperature))
+
         t0 = time.perf_counter()
         static = {"tokens": torch.zeros(bucket, dtype=torch.long, device=self.device),
                   "positions": torch.zeros(bucket, dtype=torch.long, device=self.device)}
@@ -589,14 +507,17 @@ class ModelRunner:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up kernels (and torch.compile) outside the graph
-                self._decode_eager(static["tokens"], static["positions"], span)
+                step()
         torch.cuda.current_stream().wait_stream(stream)
         self.k_cache[:, :bucket, :, 0] = saved[0]
         self.v_cache[:, :bucket, :, 0] = saved[1]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            static["logits"] = self._decode_eager(static["tokens"], static["positions"], span)
+            static["logits"], drawn = step()
             static["routing"] = self._step_routing
-        self._graphs[(bucket, span)] = (graph, static)
-        print(f"captured the decode graph of {bucket} slots x {span} positions in {time.perf_counter() - t0:.2f} s",
-              file=sys.stderr, flush=True)
+        if drawn is not None:
+            static["sampled"], static["logprobs"] = drawn
+        self._graphs[(bucket, span, temperature)] = (graph, static)
+        what = "" if temperature is None else f" sampling at temperature {temperature:g}"
+        print(f"captured the decode graph of {bucket} slots x {span} positions{what} in "
+              f"{time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)

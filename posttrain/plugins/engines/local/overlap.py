@@ -4,7 +4,9 @@ The sampled tokens of a step stay on the device as the next step's input (``Over
 one per slot), so a step is launched without waiting for the previous one's tokens; those come back
 through pinned memory with an async copy and a CUDA event, and the host appends them, checks stops and
 answers requests while the device runs the next step (SGLang's overlap scheduler does the same).
-Positions need no tokens: each request moves one position per step. A request whose last token is
+Positions need no tokens: each request moves one position per step. A batch that the one-pass sampler can
+draw (all greedy, or one temperature without truncation or seeds) is sampled inside the runner's step
+(``ModelRunner.decode_sampled``: in its CUDA graph), so the step is one graph launch and two small copies. A request whose last token is
 sampled (its ``max_new_tokens`` or the context is reached) is not launched again; one that stops on a
 token is decoded once more on the device, and that token is dropped when it lands.
 """
@@ -31,7 +33,7 @@ class OverlappedDecode:
         """Launch a decode step from the device-side tokens, then land the step launched before it."""
         import torch
 
-        from posttrain.plugins.engines.local.sampling import sample_tokens, to_device
+        from posttrain.plugins.engines.local.sampling import fused_temperature, sample_tokens, to_device
 
         t0 = time.perf_counter()
         engine, runner = self.engine, self.engine.runner
@@ -49,21 +51,28 @@ class OverlappedDecode:
             positions[r.slot] = len(r.prompt_ids) + r.launched - 1
         device = runner.device
         tokens = self._device_tokens()
-        logits = runner.decode(tokens[:nb], to_device(positions, device), max_position=max(positions))
-        engine._keep_routing(slots, reqs)
-        index = None
-        if len(slots) != nb:
-            index = to_device(slots, device)
-            logits = logits[index]
-        try:
-            sampled, logprobs = sample_tokens(logits, [r.sampling for r in reqs], [r.launched for r in reqs],
-                                              fused=engine.fused_sampling)
-        except Exception:  # a row's own parameters break the batched draw: this step goes the synchronous way
-            self.land_inflight()
-            kept, host_tokens, host_logprobs = engine._sample_isolated(reqs, logits)
-            engine._advance(kept, host_tokens, host_logprobs)
-            self.put_next_tokens(kept, host_tokens)
-            return
+        params = [r.sampling for r in reqs]
+        index = to_device(slots, device) if len(slots) != nb else None
+        temperature = fused_temperature(params, engine.fused_sampling, device) if engine.sample_in_step else None
+        if temperature is not None:  # a uniform batch: the runner samples inside its step (its CUDA graph)
+            sampled, logprobs = runner.decode_sampled(tokens[:nb], to_device(positions, device), temperature,
+                                                      max_position=max(positions))
+            engine._keep_routing(slots, reqs)
+            if index is not None:
+                sampled, logprobs = sampled[index], logprobs[index]
+        else:
+            logits = runner.decode(tokens[:nb], to_device(positions, device), max_position=max(positions))
+            engine._keep_routing(slots, reqs)
+            if index is not None:
+                logits = logits[index]
+            try:
+                sampled, logprobs = sample_tokens(logits, params, [r.launched for r in reqs], fused=engine.fused_sampling)
+            except Exception:  # a row's own parameters break the batched draw: this step goes the synchronous way
+                self.land_inflight()
+                kept, host_tokens, host_logprobs = engine._sample_isolated(reqs, logits)
+                engine._advance(kept, host_tokens, host_logprobs)
+                self.put_next_tokens(kept, host_tokens)
+                return
         if index is None:
             tokens[:nb].copy_(sampled)
         else:

@@ -173,7 +173,7 @@ def sample_tokens(logits, params: list[RequestSampling], steps: list[int] | None
 
     temperature = uniform_temperature(params)
     seeded = any(p.sampling_seed is not None for p in params)
-    if temperature is not None and not seeded and _fused(logits, fused):
+    if fused_temperature(params, fused, logits.device) is not None:  # uniform, unseeded, kernel on
         from posttrain.plugins.engines.local.sampling_kernel import fused_sample
 
         return fused_sample(logits if logits.stride(-1) == 1 else logits.contiguous(), temperature)
@@ -189,15 +189,21 @@ def sample_tokens(logits, params: list[RequestSampling], steps: list[int] | None
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
 
-def _fused(logits, fused: bool | None) -> bool:
-    """Whether to take the Triton sampling kernel: as asked, or (None) on a CUDA tensor where Triton imports."""
-    if fused is not None:
-        return fused
-    if not logits.is_cuda:
-        return False
-    from posttrain.plugins.engines.local.sampling_kernel import fused_sample_available
+def fused_temperature(params: list[RequestSampling], fused: bool | None, device) -> float | None:
+    """The temperature at which ``sampling_kernel.fused_sample`` draws this batch (``0.0``: greedy), or
+    None where the batch takes the torch paths: mixed rows, truncation or seeds, ``fused`` False, or (``fused``
+    None) off CUDA or without Triton. A function of the Python parameters only (no device value is read)."""
+    temperature = uniform_temperature(params)
+    if temperature is None or fused is False or any(p.sampling_seed is not None for p in params):
+        return None
+    if fused is None:
+        if getattr(device, "type", str(device).split(":")[0]) != "cuda":
+            return None
+        from posttrain.plugins.engines.local.sampling_kernel import fused_sample_available
 
-    return fused_sample_available()
+        if not fused_sample_available():
+            return None
+    return temperature
 
 
 def uniform_temperature(params: list[RequestSampling]) -> float | None:

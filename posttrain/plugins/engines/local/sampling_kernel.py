@@ -71,9 +71,12 @@ if triton is not None:
             s = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32)
             if SAMPLE:
                 s = s / temp
-            m_new = tl.maximum(m, s)
-            l = l * tl.exp(m - m_new) + tl.exp(s - m_new)  # masked lanes: exp(-inf) = 0
-            m = m_new
+            # one exp per element: with d = s - m, the new (m, l) is (m, l + e^d) when d <= 0 and
+            # (s, l e^-d + 1) when d > 0, both from e = exp(-|d|) (masked lanes: d = -inf, e = 0)
+            d = s - m
+            e = tl.exp(-tl.abs(d))
+            l = tl.where(d > 0, l * e + 1.0, l + e)
+            m = tl.maximum(m, s)
             if SAMPLE:
                 u = tl.maximum(tl.rand(seed, offs), 1.0e-12)
                 key = s - tl.log(-tl.log(u))
