@@ -4,11 +4,11 @@ The sampled tokens of a step stay on the device as the next step's input (``Over
 one per slot), so a step is launched without waiting for the previous one's tokens; those come back
 through pinned memory with an async copy and a CUDA event, and the host appends them, checks stops and
 answers requests while the device runs the next step (SGLang's overlap scheduler does the same).
-Positions need no tokens: each request moves one position per step. A batch that the one-pass sampler can
-draw (all greedy, or one temperature without truncation or seeds) is sampled inside the runner's step
-(``ModelRunner.decode_sampled``: in its CUDA graph), so the step is one graph launch and two small copies. A request whose last token is
+Positions need no tokens: each request moves one position per step. A request whose last token is
 sampled (its ``max_new_tokens`` or the context is reached) is not launched again; one that stops on a
-token is decoded once more on the device, and that token is dropped when it lands.
+token is decoded once more on the device, and that token is dropped when it lands. A batch the one-pass
+sampler can draw (all greedy, or one temperature without truncation or seeds) is sampled inside the
+runner's step (``ModelRunner.decode_sampled``: in its CUDA graph), with no sampler launches after it.
 """
 
 from __future__ import annotations
