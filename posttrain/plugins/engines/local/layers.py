@@ -101,32 +101,25 @@ def embed_and_rotary(model, tokens, positions):
     return h, cos, sin
 
 
-def finish_then_project(layer, nxt, h, o, cos, sin, rope, gate_up: Fused | None = None, next_qkv: Fused | None = None):
-    """:func:`finish_layer` of ``layer``, then :func:`project_qkv` of the next layer ``nxt`` on its output:
-    ``(h [n, q, hidden], expert ids or None, q, k, v)``."""
-    h, experts = finish_layer(layer, h, o, gate_up)
-    q, k, v = project_qkv(nxt, h, cos, sin, rope, next_qkv)
-    return h, experts, q, k, v
-
-
-def finish_then_head(layer, h, o, norm, head, float_logits: bool, gate_up: Fused | None = None):
-    """:func:`finish_layer` of the last layer, then the final ``norm`` and the output layer ``head`` on the
-    last position: ``(logits [n, V] (float32 with ``float_logits``, else the model's dtype), expert ids or None)``."""
-    h, experts = finish_layer(layer, h, o, gate_up)
-    logits = head(norm(h[:, -1]))
-    return (logits.float() if float_logits else logits), experts
-
-
 def through_parts(finish, project):
-    """``(finish_then_project, finish_then_head)`` built from separate ``finish``/``project`` parts (each
-    compiled alone, or plain): the unjoined step, with the head eager."""
-    def step(layer, nxt, h, o, cos, sin, rope, gate_up=None, next_qkv=None):
+    """The decode step between two attentions, built from a ``finish`` part (:func:`finish_layer`'s
+    signature) and a ``project`` part (:func:`project_qkv`'s): ``(finish_then_project, finish_then_head)``.
+    Given the plain parts they are the joined step, compiled as one graph each; given separately compiled
+    parts, the unjoined step (with the head eager)."""
+    def finish_then_project(layer, nxt, h, o, cos, sin, rope, gate_up=None, next_qkv=None):
+        """``finish`` of ``layer``, then ``project`` of the next layer ``nxt`` on its output:
+        ``(h [n, q, hidden], expert ids or None, q, k, v)``."""
         h, experts = finish(layer, h, o, gate_up)
         return (h, experts, *project(nxt, h, cos, sin, rope, next_qkv))
 
-    def last(layer, h, o, norm, head, float_logits, gate_up=None):
+    def finish_then_head(layer, h, o, norm, head, float_logits, gate_up=None):
+        """``finish`` of the last layer, then the final ``norm`` and the output layer ``head`` on the last
+        position: ``(logits [n, V] (float32 with ``float_logits``, else the model's dtype), expert ids or None)``."""
         h, experts = finish(layer, h, o, gate_up)
         logits = head(norm(h[:, -1]))
         return (logits.float() if float_logits else logits), experts
 
-    return step, last
+    return finish_then_project, finish_then_head
+
+
+finish_then_project, finish_then_head = through_parts(finish_layer, project_qkv)  # the joined step

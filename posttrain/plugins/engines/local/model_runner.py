@@ -387,18 +387,23 @@ class ModelRunner:
         ``max_position``: ``max(positions)`` when the caller knows it (the engine does, from Python
         ints); it saves a device-to-host sync per step that would stall the CPU until the GPU is idle.
         """
+        return self._decode(tokens, positions, max_position)
+
+    def _decode(self, tokens, positions, max_position: int | None, temperature: float | None = None):
+        """:meth:`decode`'s step (with ``temperature``, graphs only: :meth:`decode_sampled`'s draw instead of
+        the logits); leaves the step's expert ids in ``routed_experts``."""
         need = (int(positions.max()) if max_position is None else int(max_position)) + 1
         nb = tokens.shape[0]
         if self.cuda_graphs:
-            logits, routing = self._decode_graphed(tokens, positions, need)
+            out, routing = self._decode_graphed(tokens, positions, need, temperature)
         elif self.compile and self._bucket(nb) > nb:  # pad to the bucket: compiled code is specialized to its batch size
             pad = tokens.new_zeros(self._bucket(nb) - nb)  # position 0 of idle slots nb..bucket-1, as graphs do
-            logits = self._decode_eager(torch.cat([tokens, pad]), torch.cat([positions, pad]), need)
+            out = self._decode_eager(torch.cat([tokens, pad]), torch.cat([positions, pad]), need)[:nb]
             routing = self._step_routing
         else:
-            logits, routing = self._decode_eager(tokens, positions, need), self._step_routing
+            out, routing = self._decode_eager(tokens, positions, need), self._step_routing
         self.routed_experts = None if routing is None else routing[:nb]  # a view of a graph's static output:
-        return logits[:nb]  # read it before the next step
+        return out  # read it before the next step
 
     def _decode_eager(self, tokens, positions, span: int):
         """The decode step over an attention window of ``span`` cache positions (``>= max(positions) + 1``;
@@ -481,11 +486,7 @@ class ModelRunner:
 
         if not self.cuda_graphs:
             return fused_sample(self.decode(tokens, positions, max_position), temperature)
-        need = (int(positions.max()) if max_position is None else int(max_position)) + 1
-        nb = tokens.shape[0]
-        drawn, routing = self._decode_graphed(tokens, positions, need, float(temperature))
-        self.routed_experts = None if routing is None else routing[:nb]
-        return drawn
+        return self._decode(tokens, positions, max_position, float(temperature))
 
     def _capture(self, bucket: int, span: int, temperature: float | None = None) -> None:
         """Capture the decode step of ``bucket`` slots over ``span`` positions (and its fused sampling at

@@ -54,17 +54,16 @@ class OverlappedDecode:
         params = [r.sampling for r in reqs]
         index = to_device(slots, device) if len(slots) != nb else None
         temperature = fused_temperature(params, engine.fused_sampling, device) if engine.sample_in_step else None
+        step_positions, top = to_device(positions, device), max(positions)
         if temperature is not None:  # a uniform batch: the runner samples inside its step (its CUDA graph)
-            sampled, logprobs = runner.decode_sampled(tokens[:nb], to_device(positions, device), temperature,
-                                                      max_position=max(positions))
-            engine._keep_routing(slots, reqs)
-            if index is not None:
-                sampled, logprobs = sampled[index], logprobs[index]
+            out = runner.decode_sampled(tokens[:nb], step_positions, temperature, max_position=top)
         else:
-            logits = runner.decode(tokens[:nb], to_device(positions, device), max_position=max(positions))
-            engine._keep_routing(slots, reqs)
-            if index is not None:
-                logits = logits[index]
+            out = runner.decode(tokens[:nb], step_positions, max_position=top)
+        engine._keep_routing(slots, reqs)
+        if temperature is not None:
+            sampled, logprobs = out if index is None else (out[0][index], out[1][index])
+        else:
+            logits = out if index is None else out[index]
             try:
                 sampled, logprobs = sample_tokens(logits, params, [r.launched for r in reqs], fused=engine.fused_sampling)
             except Exception:  # a row's own parameters break the batched draw: this step goes the synchronous way

@@ -173,7 +173,7 @@ def sample_tokens(logits, params: list[RequestSampling], steps: list[int] | None
 
     temperature = uniform_temperature(params)
     seeded = any(p.sampling_seed is not None for p in params)
-    if fused_temperature(params, fused, logits.device) is not None:  # uniform, unseeded, kernel on
+    if temperature is not None and not seeded and fused_kernel_on(fused, logits.device):
         from posttrain.plugins.engines.local.sampling_kernel import fused_sample
 
         return fused_sample(logits if logits.stride(-1) == 1 else logits.contiguous(), temperature)
@@ -193,17 +193,23 @@ def fused_temperature(params: list[RequestSampling], fused: bool | None, device)
     """The temperature at which ``sampling_kernel.fused_sample`` draws this batch (``0.0``: greedy), or
     None where the batch takes the torch paths: mixed rows, truncation or seeds, ``fused`` False, or (``fused``
     None) off CUDA or without Triton. A function of the Python parameters only (no device value is read)."""
-    temperature = uniform_temperature(params)
-    if temperature is None or fused is False or any(p.sampling_seed is not None for p in params):
+    if not fused_kernel_on(fused, device):  # the cheap checks first: the rows are scanned only where it can run
         return None
-    if fused is None:
-        if getattr(device, "type", str(device).split(":")[0]) != "cuda":
-            return None
-        from posttrain.plugins.engines.local.sampling_kernel import fused_sample_available
-
-        if not fused_sample_available():
-            return None
+    temperature = uniform_temperature(params)
+    if temperature is None or any(p.sampling_seed is not None for p in params):
+        return None
     return temperature
+
+
+def fused_kernel_on(fused: bool | None, device) -> bool:
+    """Whether the one-pass kernel may draw on ``device``: ``fused`` True, or None on CUDA with Triton."""
+    if fused is not None:
+        return bool(fused)
+    if getattr(device, "type", str(device).split(":")[0]) != "cuda":
+        return False
+    from posttrain.plugins.engines.local.sampling_kernel import fused_sample_available
+
+    return fused_sample_available()
 
 
 def uniform_temperature(params: list[RequestSampling]) -> float | None:
