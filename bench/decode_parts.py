@@ -4,10 +4,13 @@
 
 ``--attention``: our Triton decode kernel (``decode_kernel.decode_attention``) over one layer's slot cache
 at the Qwen3-1.7B shape (8 KV heads of 128, 16 query heads, bf16), slot lengths spread evenly over
-``mean-context +- 128`` (``--equal-lengths``: all at ``mean-context``, as in a benchmark batch), for every
+``mean-context +- 128`` (``--equal-lengths``: all at ``mean-context``, as in a benchmark batch;
+``--shuffled-lengths``: the spread in random slot order, as in an RL batch), for every
 launch setting of a small grid (positions per iteration, warps, pipeline stages, sequence splits; ``--quick``
-a smaller one); ``--write-new``: as the engine calls it, writing the step's keys and values too. Reports microseconds per call and the fraction of the bandwidth
-bound (the K and V bytes the call must read / 4.8 TB/s).
+a smaller one; ``--slots-per-program 1,4,8`` adds grouped programs); ``--write-new``: as the engine calls
+it, writing the step's keys and values too. Reports microseconds per call and the fraction of the bandwidth
+bound (the K and V bytes the call must read / 4.8 TB/s). First, the read ceiling: the same bytes loaded in
+the same tiles and summed, no attention (``read_ceiling``), and torch's sum over the whole cache.
 
 ``--gemms``: the decode step's matmuls at ``M = slots`` rows, as the engine runs them (Q, K, V separately;
 gate and up separately) and fused (one ``[Q; K; V]`` matmul; one ``[gate; up]`` matmul), in microseconds
@@ -65,6 +68,8 @@ def attention(args) -> None:
     lengths = torch.linspace(args.mean_context - 128, args.mean_context + 128, nb, device=dev).round().long()
     if args.equal_lengths:  # every slot at the mean (a benchmark batch: same prompt length, same step)
         lengths = torch.full((nb,), args.mean_context, device=dev)
+    if args.shuffled_lengths:  # the same spread in random slot order (an RL batch: neighbours differ)
+        lengths = lengths[torch.randperm(nb, generator=torch.Generator().manual_seed(0)).to(dev)]
     kv_bytes = int(lengths.sum()) * hkv * d * 2 * 2
     bound_us = 1e6 * kv_bytes / BANDWIDTH
     out = torch.empty(nb, hkv * g, d, dtype=torch.bfloat16, device=dev)
@@ -72,18 +77,67 @@ def attention(args) -> None:
     if args.write_new:  # the engine's call: the kernel also writes this step's K/V row at lengths - 1
         new = {"k_new": torch.randn(nb, hkv, d, dtype=torch.bfloat16, device=dev),
                "v_new": torch.randn(nb, hkv, d, dtype=torch.bfloat16, device=dev)}
-    grid = ((32, 64), (4, 8), (2, 3), (1, 2, 3)) if args.quick else ((32, 64, 128), (2, 4, 8), (1, 2, 3, 4), (1, 2, 4))
-    for block, warps, stages, splits in itertools.product(*grid):
+    read_ceiling(k, v, lengths, bound_us, args)
+    groups = [int(p) for p in args.slots_per_program.split(",")]
+    # (sequence splits, slots per program): grouped programs run one split
+    layouts = [(splits, 1) for splits in ((1, 2, 3) if args.quick else (1, 2, 4))] + [(1, p) for p in groups if p > 1]
+    if 1 not in groups:
+        layouts = [(1, p) for p in groups]
+    grid = ((32, 64, 128), (4, 8), (2, 3)) if args.quick else ((32, 64, 128), (2, 4, 8), (1, 2, 3, 4))
+    for (block, warps, stages), (splits, group) in itertools.product(itertools.product(*grid), layouts):
         row = {"bench": "decode_attention", "slots": nb, "mean_context": args.mean_context,
-               "equal_lengths": args.equal_lengths, "write_new": args.write_new, "block_n": block,
-               "num_warps": warps, "num_stages": stages, "num_splits": splits}
+               "equal_lengths": args.equal_lengths, "shuffled_lengths": args.shuffled_lengths,
+               "write_new": args.write_new, "block_n": block,
+               "num_warps": warps, "num_stages": stages, "num_splits": splits, "slots_per_program": group}
         try:
             us = bench_us(lambda: decode_attention(q, k, v, lengths, 0.088, out=out, num_splits=splits,
-                                                   block_n=block, num_warps=warps, num_stages=stages, **new))
+                                                   block_n=block, num_warps=warps, num_stages=stages,
+                                                   slots_per_program=group, **new))
             row.update(us=us, bound_us=round(bound_us, 2), fraction_of_bound=round(bound_us / us, 3))
         except Exception as exc:  # noqa: BLE001 - a setting that does not fit (shared memory) is reported
             row["error"] = repr(exc)[:200]
         print(json.dumps(row), flush=True)
+
+
+def read_ceiling(k, v, lengths, bound_us: float, args) -> None:
+    """What reading the same K/V bytes costs without attention: a Triton kernel that loads each (slot, KV
+    head)'s valid positions in the attention's tiles and sums them (one program per (slot, KV head)), and
+    torch's sum over the cache (every position, for reference: more bytes than the attention reads)."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_tiles(K, V, LENS, OUT, stride_kb, stride_kh, stride_ks, D: tl.constexpr, BLOCK: tl.constexpr):
+        slot, head = tl.program_id(0), tl.program_id(1)
+        n = tl.load(LENS + slot)
+        offs_n, offs_d = tl.arange(0, BLOCK), tl.arange(0, D)
+        base = slot.to(tl.int64) * stride_kb + head * stride_kh
+        total = tl.zeros([BLOCK, D], dtype=tl.float32)
+        for start in range(0, n, BLOCK):
+            pos = start + offs_n
+            mask = (pos < n)[:, None]
+            ptrs = base + pos[:, None] * stride_ks + offs_d[None, :]
+            total += tl.load(K + ptrs, mask=mask, other=0.0).to(tl.float32)
+            total += tl.load(V + ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(OUT + slot * tl.num_programs(1) + head, tl.sum(tl.sum(total, 1), 0))
+
+    nb, hkv, _, d = k.shape
+    sums = torch.empty(nb * hkv, dtype=torch.float32, device=k.device)
+    for block, warps, stages in itertools.product((64, 128), (4, 8), (2, 3, 4)):
+        row = {"bench": "read_ceiling", "slots": nb, "mean_context": args.mean_context,
+               "equal_lengths": args.equal_lengths, "block_n": block, "num_warps": warps, "num_stages": stages}
+        try:
+            us = bench_us(lambda: read_tiles[(nb, hkv)](k, v, lengths, sums, *k.stride()[:3], D=d, BLOCK=block,
+                                                        num_warps=warps, num_stages=stages))
+            row.update(us=us, bound_us=round(bound_us, 2), fraction_of_bound=round(bound_us / us, 3))
+        except Exception as exc:  # noqa: BLE001 - reported, as the attention's settings are
+            row["error"] = repr(exc)[:200]
+        print(json.dumps(row), flush=True)
+    whole = k.numel() * 2 * k.element_size()
+    us = bench_us(lambda: (k.sum(), v.sum()))
+    print(json.dumps({"bench": "read_ceiling_torch_sum", "bytes": whole, "us": us,
+                      "tb_per_s": round(whole / us / 1e6, 3)}), flush=True)
 
 
 def gemms(args) -> None:
@@ -229,7 +283,12 @@ def main() -> None:
     ap.add_argument("--gemm-backends", action="store_true")
     ap.add_argument("--equal-lengths", action="store_true", help="--attention: every slot at --mean-context")
     ap.add_argument("--quick", action="store_true", help="--attention: a smaller grid of launch settings")
+    ap.add_argument("--shuffled-lengths", action="store_true",
+                    help="--attention: the spread of lengths in random slot order (neighbouring slots differ)")
     ap.add_argument("--write-new", action="store_true", help="--attention: the kernel also writes the step's K/V")
+    ap.add_argument("--slots-per-program", default="1",
+                    help="--attention: comma-separated slots per program (decode_attention(slots_per_program=)); "
+                         "without 1 in the list, only grouped layouts are timed")
     args = ap.parse_args()
     if args.attention:
         attention(args)

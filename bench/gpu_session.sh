@@ -43,6 +43,14 @@
 #             (the trace's idle time per step by the operations around it)
 #   decode17g the kernels' and the engine's GPU tests, decode at the benchmark shape with the new defaults (three
 #             attention stages, combo kernels), without combo kernels, and with two stages
+#   decode17h the decode kernel's GPU tests, the decode attention at equal lengths writing the step's K/V with slots
+#             sharing programs (slots_per_program 1, 2, 4, 8) and the read ceiling, decode at the benchmark shape:
+#             the defaults, four and eight slots per program
+#   decode17i the kernels' and the engine's GPU tests, decode at the benchmark shape with the new defaults (eight
+#             slots per attention program, the step's inputs and draw in the runner's step buffers), the same with
+#             one slot per program, and the defaults again (the drift within one call)
+#   ragged17  the decode attention over lengths spread +-128 in random slot order (mean 256 and 1024), one slot a
+#             program against four and eight
 #   autotune17 decode at the benchmark shape with inductor's max-autotune (Triton matmul templates against cuBLAS)
 #   gpuruns17 tests/gpu's runs, then its trainer-engine equivalence variants (each with its own limit)
 #   colocated_test, compiled_gpu_tests: the colocated GPU run test alone; the compiled decode variants' GPU tests
@@ -232,6 +240,30 @@ why = vmm_supported(0); print('vmm:', why or 'supported'); raise SystemExit(1 if
              step rollout_g ${ROLLOUT_S:-200} python3 bench/rollout.py --device cuda --shape qwen3-1.7b --prompts 256 \
                --prompt-len 128 --new-tokens 256 --skip-hf --profile \
                --variants ${VARIANTS:-triton+compile,triton+compile+nocombo,triton+compile+stages2} ;;
+  decode17h) step kernel_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/rollout/test_decode_kernel.py
+             step attention_grouped ${ATTENTION_S:-200} python3 bench/decode_parts.py --attention --equal-lengths --quick \
+               --write-new --slots-per-program ${ATTN_GROUPS:-1,2,4,8}
+             grep -h '^{' "$LOGS/attention_grouped.log" | python3 -c "import sys, json; rows = [json.loads(l) for l in sys.stdin]; \
+               [print(r) for b in ('read_ceiling', 'decode_attention') for p in (1, 2, 4, 8) for r in sorted((r for r in rows \
+               if 'us' in r and r['bench'] == b and r.get('slots_per_program', 1) == p), key=lambda r: r['us'])[:2 if b == 'decode_attention' else 1 if p == 1 else 0]]"
+             step rollout_h ${ROLLOUT_S:-240} python3 bench/rollout.py --device cuda --shape qwen3-1.7b --prompts 256 \
+               --prompt-len 128 --new-tokens 256 --skip-hf --profile \
+               --variants ${VARIANTS:-triton+compile,triton+compile+group4,triton+compile+group8} ;;
+  decode17i) step kernel_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
+               tests/unit/rollout/test_decode_kernel.py tests/unit/rollout/test_sampling_kernel.py
+             step engine_gpu_tests 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/rollout/test_rollout_gpu.py \
+               tests/unit/rollout/test_decode_variants.py tests/unit/rollout/test_engine_overlap.py \
+               tests/unit/rollout/test_fused_projections.py
+             step rollout_i ${ROLLOUT_S:-200} python3 bench/rollout.py --device cuda --shape qwen3-1.7b --prompts 256 \
+               --prompt-len 128 --new-tokens 256 --skip-hf --profile \
+               --variants ${VARIANTS:-triton+compile,triton+compile+group1,triton+compile} ;;
+  ragged17) for mean in 256 1024; do
+               step attention_ragged_$mean 150 python3 bench/decode_parts.py --attention --quick --write-new \
+                 --shuffled-lengths --mean-context $mean --slots-per-program ${ATTN_GROUPS:-1,4,8}
+               grep -h '^{"bench": "decode_attention"' "$LOGS/attention_ragged_$mean.log" | python3 -c "import sys, json; \
+                 rows = [json.loads(l) for l in sys.stdin]; [print(r) for p in (1, 4, 8) for r in sorted((r for r in rows \
+                 if 'us' in r and r['slots_per_program'] == p and r['num_splits'] == 1), key=lambda r: r['us'])[:2]]"
+             done ;;
   autotune17) step rollout_autotune ${AUTOTUNE_S:-330} python3 bench/rollout.py --device cuda --shape qwen3-1.7b \
                 --prompts 256 --prompt-len 128 --new-tokens 256 --skip-hf --profile --variants triton+autotune
               grep -h "^AUTOTUNE\|^  mm \|^  triton_mm" "$LOGS/rollout_autotune.log" | grep -A1 "^AUTOTUNE" | cut -c1-60 ;;

@@ -20,7 +20,8 @@ float32, not the model's dtype as the engine server takes them on a GPU), ``join
 one graph from each attention to the next, or each layer's two halves apart), ``stepsample``/``aftersample``
 (uniform batches sampled inside the decode step's graph, or by the kernel's own launches after it),
 ``combo``/``nocombo`` (Inductor's combo kernels: independent kernels of a compiled part launched as one),
-``stages2``/``stages3`` (pipeline stages of the triton decode attention); unnamed
+``stages2``/``stages3`` (pipeline stages of the triton decode attention), ``group1``/``2``/``4``/``8``/``16`` (its slots
+per program), ``block128``, ``warps8`` (its positions per iteration, its warps); unnamed
 levers take the engine's defaults. A variant that fails prints
 its line with ``error`` and the next one still runs. The HF baseline (unless ``--skip-hf``) runs once,
 first, and its numbers go on every line.
@@ -198,7 +199,9 @@ VARIANT_WORDS = {"sdpa": {"decode_attention": "sdpa"}, "bmm": {"decode_attention
                  "joined": {"join_layers": True}, "unjoined": {"join_layers": False},
                  "stepsample": {"sample_in_step": True}, "aftersample": {"sample_in_step": False},
                  "combo": {"combo_kernels": True}, "nocombo": {"combo_kernels": False},
-                 "stages2": {"attention_launch": {"num_stages": 2}}, "stages3": {"attention_launch": {"num_stages": 3}}}
+                 "stages2": {"attention_launch": {"num_stages": 2}}, "stages3": {"attention_launch": {"num_stages": 3}},
+                 **{f"group{p}": {"attention_launch": {"slots_per_program": p}} for p in (1, 2, 4, 8, 16)},
+                 "block128": {"attention_launch": {"block_n": 128}}, "warps8": {"attention_launch": {"num_warps": 8}}}
 ENGINE_OPTIONS = ("overlap", "fused_sampling", "prefill_tokens", "sample_in_step")  # LocalEngine's; the rest are ModelRunner's
 
 
@@ -209,7 +212,8 @@ def parse_variant(name: str, defaults: dict) -> dict:
     for word in name.split("+"):
         if word not in VARIANT_WORDS:
             raise ValueError(f"variant {name!r}: unknown word {word!r}; valid: {', '.join(VARIANT_WORDS)}")
-        opts.update(VARIANT_WORDS[word])
+        for key, value in VARIANT_WORDS[word].items():  # launch settings add up: group8+block128
+            opts[key] = {**opts.get(key, {}), **value} if key == "attention_launch" else value
     return opts
 
 

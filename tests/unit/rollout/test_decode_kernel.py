@@ -124,6 +124,24 @@ def test_reference_rejects_mismatched_shapes():
         decode_attention_reference(torch.zeros(2, 4, 2, 16), k, k, torch.ones(2, dtype=torch.long), 1.0)
 
 
+def test_grouped_programs_halve_until_they_fill_the_gpu_and_reject_bad_settings():
+    """``slots_per_program``: the launch plan (shapes only, so no GPU is needed) keeps P where the
+    programs fill an H200's 132 SMs, halves it where they would not, and names a bad setting."""
+    cpu = torch.device("cpu")  # plans there are an H200's (decode_kernel.sm_count)
+    assert decode_kernel._plan_group(256, 8, 2, cpu, 8, None) == 8  # 32 x 8 = 256 programs
+    assert decode_kernel._plan_group(64, 8, 2, cpu, 8, None) == 2  # 32 x 8 programs: 256 would be 64
+    assert decode_kernel._plan_group(16, 8, 2, cpu, 8, None) == 1  # 128 programs: per-slot (and split)
+    assert decode_kernel._plan_group(16, 8, 2, cpu, 8, 1) == 8  # one split asked for: kept
+    assert decode_kernel._plan_group(256, 8, 2, cpu, None, None) == decode_kernel.GROUP_SLOTS == 8  # the default
+    assert decode_kernel._plan_group(256, 4, 16, cpu, None, None) == 4  # at most 64 query rows
+    assert decode_kernel._plan_group(256, 8, 2, cpu, None, 3) == 1  # the default yields to the splits asked for
+    for bad in (3, 0, 64):
+        with pytest.raises(ValueError, match="slots_per_program"):
+            decode_kernel._plan_group(256, 8, 2, cpu, bad, None)
+    with pytest.raises(ValueError, match="num_splits=2"):
+        decode_kernel._plan_group(256, 8, 2, cpu, 4, 2)
+
+
 def test_triton_is_not_available_without_cuda():
     if not torch.cuda.is_available():
         assert not triton_available()
@@ -232,6 +250,26 @@ INTERPRETED = textwrap.dedent("""
         tol = 1e-5 if dtype == torch.float32 else 2e-3
         torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
         assert torch.equal(k, k2) and torch.equal(v, v2), "the kernel wrote the cache as the reference does"
+    groups = [(3, 4, 2, 64, 70, 2, torch.float32), (9, 16, 8, 128, 130, 8, torch.float16),
+              (6, 4, 1, 64, 129, 16, torch.float32), (7, 12, 4, 32, 90, 4, torch.float32)]
+    for nb, heads, hkv, d, span, group, dtype in groups:  # slots sharing a program: one loop over their positions
+        k, v = torch.randn(nb, hkv, span, d).to(dtype), torch.randn(nb, hkv, span, d).to(dtype)
+        q = torch.randn(nb, heads, 1, d).to(dtype)
+        lengths = torch.randint(1, span + 1, (nb,))
+        lengths[0], lengths[-1], lengths[2] = 1, span, 0  # one slot with nothing to read
+        assert dk._plan_group(nb, hkv, heads // hkv, k.device, group, None) == 1  # a small batch splits instead
+        out = dk.decode_attention(q, k, v, lengths, d ** -0.5, slots_per_program=group, num_splits=1)
+        tol = 1e-5 if dtype == torch.float32 else 2e-3
+        torch.testing.assert_close(out.float(), dk.decode_attention_reference(q, k, v, lengths, d ** -0.5).float(),
+                                   atol=tol, rtol=tol)
+        lengths[2] = 5
+        k_new, v_new = torch.randn(nb, hkv, 1, d).to(dtype), torch.randn(nb, hkv, 1, d).to(dtype)
+        k2, v2 = k.clone(), v.clone()
+        ref = dk.decode_attention_reference(q, k2, v2, lengths, d ** -0.5, k_new=k_new, v_new=v_new)
+        out = dk.decode_attention(q, k, v, lengths, d ** -0.5, k_new=k_new, v_new=v_new, slots_per_program=group,
+                                  num_splits=1)
+        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+        assert torch.equal(k, k2) and torch.equal(v, v2), "the grouped kernel wrote the cache as the reference does"
     k, v = torch.randn(3, 2, 40, 64), torch.randn(3, 2, 40, 64)
     q = torch.randn(3, 4, 64)
     for splits in (1, 2):  # no valid position (0, negative): zeros; past the span: clamped
@@ -286,6 +324,10 @@ def test_kernel_matches_reference(nb, heads, hkv, d, span, splits, dtype, tol):
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
     out3 = decode_kernel.decode_attention(q[:, :, 0], k, v, lengths.to(torch.int32), scale, num_splits=splits)
     torch.testing.assert_close(out3, out[:, :, 0], atol=0, rtol=0)
+    if splits in (None, 1) and 8 * heads // hkv <= decode_kernel.MAX_GROUP_ROWS:  # slots sharing programs
+        for group in (1, 2, 8):  # 1: one program per slot
+            grouped = decode_kernel.decode_attention(q, k, v, lengths, scale, num_splits=1, slots_per_program=group)
+            torch.testing.assert_close(grouped.float(), ref.float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.gpu
@@ -308,6 +350,12 @@ def test_kernel_writes_the_new_keys_and_values(nb, heads, hkv, d, span, splits, 
     out = decode_kernel.decode_attention(q, k, v, lengths, scale, num_splits=splits, k_new=k_new, v_new=v_new)
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
     assert torch.equal(k, k2) and torch.equal(v, v2)
+    if splits is None:  # slots sharing programs (the slot's first query row writes its K/V)
+        for group in (1, 4):
+            other = decode_kernel.decode_attention(q, k, v, lengths, scale, num_splits=1, slots_per_program=group,
+                                                   k_new=k_new, v_new=v_new)
+            torch.testing.assert_close(other.float(), ref.float(), atol=tol, rtol=tol)
+            assert torch.equal(k, k2) and torch.equal(v, v2)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = decode_kernel.decode_attention(q, k, v, lengths, scale, num_splits=splits, k_new=k_new, v_new=v_new)

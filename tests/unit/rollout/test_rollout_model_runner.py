@@ -210,3 +210,20 @@ def test_local_engine_backend_passes_the_new_decode_levers_only_when_set():
     assert argv[argv.index("--prefill-tokens") + 1] == "4096" and "--no-fused-sampling" in argv
     help_text = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "240", "TERM": "dumb"}).output
     assert all(flag in help_text for flag in ("--compile-mode", "--prefill-tokens", "--no-fused-sampling"))
+
+
+def test_cache_copies_move_whole_words_and_keep_every_bit():
+    """``as_words``: a bf16 ``[n, Hkv, T, D]`` view of ``[n, T, Hkv, D]`` projections copies into the slot
+    cache as 8-byte words, bit for bit (slices and ``index_copy_``); what is not whole words stays as it is."""
+    from posttrain.plugins.engines.local.model_runner import as_words
+
+    cache = torch.zeros(4, 2, 10, 8, dtype=torch.bfloat16)
+    x = torch.randn(3, 6, 2, 8).to(torch.bfloat16).transpose(1, 2)
+    assert as_words(x).dtype == torch.int64 and as_words(x).shape == (3, 2, 6, 2)
+    as_words(cache[1:4, :, :6]).copy_(as_words(x))
+    assert torch.equal(cache[1:4, :, :6], x) and not cache[0].any()
+    other = torch.zeros_like(cache)
+    as_words(other[:, :, :6]).index_copy_(0, torch.tensor([0, 2, 3]), as_words(x))
+    assert torch.equal(other[torch.tensor([0, 2, 3]), :, :6], x)
+    for odd in (torch.randn(3, 2, 6, 3), torch.randn(2, 5, dtype=torch.float64), torch.randn(4, 8).to(torch.bfloat16)[:, 1:5]):
+        assert as_words(odd) is odd  # 12-byte rows, 8-byte elements, an offset of one bf16 element

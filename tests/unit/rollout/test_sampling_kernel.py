@@ -166,6 +166,12 @@ IN_STEP = textwrap.dedent("""
     assert torch.equal(drawn, logits.argmax(-1)), (drawn, logits.argmax(-1))
     ref = torch.log_softmax(logits, -1).gather(1, drawn[:, None])[:, 0]
     torch.testing.assert_close(logprobs, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(runner.step_tokens[:3], drawn)  # left in place as the next step's input
+    runner.prefill([0, 2], [[5, 6, 7], [8, 9]])
+    runner.step_tokens[:3], runner.step_positions[:3] = tokens, positions
+    both = runner.decode_sampled(runner.step_tokens[:3], runner.step_positions[:3], 0.0, packed=True)
+    assert both.dtype == torch.float64 and both.shape == (2, 3) and torch.equal(both[0].long(), drawn)
+    torch.testing.assert_close(both[1].float(), ref, atol=1e-5, rtol=1e-5)
 
     def run(overlap, fused):  # greedy answers of the engine, and how often the runner sampled in its step
         calls, real = [], runner.decode_sampled
@@ -220,6 +226,14 @@ def test_graphed_in_step_sampling_on_cuda(tiny_ckpt):
     assert torch.equal(drawn, logits.argmax(-1))
     torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).gather(1, drawn[:, None])[:, 0], atol=1e-4, rtol=1e-4)
     assert {k[2] for k in r._graphs} == {None, 0.0}
+    assert torch.equal(r.step_tokens[:6], drawn)  # the draw, in place as the next step's input
+    # the step's own buffers as input (the overlapped engine's call: no copies); a new graph's capture
+    # (a batch of 3: bucket 4) puts back the input tokens its warm-up overwrote before the replay reads them
+    small = r.decode(tokens[:3], positions[:3], 3).float().argmax(-1)
+    r.step_tokens[:3], r.step_positions[:3] = tokens[:3], positions[:3]
+    both = r.decode_sampled(r.step_tokens[:3], r.step_positions[:3], 0.0, 3, packed=True)
+    assert (4, 64, 0.0) in r._graphs and torch.equal(both[0].long(), small) and both.dtype == torch.float64
+    assert torch.equal(r.step_tokens[:3], small)
     r.decode_sampled(tokens, positions, 1.0, 3)  # captures (its warm-up draws from the generator too)
     assert {k[2] for k in r._graphs} == {None, 0.0, 1.0}
     torch.manual_seed(5)

@@ -82,7 +82,7 @@ def attend_bmm(q, k, v, masked, scale: float, fp32_scores: bool = False):
     return o.view(nb, heads, 1, d)
 
 
-LAUNCH_KEYS = ("block_n", "num_warps", "num_stages", "num_splits")  # decode_kernel.decode_attention's
+LAUNCH_KEYS = ("block_n", "num_warps", "num_stages", "num_splits", "slots_per_program")  # decode_kernel.decode_attention's
 
 
 def checked_launch(launch: dict | None) -> dict:
@@ -96,7 +96,7 @@ def checked_launch(launch: dict | None) -> dict:
 
 def triton_attention(on_cuda: bool, launch: dict | None = None):
     """The Triton flash-decoding kernel (``decode_kernel.decode_attention``, with the ``launch`` settings:
-    ``block_n``, ``num_warps``, ``num_stages``, ``num_splits``), called as ``attend(q [nb, H, 1, D], k/v
+    ``block_n``, ``num_warps``, ``num_stages``, ``num_splits``, ``slots_per_program``), called as ``attend(q [nb, H, 1, D], k/v
     [nb, Hkv, span, D] (strided cache views), lengths [nb], scale) -> [nb, H, 1, D]``; each slot reads only
     its own ``lengths[i] = position + 1`` cache entries. Without CUDA or triton, the same attention in plain
     torch (``decode_attention_reference``; launch settings do not apply)."""

@@ -50,6 +50,8 @@ BLOCK_N = 64  # cache positions per loop iteration (at most; fewer for wide floa
 TILE_BYTES = 16384  # one K or V tile in shared memory: 64 x 128 bf16
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows: the G query heads of a KV head are padded to this
 MAX_SPLITS = 32
+MAX_GROUP_ROWS = 64  # query rows of one grouped program (slots_per_program * G)
+GROUP_SLOTS = 8  # slots per program by default (_plan_group)
 MIN_SPLIT_POSITIONS = 128  # a sequence chunk covers at least this many positions
 _INT32_MAX = 2**31 - 1
 
@@ -233,6 +235,103 @@ if triton is not None:
             o_ptrs = OUT + slot.to(tl.int64) * stride_ob + head[:, None] * stride_oh + offs_d[None, :] * stride_od
             tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
 
+    @triton.jit(do_not_specialize=["span", "nb"])
+    def _grouped_kernel(Q, K, V, LENS, OUT, KN, VN, scale_log2, span, nb,
+                        stride_qb, stride_qh, stride_qd,
+                        stride_knb, stride_knh, stride_knd, stride_vnb, stride_vnh, stride_vnd,
+                        stride_kb, stride_kh, stride_ks, stride_kd,
+                        stride_vb, stride_vh, stride_vs, stride_vd,
+                        stride_ob, stride_oh, stride_od,
+                        G: tl.constexpr, P: tl.constexpr, ROWS: tl.constexpr, HEAD_D: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr, WRITE_NEW: tl.constexpr):
+        """One (group of ``P`` slots, KV head): the ``P * G`` query rows of the group's slots share one
+        ``[ROWS, D]`` tile, and one loop walks the slots' position blocks back to back (slot ``p``'s
+        ``ceil(n_p / BLOCK)`` blocks after those of slots ``0 .. p - 1``), so the loads stay pipelined across
+        slots instead of restarting per slot. A block belongs to one slot: the other slots' rows score
+        ``-inf`` there (their running max and sum stay as they were). Otherwise as :func:`_decode_kernel`
+        with one split."""
+        group = tl.program_id(0)
+        kvh = tl.program_id(1)
+        offs_r = tl.arange(0, ROWS)
+        offs_p = tl.arange(0, P)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK)
+        mask_d = offs_d < HEAD_D
+        local = offs_r // G  # the row's slot within the group
+        row_slot = group * P + local
+        row_ok = (offs_r < P * G) & (row_slot < nb)
+        head = kvh * G + offs_r % G
+        lens = tl.load(LENS + row_slot, mask=row_ok, other=0).to(tl.int32)
+        lens = tl.minimum(tl.maximum(lens, 0), span)
+        # per slot of the group: the cache positions it reads, its blocks, where its blocks start in the loop
+        slot_lens = tl.load(LENS + group * P + offs_p, mask=group * P + offs_p < nb, other=0).to(tl.int32)
+        slot_his = tl.minimum(tl.maximum(slot_lens, 0), span)
+        if WRITE_NEW:
+            slot_his = tl.maximum(slot_his - 1, 0)
+        slot_blocks = tl.cdiv(slot_his, BLOCK)
+        slot_end = tl.cumsum(slot_blocks, 0)
+        slot_start = slot_end - slot_blocks
+
+        row_slot64 = row_slot.to(tl.int64)
+        q_ptrs = Q + row_slot64[:, None] * stride_qb + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & mask_d[None, :], other=0.0)
+        k_head = K + kvh.to(tl.int64) * stride_kh
+        v_head = V + kvh.to(tl.int64) * stride_vh
+
+        m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([ROWS], dtype=tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+        for t in range(0, tl.sum(slot_blocks, 0)):
+            p_slot = tl.sum((slot_end <= t).to(tl.int32), 0)  # the slot whose blocks hold step t
+            at_slot = offs_p == p_slot
+            slot = group * P + p_slot
+            hi = tl.sum(tl.where(at_slot, slot_his, 0), 0)
+            pos = (t - tl.sum(tl.where(at_slot, slot_start, 0), 0)) * BLOCK + offs_n
+            mask_n = pos < hi
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(k_head + slot.to(tl.int64) * stride_kb + pos[:, None] * stride_ks + offs_d[None, :] * stride_kd,
+                        mask=kv_mask, other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where((local == p_slot)[:, None] & mask_n[None, :], s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # rows of other slots: -inf here, so m_i (finite)
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_head + slot.to(tl.int64) * stride_vb + pos[:, None] * stride_vs + offs_d[None, :] * stride_vd,
+                        mask=kv_mask, other=0.0)
+            if IEEE:
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        if WRITE_NEW:  # each row attends to its slot's new key; the slot's first row stores the new K/V
+            has_new = row_ok & (lens >= 1)
+            new_mask = has_new[:, None] & mask_d[None, :]
+            k_new = tl.load(KN + row_slot64[:, None] * stride_knb + kvh * stride_knh + offs_d[None, :] * stride_knd,
+                            mask=new_mask, other=0.0)
+            v_new = tl.load(VN + row_slot64[:, None] * stride_vnb + kvh * stride_vnh + offs_d[None, :] * stride_vnd,
+                            mask=new_mask, other=0.0)
+            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale_log2
+            s_new = tl.where(has_new, s_new, float("-inf"))
+            m_new = tl.maximum(m_i, s_new)
+            alpha = tl.exp2(m_i - m_new)
+            p_new = tl.exp2(s_new - m_new)
+            l_i = l_i * alpha + p_new
+            acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)
+            writes = new_mask & (offs_r % G == 0)[:, None]
+            at = (lens - 1)[:, None]
+            tl.store(k_head + row_slot64[:, None] * stride_kb + at * stride_ks + offs_d[None, :] * stride_kd,
+                     k_new, mask=writes)
+            tl.store(v_head + row_slot64[:, None] * stride_vb + at * stride_vs + offs_d[None, :] * stride_vd,
+                     v_new, mask=writes)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_ptrs = OUT + row_slot64[:, None] * stride_ob + head[:, None] * stride_oh + offs_d[None, :] * stride_od
+        tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & mask_d[None, :])
+
     @triton.jit
     def _merge_kernel(OUT, PART_ACC, PART_M, PART_L, num_splits, stride_ob, stride_oh, stride_od,
                       HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr):
@@ -299,10 +398,35 @@ def _plan_splits(nb: int, hkv: int, span: int, device: torch.device, num_splits:
     return max(1, _cdiv(span, chunk)), chunk
 
 
+def _plan_group(nb: int, hkv: int, g: int, device: torch.device, slots_per_program: int | None,
+                num_splits: int | None) -> int:
+    """Slots per program (1: :func:`_decode_kernel`, one program per slot): ``slots_per_program``, a power
+    of two with at most ``MAX_GROUP_ROWS`` query rows, halved while the ``ceil(nb / P) * Hkv`` programs would
+    not fill the GPU's SMs (small batches split their sequences instead). More than one runs one split, so
+    an explicit ``num_splits`` must then be None or 1. None: ``GROUP_SLOTS`` (fewer where ``G`` is large), or
+    1 where ``num_splits`` asks for more than one split.
+    At the benchmark shape on an H200 (256 slots, 8 KV heads) eight slots a program take the attention from
+    2.00 to 1.85 ms a step (bench/RESULTS.md)."""
+    if slots_per_program is None:  # the default yields to sequence splits asked for
+        if num_splits not in (None, 1):
+            return 1
+        slots_per_program = max(1, min(GROUP_SLOTS, _pow2(MAX_GROUP_ROWS // g + 1) // 2))
+    group = int(slots_per_program)
+    if group < 1 or group & (group - 1) or group * g > MAX_GROUP_ROWS:
+        raise ValueError(f"slots_per_program: expected a power of two with at most {MAX_GROUP_ROWS} query rows "
+                         f"({MAX_GROUP_ROWS // g} slots at {g} query heads per KV head), got {slots_per_program}")
+    if group > 1 and num_splits not in (None, 1):
+        raise ValueError(f"slots_per_program={group} runs one split per slot, got num_splits={num_splits}")
+    if num_splits is None:
+        while group > 1 and _cdiv(nb, group) * hkv < sm_count(device):
+            group //= 2
+    return group
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float,
                      out: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
                      num_warps: int = 4, num_stages: int = 3, k_new: torch.Tensor | None = None,
-                     v_new: torch.Tensor | None = None) -> torch.Tensor:
+                     v_new: torch.Tensor | None = None, slots_per_program: int | None = None) -> torch.Tensor:
     """Decode attention with the Triton kernel.
 
     ``q`` ``[nb, H, D]`` or ``[nb, H, 1, D]``; ``k``/``v`` ``[nb, Hkv, S, D]``, any strides (one layer's
@@ -314,6 +438,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     shapes (1 when ``nb * Hkv`` fills the GPU); ``block_n`` (a power of two >= 16), ``num_warps``,
     ``num_stages``: launch tuning (defaults: 64 positions per iteration for bf16 at ``D <= 128``, three
     pipeline stages: at the benchmark shape on an H200 2.17 -> 2.03 ms of attention per step, bench/RESULTS.md).
+    ``slots_per_program``: slots whose query rows share one program (:func:`_grouped_kernel`: one loop over
+    the group's positions, a ``[P * G, D]`` query tile; one split); None: ``GROUP_SLOTS``, as
+    :func:`_plan_group` plans it.
     ``k_new``/``v_new`` (``[nb, Hkv, D]`` or ``[nb, Hkv, 1, D]``, any strides): this step's keys and values,
     written into ``k``/``v`` at ``lengths[b] - 1`` by the kernel itself and attended to there (the decode
     step then needs no separate cache write); every ``lengths[b]`` must then be ``<= S`` (not clamped).
@@ -346,19 +473,28 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     block = _block_n(block_d, q3.element_size()) if block_n is None else int(block_n)
     if block < 16 or block & (block - 1):
         raise ValueError(f"block_n: expected a power of two >= 16, got {block}")
-    splits, chunk = _plan_splits(nb, hkv, span, q3.device, num_splits)
+    group = _plan_group(nb, hkv, g, q3.device, slots_per_program, num_splits)
+    splits, chunk = _plan_splits(nb, hkv, span, q3.device, 1 if group > 1 else num_splits)
     if splits > 1:
         part_acc = torch.empty((nb, heads, splits, block_d), dtype=torch.float32, device=q3.device)
         part_m = torch.empty((nb, heads, splits), dtype=torch.float32, device=q3.device)
         part_l = torch.empty((nb, heads, splits), dtype=torch.float32, device=q3.device)
     else:  # unused by the single-pass kernel: any float32 tensors
         part_acc = part_m = part_l = out
+    kn, vn = (q3, q3) if k_new is None else (k_new, v_new)  # unread without WRITE_NEW
+    if group > 1:
+        with torch.cuda.device(q3.device) if q3.is_cuda else contextlib.nullcontext():
+            _grouped_kernel[(_cdiv(nb, group), hkv)](
+                q3, k, v, lengths, out, kn, vn, float(scale) * math.log2(math.e), span, nb, *q3.stride(),
+                *kn.stride(), *vn.stride(), *k.stride(), *v.stride(), *out.stride(),
+                G=g, P=group, ROWS=max(MIN_DOT_ROWS, _pow2(group * g)), HEAD_D=d, BLOCK_D=block_d, BLOCK=block,
+                IEEE=q3.dtype == torch.float32, WRITE_NEW=k_new is not None, num_warps=num_warps,
+                num_stages=num_stages)
+        return out[:, :, None, :] if four_d else out
     with torch.cuda.device(q3.device) if q3.is_cuda else contextlib.nullcontext():
         _decode_kernel[(nb, hkv, splits)](
-            q3, k, v, lengths, out, part_acc, part_m, part_l, q3 if k_new is None else k_new,
-            q3 if v_new is None else v_new, float(scale) * math.log2(math.e), span, chunk, *q3.stride(),
-            *(q3.stride() if k_new is None else k_new.stride()), *(q3.stride() if v_new is None else v_new.stride()),
-            *k.stride(), *v.stride(), *out.stride(),
+            q3, k, v, lengths, out, part_acc, part_m, part_l, kn, vn, float(scale) * math.log2(math.e), span, chunk,
+            *q3.stride(), *kn.stride(), *vn.stride(), *k.stride(), *v.stride(), *out.stride(),
             G=g, G_PAD=max(MIN_DOT_ROWS, _pow2(g)), HEAD_D=d, BLOCK_D=block_d, BLOCK=block,
             SPLIT=splits > 1, IEEE=q3.dtype == torch.float32, WRITE_NEW=k_new is not None,
             num_warps=num_warps, num_stages=num_stages)

@@ -104,6 +104,28 @@ def _compiled(fn, mode: str, combo: bool = False):
     return torch.compile(fn, fullgraph=True, dynamic=None, options={**options, "combo_kernels": True})
 
 
+def draw_into(logits: torch.Tensor, temperature: float, next_tokens: torch.Tensor):
+    """The fused draw of ``logits`` ``[n, V]`` at ``temperature``, also written into ``next_tokens`` ``[n]``:
+    ``(tokens, logprobs, [2, n] float64 of both)`` (:meth:`ModelRunner.decode_sampled`)."""
+    from posttrain.plugins.engines.local.sampling_kernel import fused_sample
+
+    sampled, logprobs = fused_sample(logits, temperature)
+    next_tokens.copy_(sampled)
+    return sampled, logprobs, torch.stack([sampled.to(torch.float64), logprobs.to(torch.float64)])
+
+
+def as_words(x: torch.Tensor) -> torch.Tensor:
+    """``x`` viewed as 8-byte words along its last dimension where that dimension is contiguous and whole
+    words long, else ``x``: a strided copy then moves 8 bytes per element instead of 2 (bf16). The prefill's
+    K/V writes into the slot cache (``[n, Hkv, T, D]`` views of ``[n, T, Hkv, D]`` projections) are such copies."""
+    if x.dim() and x.stride(-1) == 1 and (x.shape[-1] * x.element_size()) % 8 == 0 and x.element_size() < 8:
+        try:
+            return x.view(torch.int64)
+        except RuntimeError:  # strides or offset not whole words
+            pass
+    return x
+
+
 def _raise_recompile_limit(shapes: int) -> None:
     """Dynamo stops compiling a function after ``recompile_limit`` versions (8 by default) and runs it
     eagerly from then on; decode needs one per batch bucket (10 for 512 slots), and runners of other
@@ -202,6 +224,11 @@ class ModelRunner:
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
+        # the decode step's inputs, which every graph reads (slices): a caller passing slices of these
+        # buffers (the overlapped engine does) costs no copies, and decode_sampled leaves its draw in
+        # step_tokens, the next step's input
+        self.step_tokens = torch.zeros(self.max_slots, dtype=torch.long, device=self.device)
+        self.step_positions = torch.zeros(self.max_slots, dtype=torch.long, device=self.device)
         # (batch bucket, span bucket, sampling temperature or None) -> (graph, its static tensors)
         self._graphs: dict[tuple[int, int, float | None], tuple[Any, dict[str, torch.Tensor]]] = {}
         # graphs share one memory pool: they never run at the same time
@@ -354,10 +381,11 @@ class ModelRunner:
             qkv, gate_up = self._parts(layer)
             q, k, v = project(layer, h, cos, sin, self._rope, qkv)
             for cache, x in ((self.k_cache[l, :, :, :width], k), (self.v_cache[l, :, :, :width], v)):
+                cache, x = as_words(cache), as_words(spread(x))
                 if isinstance(dest, slice):
-                    cache[dest].copy_(spread(x))
+                    cache[dest].copy_(x)
                 else:
-                    cache.index_copy_(0, dest, spread(x))
+                    cache.index_copy_(0, dest, x)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
             if self.compile:  # [n, H, P, D]
                 torch._dynamo.maybe_mark_dynamic(o, 0)
@@ -412,7 +440,7 @@ class ModelRunner:
         nb = tokens.shape[0]
         model = self.model.model
         h, cos, sin = self._embed(model, tokens[:, None], positions[:, None])
-        attend = self._decode_attention_fn(positions, span)
+        attend = step_attention(self, positions, span)  # attend(l, q, k, v)
         parts = [self._parts(layer) for layer in self.layers]  # [(qkv, gate_up)] per layer
         q, k, v = self._qkv(self.layers[0], h, cos, sin, self._rope, parts[0][0])
         routed = []
@@ -440,10 +468,6 @@ class ModelRunner:
         dense = torch.full((*lead, self.moe_top_k), -1, dtype=torch.int32, device=self.device)
         return torch.stack([dense if r is None else r.to(torch.int32).reshape(*lead, -1) for r in routed], dim=-2)
 
-    def _decode_attention_fn(self, positions, span: int):
-        """``attend(l, q, k, v)`` for this step (``attention.step_attention``)."""
-        return step_attention(self, positions, span)
-
     def _bucket(self, nb: int) -> int:
         b = 1
         while b < nb:
@@ -465,45 +489,48 @@ class ModelRunner:
         if key not in self._graphs:
             self._capture(bucket, span, temperature)
         graph, static = self._graphs[key]
-        static["tokens"][:nb].copy_(tokens)
-        static["positions"][:nb].copy_(positions)
+        for name, given in (("tokens", tokens), ("positions", positions)):
+            if given.data_ptr() != static[name].data_ptr():  # not already the step buffer's own slice
+                static[name][:nb].copy_(given)
         if bucket > nb:
             static["positions"][nb:].zero_()
         graph.replay()
         if temperature is None:
             return static["logits"][:nb], static["routing"]
-        return (static["sampled"][:nb], static["logprobs"][:nb]), static["routing"]
+        return (static["sampled"][:nb], static["logprobs"][:nb], static["packed"][:, :nb]), static["routing"]
 
     def decode_sampled(self, tokens: torch.Tensor, positions: torch.Tensor, temperature: float,
-                       max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       max_position: int | None = None, packed: bool = False):
         """:meth:`decode`, then one token per slot from ``sampling_kernel.fused_sample`` at ``temperature``
-        (0: greedy): ``(tokens [nb] int64, logprobs [nb] float32)``. With ``cuda_graphs`` the sampling is
-        part of the step's graph (one graph per temperature seen; the Gumbel noise comes from torch's CUDA
-        generator, which a graph replay advances), so a step costs one launch and no separate sampler
-        kernels. Views of a graph's static outputs: read them before the next step. Needs CUDA and Triton
-        (``sampling_kernel.fused_sample_available``)."""
-        from posttrain.plugins.engines.local.sampling_kernel import fused_sample
-
-        if not self.cuda_graphs:
-            return fused_sample(self.decode(tokens, positions, max_position), temperature)
-        return self._decode(tokens, positions, max_position, float(temperature))
+        (0: greedy): ``(tokens [nb] int64, logprobs [nb] float32)``, or with ``packed`` both in one ``[2, nb]``
+        float64 tensor (token ids are exact in float64), ready for one device-to-host copy. The tokens are
+        also left in ``step_tokens[:nb]``: a caller that passes ``step_tokens[:nb]`` as ``tokens`` (and
+        ``step_positions[:nb]``) has the next step's input in place, with no copies. With ``cuda_graphs``
+        the sampling is part of the step's graph (one graph per temperature seen; the Gumbel noise comes
+        from torch's CUDA generator, which a graph replay advances), so a step costs one launch and no
+        separate sampler kernels. Views of a graph's static outputs: read them before the next step.
+        Needs CUDA and Triton (``sampling_kernel.fused_sample_available``)."""
+        if self.cuda_graphs:
+            sampled, logprobs, both = self._decode(tokens, positions, max_position, float(temperature))
+        else:
+            sampled, logprobs, both = draw_into(self.decode(tokens, positions, max_position), temperature,
+                                                 self.step_tokens[:tokens.shape[0]])
+        return both if packed else (sampled, logprobs)
 
     def _capture(self, bucket: int, span: int, temperature: float | None = None) -> None:
         """Capture the decode step of ``bucket`` slots over ``span`` positions (and its fused sampling at
         ``temperature``, unless None) into ``self._graphs`` (one line on stderr each, with its seconds: the
         engine log then shows what a slow step captured)."""
-        from posttrain.plugins.engines.local.sampling_kernel import fused_sample
-
         def step():
             logits = self._decode_eager(static["tokens"], static["positions"], span)
-            return logits, (None if temperature is None else fused_sample(logits, temperature))
+            return logits, (None if temperature is None else draw_into(logits, temperature, static["tokens"]))
 
         t0 = time.perf_counter()
-        static = {"tokens": torch.zeros(bucket, dtype=torch.long, device=self.device),
-                  "positions": torch.zeros(bucket, dtype=torch.long, device=self.device)}
-        # The warm-up runs for real and writes K/V at position 0 of slots 0 .. bucket-1, which may
-        # belong to requests in flight: keep those cache entries and put them back afterwards.
-        saved = (self.k_cache[:, :bucket, :, 0].clone(), self.v_cache[:, :bucket, :, 0].clone())
+        static = {"tokens": self.step_tokens[:bucket], "positions": self.step_positions[:bucket]}
+        # The warm-up runs for real: it writes K/V at position 0 of slots 0 .. bucket-1, which may belong
+        # to requests in flight, and (sampling) its draw over the step's input tokens. Keep both and put
+        # them back afterwards.
+        saved = (self.k_cache[:, :bucket, :, 0].clone(), self.v_cache[:, :bucket, :, 0].clone(), static["tokens"].clone())
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -512,12 +539,13 @@ class ModelRunner:
         torch.cuda.current_stream().wait_stream(stream)
         self.k_cache[:, :bucket, :, 0] = saved[0]
         self.v_cache[:, :bucket, :, 0] = saved[1]
+        static["tokens"].copy_(saved[2])
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
             static["logits"], drawn = step()
             static["routing"] = self._step_routing
         if drawn is not None:
-            static["sampled"], static["logprobs"] = drawn
+            static["sampled"], static["logprobs"], static["packed"] = drawn
         self._graphs[(bucket, span, temperature)] = (graph, static)
         what = "" if temperature is None else f" sampling at temperature {temperature:g}"
         print(f"captured the decode graph of {bucket} slots x {span} positions{what} in "

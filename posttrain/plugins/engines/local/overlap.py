@@ -1,6 +1,6 @@
 """The local engine's overlap mode: decode step N + 1 runs on the device while the host lands step N.
 
-The sampled tokens of a step stay on the device as the next step's input (``OverlappedDecode._tokens``,
+The sampled tokens of a step stay on the device as the next step's input (the runner's ``step_tokens``,
 one per slot), so a step is launched without waiting for the previous one's tokens; those come back
 through pinned memory with an async copy and a CUDA event, and the host appends them, checks stops and
 answers requests while the device runs the next step (SGLang's overlap scheduler does the same).
@@ -26,14 +26,14 @@ class OverlappedDecode:
     def __init__(self, engine: Any):
         self.engine = engine
         self.inflight: InFlight | None = None
-        self._tokens = None  # [max_slots] int64 on the device: each slot's next input token
         self._hosts: list[Any] = []  # two pinned [2 * max_slots] float64, used in turn
 
     def step(self) -> None:
         """Launch a decode step from the device-side tokens, then land the step launched before it."""
         import torch
 
-        from posttrain.plugins.engines.local.sampling import fused_temperature, sample_tokens, to_device
+        from posttrain.plugins.engines.local.sampling import (fused_temperature, sample_tokens, to_device,
+                                                              to_host_pinned)
 
         t0 = time.perf_counter()
         engine, runner = self.engine, self.engine.runner
@@ -50,20 +50,24 @@ class OverlappedDecode:
         for r in reqs:
             positions[r.slot] = len(r.prompt_ids) + r.launched - 1
         device = runner.device
-        tokens = self._device_tokens()
+        tokens = self._device_tokens()  # the runner's step_tokens: each slot's next input, in place
         params = [r.sampling for r in reqs]
         index = to_device(slots, device) if len(slots) != nb else None
         temperature = fused_temperature(params, engine.fused_sampling, device) if engine.sample_in_step else None
-        step_positions, top = to_device(positions, device), max(positions)
-        if temperature is not None:  # a uniform batch: the runner samples inside its step (its CUDA graph)
-            out = runner.decode_sampled(tokens[:nb], step_positions, temperature, max_position=top)
+        step_positions = runner.step_positions[:nb]
+        step_positions.copy_(to_host_pinned(positions, device), non_blocking=True)
+        host = self._host_buffer(len(reqs))
+        if temperature is not None:  # a uniform batch: sampled inside the runner's step (its CUDA graph),
+            # which also leaves the tokens in place as the next step's input
+            both = runner.decode_sampled(tokens[:nb], step_positions, temperature, max_position=max(positions),
+                                         packed=True)
+            engine._keep_routing(slots, reqs)
+            host.copy_(both if index is None else both[:, index], non_blocking=True)
         else:
-            out = runner.decode(tokens[:nb], step_positions, max_position=top)
-        engine._keep_routing(slots, reqs)
-        if temperature is not None:
-            sampled, logprobs = out if index is None else (out[0][index], out[1][index])
-        else:
-            logits = out if index is None else out[index]
+            logits = runner.decode(tokens[:nb], step_positions, max_position=max(positions))
+            engine._keep_routing(slots, reqs)
+            if index is not None:
+                logits = logits[index]
             try:
                 sampled, logprobs = sample_tokens(logits, params, [r.launched for r in reqs], fused=engine.fused_sampling)
             except Exception:  # a row's own parameters break the batched draw: this step goes the synchronous way
@@ -72,12 +76,11 @@ class OverlappedDecode:
                 engine._advance(kept, host_tokens, host_logprobs)
                 self.put_next_tokens(kept, host_tokens)
                 return
-        if index is None:
-            tokens[:nb].copy_(sampled)
-        else:
-            tokens.index_copy_(0, index, sampled)
-        host = self._host_buffer(len(reqs))
-        host.copy_(torch.stack([sampled.to(torch.float64), logprobs.to(torch.float64)]), non_blocking=True)
+            if index is None:
+                tokens[:nb].copy_(sampled)
+            else:
+                tokens.index_copy_(0, index, sampled)
+            host.copy_(torch.stack([sampled.to(torch.float64), logprobs.to(torch.float64)]), non_blocking=True)
         ready = None
         if device.type == "cuda":
             ready = torch.cuda.Event()
@@ -107,11 +110,7 @@ class OverlappedDecode:
         self.engine.stats.add_decode(len(step.reqs), step.launch_s, t1 - t0, time.perf_counter() - t1)
 
     def _device_tokens(self):
-        if self._tokens is None:
-            import torch
-
-            self._tokens = torch.zeros(self.engine.runner.max_slots, dtype=torch.long, device=self.engine.runner.device)
-        return self._tokens
+        return self.engine.runner.step_tokens
 
     def put_next_tokens(self, reqs: list[Request], tokens: list[int]) -> None:
         """Write tokens known on the host (a prefill's first token) as their slots' next decode input."""

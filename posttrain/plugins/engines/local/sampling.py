@@ -290,12 +290,16 @@ def to_device(values: list, device, dtype=None):
     """A host list as a tensor on ``device`` without a stream sync: on CUDA through pinned memory and an
     async copy (``torch.tensor(values, device="cuda")`` copies from pageable memory, which waits for the
     stream to drain: that would stall an overlapped engine until the step in flight ends)."""
+    return to_host_pinned(values, device, dtype).to(device, non_blocking=True)
+
+
+def to_host_pinned(values: list, device, dtype=None):
+    """A host list as a CPU tensor, pinned where ``device`` is CUDA: the source of an async copy
+    (``dst.copy_(src, non_blocking=True)``; torch keeps a pinned block until the copies that read it ran)."""
     import torch
 
     host = torch.tensor(values, dtype=dtype)
-    if getattr(device, "type", str(device).split(":")[0]) != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return host.pin_memory() if getattr(device, "type", str(device).split(":")[0]) == "cuda" else host
 
 
 def to_host(tokens, logprobs) -> tuple[list[int], list[float]]:
