@@ -98,6 +98,17 @@ e2e() {  # the run stops itself 15 s before the step's limit and reports the ste
   step "$name" "$limit" python3 bench/e2e.py --config $CFG --name "$name" --keep "$LOGS/runs" --timeout $((limit - 15)) "$@"
   grep -h "^step \|^\[" "$LOGS/runs/$name.out" 2>/dev/null | tail -n 12 | cut -c1-300
 }
+engine_tests() {  # the kernels' and the engine's GPU tests (the decode parts' common first steps)
+  step kernel_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
+    tests/unit/rollout/test_decode_kernel.py tests/unit/rollout/test_sampling_kernel.py
+  step engine_gpu_tests 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/rollout/test_rollout_gpu.py \
+    tests/unit/rollout/test_decode_variants.py tests/unit/rollout/test_engine_overlap.py \
+    tests/unit/rollout/test_fused_projections.py
+}
+bench_shape() {  # bench_shape NAME VARIANTS: decode at the benchmark shape, variants back to back on one model
+  step "$1" ${ROLLOUT_S:-200} python3 bench/rollout.py --device cuda --shape qwen3-1.7b --prompts 256 \
+    --prompt-len 128 --new-tokens 256 --skip-hf --profile --variants "${VARIANTS:-$2}"
+}
 PARTS=(); for p in "$@"; do if [ "$p" = moe ]; then PARTS+=(moe_train moe_rollout moe_grpo); else PARTS+=("$p"); fi; done
 for part in "${PARTS[@]}"; do case $part in
   tests) step tests 240 python3 -m pytest -q -p no:cacheprovider tests/unit/rollout/test_rollout_gpu.py tests/unit/rollout/test_decode_variants.py tests/gpu ;;
@@ -232,31 +243,15 @@ why = vmm_supported(0); print('vmm:', why or 'supported'); raise SystemExit(1 if
              step rollout_f ${ROLLOUT_S:-200} python3 bench/rollout.py --device cuda --shape qwen3-1.7b --prompts 256 \
                --prompt-len 128 --new-tokens 256 --skip-hf --profile \
                --variants ${VARIANTS:-triton+compile,triton+compile+stages3,triton+compile+combo} ;;
-  decode17g) step kernel_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
-               tests/unit/rollout/test_decode_kernel.py tests/unit/rollout/test_sampling_kernel.py
-             step engine_gpu_tests 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/rollout/test_rollout_gpu.py \
-               tests/unit/rollout/test_decode_variants.py tests/unit/rollout/test_engine_overlap.py \
-               tests/unit/rollout/test_fused_projections.py
-             step rollout_g ${ROLLOUT_S:-200} python3 bench/rollout.py --device cuda --shape qwen3-1.7b --prompts 256 \
-               --prompt-len 128 --new-tokens 256 --skip-hf --profile \
-               --variants ${VARIANTS:-triton+compile,triton+compile+nocombo,triton+compile+stages2} ;;
+  decode17g) engine_tests; bench_shape rollout_g triton+compile,triton+compile+nocombo,triton+compile+stages2 ;;
   decode17h) step kernel_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/rollout/test_decode_kernel.py
              step attention_grouped ${ATTENTION_S:-200} python3 bench/decode_parts.py --attention --equal-lengths --quick \
                --write-new --slots-per-program ${ATTN_GROUPS:-1,2,4,8}
              grep -h '^{' "$LOGS/attention_grouped.log" | python3 -c "import sys, json; rows = [json.loads(l) for l in sys.stdin]; \
                [print(r) for b in ('read_ceiling', 'decode_attention') for p in (1, 2, 4, 8) for r in sorted((r for r in rows \
                if 'us' in r and r['bench'] == b and r.get('slots_per_program', 1) == p), key=lambda r: r['us'])[:2 if b == 'decode_attention' else 1 if p == 1 else 0]]"
-             step rollout_h ${ROLLOUT_S:-240} python3 bench/rollout.py --device cuda --shape qwen3-1.7b --prompts 256 \
-               --prompt-len 128 --new-tokens 256 --skip-hf --profile \
-               --variants ${VARIANTS:-triton+compile,triton+compile+group4,triton+compile+group8} ;;
-  decode17i) step kernel_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
-               tests/unit/rollout/test_decode_kernel.py tests/unit/rollout/test_sampling_kernel.py
-             step engine_gpu_tests 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/rollout/test_rollout_gpu.py \
-               tests/unit/rollout/test_decode_variants.py tests/unit/rollout/test_engine_overlap.py \
-               tests/unit/rollout/test_fused_projections.py
-             step rollout_i ${ROLLOUT_S:-200} python3 bench/rollout.py --device cuda --shape qwen3-1.7b --prompts 256 \
-               --prompt-len 128 --new-tokens 256 --skip-hf --profile \
-               --variants ${VARIANTS:-triton+compile,triton+compile+group1,triton+compile} ;;
+             bench_shape rollout_h triton+compile,triton+compile+group4,triton+compile+group8 ;;
+  decode17i) engine_tests; bench_shape rollout_i triton+compile,triton+compile+group1,triton+compile ;;
   ragged17) for mean in 256 1024; do
                step attention_ragged_$mean 150 python3 bench/decode_parts.py --attention --quick --write-new \
                  --shuffled-lengths --mean-context $mean --slots-per-program ${ATTN_GROUPS:-1,4,8}

@@ -82,7 +82,8 @@ def attend_bmm(q, k, v, masked, scale: float, fp32_scores: bool = False):
     return o.view(nb, heads, 1, d)
 
 
-LAUNCH_KEYS = ("block_n", "num_warps", "num_stages", "num_splits", "slots_per_program")  # decode_kernel.decode_attention's
+# decode_kernel.decode_attention's launch settings
+LAUNCH_KEYS = ("block_n", "num_warps", "num_stages", "num_splits", "slots_per_program")
 
 
 def checked_launch(launch: dict | None) -> dict:
@@ -96,10 +97,11 @@ def checked_launch(launch: dict | None) -> dict:
 
 def triton_attention(on_cuda: bool, launch: dict | None = None):
     """The Triton flash-decoding kernel (``decode_kernel.decode_attention``, with the ``launch`` settings:
-    ``block_n``, ``num_warps``, ``num_stages``, ``num_splits``, ``slots_per_program``), called as ``attend(q [nb, H, 1, D], k/v
-    [nb, Hkv, span, D] (strided cache views), lengths [nb], scale) -> [nb, H, 1, D]``; each slot reads only
-    its own ``lengths[i] = position + 1`` cache entries. Without CUDA or triton, the same attention in plain
-    torch (``decode_attention_reference``; launch settings do not apply)."""
+    ``block_n``, ``num_warps``, ``num_stages``, ``num_splits``, ``slots_per_program``), called as
+    ``attend(q [nb, H, 1, D], k/v [nb, Hkv, span, D] (strided cache views), lengths [nb], scale)
+    -> [nb, H, 1, D]``; each slot reads only its own ``lengths[i] = position + 1`` cache entries. Without
+    CUDA or triton, the same attention in plain torch (``decode_attention_reference``; launch settings do
+    not apply)."""
     from posttrain.plugins.engines.local.decode_kernel import (decode_attention, decode_attention_reference,
                                                                triton_available)
 

@@ -24,6 +24,13 @@ never NaN); lengths past the cache view's span are clamped to it.
   (max, sum, accumulator) and a second kernel merges them. The loop bounds come from ``lengths`` read on
   the device, grid and arguments depend only on shapes: it can be captured in a CUDA graph and replayed with
   new ``lengths``.
+  With ``slots_per_program`` (default 8) the batch's slots share programs instead: grid ``(ceil(nb / P),
+  Hkv)``, the ``P * G`` query rows of a group in one tile, one loop over the group's position blocks
+  slot after slot (``_grouped_kernel``), so the loads stay pipelined over ``P`` slots' positions rather than
+  restarting for each slot's few blocks. At 256 slots of 256 positions on an H200 that is 68.3 -> 65.3 us a
+  layer (a plain read of the same bytes takes 61.5); over lengths spread +-128 in random slot order it is
+  1.6% slower (the groups' sums differ, and one wave of programs waits for its longest), at 1024 positions
+  0.9% faster (bench/RESULTS.md).
 - :func:`decode_attention_reference`: the same function in plain torch (float32 math), for CPU and as the
   fallback where Triton or CUDA is missing.
 - :func:`triton_available`: whether the kernel can run here.
@@ -406,7 +413,7 @@ def _plan_group(nb: int, hkv: int, g: int, device: torch.device, slots_per_progr
     an explicit ``num_splits`` must then be None or 1. None: ``GROUP_SLOTS`` (fewer where ``G`` is large), or
     1 where ``num_splits`` asks for more than one split.
     At the benchmark shape on an H200 (256 slots, 8 KV heads) eight slots a program take the attention from
-    2.00 to 1.85 ms a step (bench/RESULTS.md)."""
+    2.05 to 1.90 ms a step (bench/RESULTS.md)."""
     if slots_per_program is None:  # the default yields to sequence splits asked for
         if num_splits not in (None, 1):
             return 1

@@ -530,7 +530,8 @@ class ModelRunner:
         # The warm-up runs for real: it writes K/V at position 0 of slots 0 .. bucket-1, which may belong
         # to requests in flight, and (sampling) its draw over the step's input tokens. Keep both and put
         # them back afterwards.
-        saved = (self.k_cache[:, :bucket, :, 0].clone(), self.v_cache[:, :bucket, :, 0].clone(), static["tokens"].clone())
+        saved = (self.k_cache[:, :bucket, :, 0].clone(), self.v_cache[:, :bucket, :, 0].clone(),
+                 static["tokens"].clone())
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
