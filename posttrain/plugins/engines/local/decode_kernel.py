@@ -481,23 +481,30 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     if block < 16 or block & (block - 1):
         raise ValueError(f"block_n: expected a power of two >= 16, got {block}")
     group = _plan_group(nb, hkv, g, q3.device, slots_per_program, num_splits)
-    splits, chunk = _plan_splits(nb, hkv, span, q3.device, 1 if group > 1 else num_splits)
-    if splits > 1:
-        part_acc = torch.empty((nb, heads, splits, block_d), dtype=torch.float32, device=q3.device)
-        part_m = torch.empty((nb, heads, splits), dtype=torch.float32, device=q3.device)
-        part_l = torch.empty((nb, heads, splits), dtype=torch.float32, device=q3.device)
-    else:  # unused by the single-pass kernel: any float32 tensors
-        part_acc = part_m = part_l = out
     kn, vn = (q3, q3) if k_new is None else (k_new, v_new)  # unread without WRITE_NEW
-    if group > 1:
-        with torch.cuda.device(q3.device) if q3.is_cuda else contextlib.nullcontext():
-            _grouped_kernel[(_cdiv(nb, group), hkv)](
-                q3, k, v, lengths, out, kn, vn, float(scale) * math.log2(math.e), span, nb, *q3.stride(),
-                *kn.stride(), *vn.stride(), *k.stride(), *v.stride(), *out.stride(),
-                G=g, P=group, ROWS=max(MIN_DOT_ROWS, _pow2(group * g)), HEAD_D=d, BLOCK_D=block_d, BLOCK=block,
-                IEEE=q3.dtype == torch.float32, WRITE_NEW=k_new is not None, num_warps=num_warps,
-                num_stages=num_stages)
-        return out[:, :, None, :] if four_d else out
+    scale_log2 = float(scale) * math.log2(math.e)
+    strides = (*q3.stride(), *kn.stride(), *vn.stride(), *k.stride(), *v.stride(), *out.stride())
+    common = dict(G=g, HEAD_D=d, BLOCK_D=block_d, BLOCK=block, IEEE=q3.dtype == torch.float32,
+                  WRITE_NEW=k_new is not None, num_warps=num_warps, num_stages=num_stages)
+    with torch.cuda.device(q3.device) if q3.is_cuda else contextlib.nullcontext():
+        if group > 1:
+            _grouped_kernel[(_cdiv(nb, group), hkv)](q3, k, v, lengths, out, kn, vn, scale_log2, span, nb, *strides,
+                                                     P=group, ROWS=max(MIN_DOT_ROWS, _pow2(group * g)), **common)
+            return out[:, :, None, :] if four_d else out
+        splits, chunk = _plan_splits(nb, hkv, span, q3.device, num_splits)
+        if splits > 1:
+            part_acc = torch.empty((nb, heads, splits, block_d), dtype=torch.float32, device=q3.device)
+            part_m = torch.empty((nb, heads, splits), dtype=torch.float32, device=q3.device)
+            part_l = torch.empty((nb, heads, splits), dtype=torch.float32, device=q3.device)
+        else:  # unused by the single-pass kernel: any float32 tensors
+            part_acc = part_m = part_l = out
+        _decode_kernel[(nb, hkv, splits)](q3, k, v, lengths, out, part_acc, part_m, part_l, kn, vn, scale_log2, span,
+                                          chunk, *strides, G_PAD=max(MIN_DOT_ROWS, _pow2(g)), SPLIT=splits > 1,
+                                          **common)
+        if splits > 1:
+            _merge_kernel[(nb, heads)](out, part_acc, part_m, part_l, splits, *out.stride(),
+                                       HEAD_D=d, BLOCK_D=block_d, SPLITS_PAD=max(2, _pow2(splits)), num_warps=4)
+    return out[:, :, None, :] if four_d else out
     with torch.cuda.device(q3.device) if q3.is_cuda else contextlib.nullcontext():
         _decode_kernel[(nb, hkv, splits)](
             q3, k, v, lengths, out, part_acc, part_m, part_l, kn, vn, float(scale) * math.log2(math.e), span, chunk,

@@ -107,11 +107,12 @@ def _compiled(fn, mode: str, combo: bool = False):
 def draw_into(logits: torch.Tensor, temperature: float, next_tokens: torch.Tensor):
     """The fused draw of ``logits`` ``[n, V]`` at ``temperature``, also written into ``next_tokens`` ``[n]``:
     ``(tokens, logprobs, [2, n] float64 of both)`` (:meth:`ModelRunner.decode_sampled`)."""
+    from posttrain.plugins.engines.local.sampling import packed
     from posttrain.plugins.engines.local.sampling_kernel import fused_sample
 
     sampled, logprobs = fused_sample(logits, temperature)
     next_tokens.copy_(sampled)
-    return sampled, logprobs, torch.stack([sampled.to(torch.float64), logprobs.to(torch.float64)])
+    return sampled, logprobs, packed(sampled, logprobs)
 
 
 def as_words(x: torch.Tensor) -> torch.Tensor:
@@ -480,8 +481,8 @@ class ModelRunner:
 
     def _decode_graphed(self, tokens, positions, need: int, temperature: float | None = None):
         """CUDA-graph decode: one graph per (power-of-two batch bucket, 256-token span bucket, sampling):
-        ``temperature`` None returns ``(logits, routing)``; a float, ``((tokens, logprobs), routing)`` of the
-        graph's own fused sampling."""
+        ``temperature`` None returns ``(logits, routing)``; a float, ``((tokens, logprobs, [2, nb] float64 of
+        both), routing)`` of the graph's own fused sampling."""
         nb = tokens.shape[0]
         bucket = self._bucket(nb)
         span = self._span(need)

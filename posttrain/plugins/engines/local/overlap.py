@@ -32,7 +32,7 @@ class OverlappedDecode:
         """Launch a decode step from the device-side tokens, then land the step launched before it."""
         import torch
 
-        from posttrain.plugins.engines.local.sampling import (fused_temperature, sample_tokens, to_device,
+        from posttrain.plugins.engines.local.sampling import (fused_temperature, packed, sample_tokens, to_device,
                                                               to_host_pinned)
 
         t0 = time.perf_counter()
@@ -56,18 +56,17 @@ class OverlappedDecode:
         temperature = fused_temperature(params, engine.fused_sampling, device) if engine.sample_in_step else None
         step_positions = runner.step_positions[:nb]
         step_positions.copy_(to_host_pinned(positions, device), non_blocking=True)
-        host = self._host_buffer(len(reqs))
+        host, top = self._host_buffer(len(reqs)), max(positions)
         if temperature is not None:  # a uniform batch: sampled inside the runner's step (its CUDA graph),
             # which also leaves the tokens in place as the next step's input
-            both = runner.decode_sampled(tokens[:nb], step_positions, temperature, max_position=max(positions),
-                                         packed=True)
-            engine._keep_routing(slots, reqs)
-            host.copy_(both if index is None else both[:, index], non_blocking=True)
+            out = runner.decode_sampled(tokens[:nb], step_positions, temperature, max_position=top, packed=True)
         else:
-            logits = runner.decode(tokens[:nb], step_positions, max_position=max(positions))
-            engine._keep_routing(slots, reqs)
-            if index is not None:
-                logits = logits[index]
+            out = runner.decode(tokens[:nb], step_positions, max_position=top)
+        engine._keep_routing(slots, reqs)
+        if temperature is not None:
+            host.copy_(out if index is None else out[:, index], non_blocking=True)
+        else:
+            logits = out if index is None else out[index]
             try:
                 sampled, logprobs = sample_tokens(logits, params, [r.launched for r in reqs], fused=engine.fused_sampling)
             except Exception:  # a row's own parameters break the batched draw: this step goes the synchronous way
@@ -80,7 +79,7 @@ class OverlappedDecode:
                 tokens[:nb].copy_(sampled)
             else:
                 tokens.index_copy_(0, index, sampled)
-            host.copy_(torch.stack([sampled.to(torch.float64), logprobs.to(torch.float64)]), non_blocking=True)
+            host.copy_(packed(sampled, logprobs), non_blocking=True)
         ready = None
         if device.type == "cuda":
             ready = torch.cuda.Event()

@@ -205,7 +205,7 @@ def fused_kernel_on(fused: bool | None, device) -> bool:
     """Whether the one-pass kernel may draw on ``device``: ``fused`` True, or None on CUDA with Triton."""
     if fused is not None:
         return bool(fused)
-    if getattr(device, "type", str(device).split(":")[0]) != "cuda":
+    if not _on_cuda(device):
         return False
     from posttrain.plugins.engines.local.sampling_kernel import fused_sample_available
 
@@ -299,15 +299,26 @@ def to_host_pinned(values: list, device, dtype=None):
     import torch
 
     host = torch.tensor(values, dtype=dtype)
-    return host.pin_memory() if getattr(device, "type", str(device).split(":")[0]) == "cuda" else host
+    return host.pin_memory() if _on_cuda(device) else host
+
+
+def _on_cuda(device) -> bool:
+    """``device`` (a ``torch.device`` or a string such as ``"cuda:1"``) is a CUDA device."""
+    return getattr(device, "type", str(device).split(":")[0]) == "cuda"
+
+
+def packed(tokens, logprobs):
+    """``tokens`` ``[B]`` int64 and ``logprobs`` ``[B]`` float32 as one ``[2, B]`` float64 tensor, for one
+    device-to-host copy: float64 holds token ids (< 2**53) and float32 values exactly."""
+    import torch
+
+    return torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)])
 
 
 def to_host(tokens, logprobs) -> tuple[list[int], list[float]]:
     """``tokens`` ``[B]`` int64 and ``logprobs`` ``[B]`` float32 as Python lists, with one device-to-host
-    copy: both go through float64, which holds token ids (< 2**53) and float32 values exactly."""
-    import torch
-
-    both = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)]).tolist()
+    copy (:func:`packed`)."""
+    both = packed(tokens, logprobs).tolist()
     return [int(t) for t in both[0]], both[1]
 
 
