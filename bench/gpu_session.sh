@@ -49,6 +49,19 @@
 #   decode17i the kernels' and the engine's GPU tests, decode at the benchmark shape with the new defaults (eight
 #             slots per attention program, the step's inputs and draw in the runner's step buffers), the same with
 #             one slot per program, and the defaults again (the drift within one call)
+#   decode17j the decode kernel's GPU tests (Qwen3's Q/K norms and the rotary inside the attention among them), decode
+#             at the benchmark shape: the new defaults (rope in the attention), the rotary apart, the defaults again
+#             (kernel tables; where the run's wall time goes outside the steps)
+#   decode17k the kernels' and the engine's GPU tests, decode at the benchmark shape: the new defaults (rope in the
+#             attention, its loads reordered, programmatic dependent launch of the attention and of Inductor's
+#             kernels), without PDL, with Inductor's PDL only, with the rotary apart, the defaults again
+#   decode17l the kernels' and the engine's GPU tests, decode at the benchmark shape: the new defaults (rope in the
+#             attention, positions left on the device by the graphs), positions copied every step, the rotary apart,
+#             the defaults again (what the copies between graphs cost; where a prefill idles)
+#   decode17m the engine's and the sampling kernel's GPU tests, decode at the benchmark shape: the new defaults,
+#             positions copied in every step, the defaults again (call 4 of 2026-12-04 also ran a host mailbox,
+#             since measured, found to corrupt an in-flight step at a mid-run capture, and removed: RESULTS.md)
+#   decode17n decode at the benchmark shape with the new defaults and with the rotary apart, then colocated5
 #   ragged17  the decode attention over lengths spread +-128 in random slot order (mean 256 and 1024), one slot a
 #             program against four and eight
 #   autotune17 decode at the benchmark shape with inductor's max-autotune (Triton matmul templates against cuBLAS)
@@ -107,7 +120,7 @@ engine_tests() {  # the kernels' and the engine's GPU tests (the decode parts' c
 }
 bench_shape() {  # bench_shape NAME VARIANTS: decode at the benchmark shape, variants back to back on one model
   step "$1" ${ROLLOUT_S:-200} python3 bench/rollout.py --device cuda --shape qwen3-1.7b --prompts 256 \
-    --prompt-len 128 --new-tokens 256 --skip-hf --profile --variants "${VARIANTS:-$2}"
+    --prompt-len 128 --new-tokens 256 --skip-hf --profile --variants "${VARIANTS:-$2}" ${KT:-}
 }
 PARTS=(); for p in "$@"; do if [ "$p" = moe ]; then PARTS+=(moe_train moe_rollout moe_grpo); else PARTS+=("$p"); fi; done
 for part in "${PARTS[@]}"; do case $part in
@@ -252,6 +265,21 @@ why = vmm_supported(0); print('vmm:', why or 'supported'); raise SystemExit(1 if
                if 'us' in r and r['bench'] == b and r.get('slots_per_program', 1) == p), key=lambda r: r['us'])[:2 if b == 'decode_attention' else 1 if p == 1 else 0]]"
              bench_shape rollout_h triton+compile,triton+compile+group4,triton+compile+group8 ;;
   decode17i) engine_tests; bench_shape rollout_i triton+compile,triton+compile+group1,triton+compile ;;
+  decode17j) step kernel_gpu_tests 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/rollout/test_decode_kernel.py
+             KT="--kernel-tables $LOGS/kernels" bench_shape rollout_j triton+compile,triton+compile+ropeapart,triton+compile
+             head -n 32 "$LOGS/kernels/triton+compile.txt" | cut -c1-180
+             head -n 32 "$LOGS/kernels/triton+compile+ropeapart.txt" | cut -c1-180 ;;
+  decode17n) bench_shape rollout_n triton+compile,triton+compile+ropeapart,triton+compile
+             e2e colocated5 ${COLOCATED5_S:-330} resources.colocate=true rollout.num_rollouts=5 ;;
+  decode17m) step engine_gpu_tests 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/rollout/test_rollout_gpu.py \
+               tests/unit/rollout/test_decode_variants.py tests/unit/rollout/test_engine_overlap.py \
+               tests/unit/rollout/test_fused_projections.py tests/unit/rollout/test_sampling_kernel.py
+             bench_shape rollout_m triton+compile,triton+compile+poshost,triton+compile ;;
+  decode17l) engine_tests
+             bench_shape rollout_l triton+compile,triton+compile+poshost,triton+compile+ropeapart,triton+compile ;;
+  decode17k) python3 -c "import torch._inductor.config as c; print('inductor enable_pdl:', hasattr(c.triton, 'enable_pdl'))"
+             engine_tests
+             bench_shape rollout_k triton+compile,triton+compile+nopdl,triton+compile+inductorpdl,triton+compile+ropeapart,triton+compile ;;
   ragged17) for mean in 256 1024; do
                step attention_ragged_$mean 150 python3 bench/decode_parts.py --attention --quick --write-new \
                  --shuffled-lengths --mean-context $mean --slots-per-program ${ATTN_GROUPS:-1,4,8}

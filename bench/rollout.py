@@ -21,7 +21,11 @@ one graph from each attention to the next, or each layer's two halves apart), ``
 (uniform batches sampled inside the decode step's graph, or by the kernel's own launches after it),
 ``combo``/``nocombo`` (Inductor's combo kernels: independent kernels of a compiled part launched as one),
 ``stages2``/``stages3`` (pipeline stages of the triton decode attention), ``group1``/``2``/``4``/``8``/``16`` (its slots
-per program), ``block128``, ``warps8`` (its positions per iteration, its warps); unnamed
+per program), ``block128``, ``warps8`` (its positions per iteration, its warps), ``ropefused``/``ropeapart``
+(Qwen3's Q/K norms and the rotary inside the triton attention, or a kernel of their own before it),
+``pdl``/``nopdl`` (the step's Triton kernels, ours and Inductor's, launched with programmatic dependent launch
+or not), ``inductorpdl`` (Inductor's only, not the attention), ``poshost``/``posdevice`` (the overlapped
+engine copies every step's positions to the device, or not where the last graph moved them on); unnamed
 levers take the engine's defaults. A variant that fails prints
 its line with ``error`` and the next one still runs. The HF baseline (unless ``--skip-hf``) runs once,
 first, and its numbers go on every line.
@@ -142,8 +146,10 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_engine(engine, prompts, new_tokens: int) -> float:
-    """Generate for every prompt; return the wall seconds from the first submit to the last answer.
+def run_engine(engine, prompts, new_tokens: int, marks: dict | None = None) -> float:
+    """Generate for every prompt; return the wall seconds from the first submit to the last answer
+    (``marks``: also ``start``, ``submitted`` and ``end``, ``perf_counter`` stamps of the first submit, the last
+    submit and the last answer).
 
     The prompts are queued while the engine is paused, so it admits them the same way every run
     (prefill batches of its token budget): the batch buckets then repeat run to run, and the warm-up
@@ -152,23 +158,40 @@ def run_engine(engine, prompts, new_tokens: int) -> float:
     from posttrain.plugins.engines.local.sampling import parse_sampling
 
     params = parse_sampling({"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True})
-    done = threading.Semaphore(0)
+    done = threading.Event()  # set by the last answer: one wake-up, not one GIL hand-off per answer
     lengths = []
 
     def finished(out):
         lengths.append(len(out["output_ids"]))
-        done.release()
+        if len(lengths) == len(prompts):
+            done.set()
 
     engine.pause(mode="in_place")
     start = time.perf_counter()
     for p in prompts:
         engine.submit(p, params, False, finished)
+    submitted = time.perf_counter()
     engine.resume()
-    for _ in prompts:
-        done.acquire()
-    elapsed = time.perf_counter() - start
+    done.wait()
+    end = time.perf_counter()
+    elapsed = end - start
+    if marks is not None:
+        marks.update(start=start, submitted=submitted, end=end)
     assert all(n == new_tokens for n in lengths), "every request must produce new_tokens tokens"
     return elapsed
+
+
+def run_outside_steps(stats, marks: dict) -> dict:
+    """Where a timed run's wall time went outside the engine's steps, in ms: ``submit_ms`` (the submits),
+    ``admit_wait_ms`` (the last submit to the first prefill), ``between_steps_ms`` (the engine's loop between
+    its steps: the span from the first prefill to the last step less their own times) and ``answer_ms`` (the
+    last step's end to the last answer)."""
+    if not stats.started:
+        return {}
+    inside = stats.prefill_s + stats.decode_s
+    ms = lambda s: round(1e3 * s, 2)  # noqa: E731
+    return {"submit_ms": ms(marks["submitted"] - marks["start"]), "admit_wait_ms": ms(stats.started - marks["submitted"]),
+            "between_steps_ms": ms(stats.ended - stats.started - inside), "answer_ms": ms(marks["end"] - stats.ended)}
 
 
 def run_hf(model, prompts, new_tokens: int, device: str) -> float:
@@ -201,8 +224,12 @@ VARIANT_WORDS = {"sdpa": {"decode_attention": "sdpa"}, "bmm": {"decode_attention
                  "combo": {"combo_kernels": True}, "nocombo": {"combo_kernels": False},
                  "stages2": {"attention_launch": {"num_stages": 2}}, "stages3": {"attention_launch": {"num_stages": 3}},
                  **{f"group{p}": {"attention_launch": {"slots_per_program": p}} for p in (1, 2, 4, 8, 16)},
-                 "block128": {"attention_launch": {"block_n": 128}}, "warps8": {"attention_launch": {"num_warps": 8}}}
-ENGINE_OPTIONS = ("overlap", "fused_sampling", "prefill_tokens", "sample_in_step")  # LocalEngine's; the rest are ModelRunner's
+                 "block128": {"attention_launch": {"block_n": 128}}, "warps8": {"attention_launch": {"num_warps": 8}},
+                 "ropefused": {"rope_in_attention": True}, "ropeapart": {"rope_in_attention": False},
+                 "pdl": {"pdl": True}, "nopdl": {"pdl": False}, "inductorpdl": {"pdl": True, "attention_launch": {"pdl": False}},
+                 "poshost": {"device_positions": False}, "posdevice": {"device_positions": True}}
+ENGINE_OPTIONS = ("overlap", "fused_sampling", "prefill_tokens", "sample_in_step",
+                  "device_positions")  # LocalEngine's; the rest are ModelRunner's
 
 
 def parse_variant(name: str, defaults: dict) -> dict:
@@ -287,11 +314,43 @@ def prefill_table(runner, prompts: int, prompt_len: int, budget: int, device: st
         f.write(_op_table(prof, cuda))
 
 
+def device_events(prof) -> list[tuple[float, float, str]]:
+    """``(start us, end us, name)`` of every kernel and copy ``prof`` (``torch.profiler``) saw on the device, in order."""
+    import torch
+
+    return sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+
+
+def timeline(events, start: float, end: float, per: int = 1, top: int = 10) -> dict:
+    """Where the device spent ``[start, end]`` (us): ``busy`` (the fraction in which some kernel or copy ran),
+    ``gaps`` (idle us between consecutive operations, by the pair of names around each, per ``per``, the
+    ``top`` largest) and ``ops`` (each operation's own us, likewise)."""
+    busy, cursor = 0.0, start
+    gaps: dict[str, float] = {}
+    own: dict[str, float] = {}
+    last_end, last_name = None, None
+    for a, b, name in events:
+        if b <= start or a >= end:
+            continue
+        a0, b0 = max(a, cursor), min(b, end)
+        if b0 > a0:  # the union of the intervals
+            busy += b0 - a0
+            cursor = b0
+        own[name[:60]] = own.get(name[:60], 0.0) + (min(b, end) - max(a, start))
+        if last_end is not None and a > last_end:
+            key = f"{last_name[:40]} -> {name[:40]}"
+            gaps[key] = gaps.get(key, 0.0) + a - last_end
+        if last_end is None or b > last_end:
+            last_end, last_name = b, name
+    ranked = lambda d: {k: round(v / per, 2) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]}  # noqa: E731
+    return {"busy": round(busy / (end - start), 4) if end > start else None, "gaps": ranked(gaps), "ops": ranked(own)}
+
+
 def gpu_busy(engine, prompts, new_tokens: int) -> dict:
     """One more engine run under ``torch.profiler`` (device activity only, so the host's pace is barely
     touched): the fraction of the decode window (the run's last ``decode_steps x step_ms``, after its
     prefill) in which a kernel or copy ran, and the window per decode step."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     engine.call_in_engine(engine.stats.reset)
@@ -299,40 +358,65 @@ def gpu_busy(engine, prompts, new_tokens: int) -> dict:
         run_engine(engine, prompts, new_tokens)
         sync("cuda")
     stats = engine.call_in_engine(engine.stats.summary)
-    events = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                     if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start))
-    spans = [(a, b) for a, b, _ in events]
-    if not spans:
+    events = device_events(prof)
+    if not events:
         return {}
     # the decode window: the run's last ``decode_steps x step_ms`` (host-timed), after its prefill
     steps = max(1, int(stats["decode_steps"]))
-    end = max(b for _, b in spans)
-    start = max(spans[0][0], end - 1e3 * stats["step_ms"] * steps)  # profiler times are in us
-    busy, cursor = 0.0, start
-    for a, b in spans:  # the union of the intervals
-        a = max(a, cursor)
-        if b > a:
-            busy += b - a
-            cursor = b
-    window = end - start
+    end = max(b for _, b, _ in events)
+    start = max(events[0][0], end - 1e3 * stats["step_ms"] * steps)  # profiler times are in us
     # where the device waits: idle time per step between consecutive operations, by the pair of names around
     # it, and the operations' own time per step
-    gaps: dict[str, float] = {}
-    own: dict[str, float] = {}
-    last_end, last_name = None, None
-    for a, b, name in events:
-        if b <= start:
-            continue
-        own[name[:60]] = own.get(name[:60], 0.0) + (b - max(a, start))
-        if last_end is not None and a > last_end:
-            key = f"{last_name[:40]} -> {name[:40]}"
-            gaps[key] = gaps.get(key, 0.0) + a - last_end
-        if last_end is None or b > last_end:
-            last_end, last_name = b, name
-    per_step = lambda d: {k: round(v / steps, 2) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:10]}  # noqa: E731
-    return {"trace_gpu_busy": round(busy / window, 4) if window > 0 else None,
-            "trace_ms_per_step": round(window / 1e3 / steps, 3),
-            "trace_gap_us_per_step": per_step(gaps), "trace_op_us_per_step": per_step(own)}
+    seen = timeline(events, start, end, per=steps)
+    return {"trace_gpu_busy": seen["busy"], "trace_ms_per_step": round((end - start) / 1e3 / steps, 3),
+            "trace_gap_us_per_step": seen["gaps"], "trace_op_us_per_step": seen["ops"]}
+
+
+def prefill_busy(runner, prompts: int, prompt_len: int, budget: int) -> dict:
+    """One prefill batch as the engine forms it (``budget`` prompt tokens of distinct random prompts) under
+    ``torch.profiler``: its wall ms, the fraction of it the device was busy, and where it idled (us by the
+    operations around each gap). Run in the engine thread while it is idle."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    n = max(1, min(prompts, budget // max(1, prompt_len)))
+    batch = torch.randint(1, runner.vocab_size, (n, prompt_len)).tolist()
+    runner.prefill(list(range(n)), batch)
+    sync("cuda")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        runner.prefill(list(range(n)), batch)
+        sync("cuda")
+        wall = time.perf_counter() - t0
+    events = device_events(prof)
+    if not events:
+        return {}
+    seen = timeline(events, events[0][0], max(b for _, b, _ in events), top=8)
+    kernels = sum(b - a for a, b, _ in events)
+    return {"prefill_wall_ms": round(1e3 * wall, 2), "prefill_device_ms": round(kernels / 1e3, 2),
+            "prefill_busy": seen["busy"], "prefill_gap_us": seen["gaps"]}
+
+
+def step_io(runner, batch: int, position: int, device: str) -> dict:
+    """The overlapped engine's step as it runs in a batch decoding in lockstep, timed back to back:
+    ``step_io_ms`` (positions copied from pinned host memory into the step buffer, the graphed step with its
+    sampling, its ``[2, B]`` result copied into pinned host memory, an event) against ``decode_sampled_ms``
+    (the graph alone): the difference is what the copies cost between graphs."""
+    import torch
+
+    from posttrain.plugins.engines.local.sampling import to_host_pinned
+
+    positions = [position] * batch
+    host = torch.empty(2 * batch, dtype=torch.float64, pin_memory=True).view(2, batch)
+
+    def one():
+        runner.step_positions[:batch].copy_(to_host_pinned(positions, device), non_blocking=True)
+        out = runner.decode_sampled(runner.step_tokens[:batch], runner.step_positions[:batch], 0.0, position,
+                                    packed=True)
+        host.copy_(out, non_blocking=True)
+        torch.cuda.Event().record()
+
+    return {"step_io_ms": time_ms(one, device)}
 
 
 def kernel_table(runner, batch: int, position: int, device: str, path: str) -> None:
@@ -388,20 +472,23 @@ def bench_variant(model, prompts: list[list[int]], args, name: str, opts: dict, 
     engine = LocalEngine(runner, tokenizer=None, eos_token_ids=[], **{k: opts.get(k) for k in ENGINE_OPTIONS})
     out.update(overlap=engine.overlap, fused_groups=runner.fused_groups, prefill_tokens=engine.prefill_tokens,
                attention_writes_kv=runner.attention_writes_kv, fused_sampling=engine.fused_sampling,
-               sample_in_step=engine.sample_in_step, join_layers=runner.join_layers)
+               sample_in_step=engine.sample_in_step, join_layers=runner.join_layers,
+               rope_in_attention=runner.rope_in_attention, inductor_pdl=runner.pdl)
     try:
         start = time.perf_counter()
         run_engine(engine, prompts, min(args.new_tokens, 8))  # warm-up: kernels, allocator, graphs, compiles
         run_engine(engine, prompts, args.new_tokens)  # warm-up at full size (the graphs of the longer spans)
         out["warmup_s"] = round(time.perf_counter() - start, 3)
         engine.call_in_engine(engine.stats.reset)
-        engine_s = run_engine(engine, prompts, args.new_tokens)
+        marks: dict = {}
+        engine_s = run_engine(engine, prompts, args.new_tokens, marks)
         out.update(engine_s=round(engine_s, 3), engine_tok_s=round(len(prompts) * args.new_tokens / engine_s, 1))
+        out.update(run_outside_steps(engine.call_in_engine(lambda: engine.stats), marks))
         if runner.moe_top_k:  # the routing of the run's last decode step: how many experts it read
             out["experts_hit_last_step"] = engine.call_in_engine(lambda: experts_hit(runner.routed_experts))
         if args.profile:
             stats = engine.call_in_engine(engine.stats.summary)
-            out.update(step_ms=stats["step_ms"], step_launch_ms=stats["launch_ms"],
+            out.update(step_ms=stats["step_ms"], step_launch_ms=stats["launch_ms"], position_copies=stats["position_copies"],
                        step_sample_ms=stats["sample_ms"], step_advance_ms=stats["advance_ms"],
                        mean_batch=stats["mean_batch"], decode_steps=stats["decode_steps"], prefill_s=stats["prefill_s"])
             try:
@@ -412,6 +499,10 @@ def bench_variant(model, prompts: list[list[int]], args, name: str, opts: dict, 
                 out["profile_error"] = repr(exc)[:300]
             if args.device.startswith("cuda"):
                 try:
+                    if runner.cuda_graphs and engine.fused_sampling is not False:
+                        out.update(engine.call_in_engine(lambda: step_io(runner, len(prompts), position, args.device)))
+                    out.update(engine.call_in_engine(lambda: prefill_busy(runner, len(prompts), args.prompt_len,
+                                                                          engine.prefill_tokens)))
                     out.update(gpu_busy(engine, prompts, args.new_tokens))
                 except Exception as exc:
                     out["trace_error"] = repr(exc)[:300]

@@ -114,6 +114,48 @@ def test_reference_writes_the_new_row_then_attends_to_it():
         decode_attention_reference(q, k, v, lengths, 0.25, k_new=torch.zeros(4, 3, 16), v_new=v_new)
 
 
+def test_reference_rotates_raw_projections_as_the_checkpoint_does(hf_model):
+    """``rope=``: the reference norms and rotates raw ``q``/``k_new`` as Qwen3's own ``q_norm``/``k_norm`` and
+    ``apply_rotary_pos_emb`` do, then attends exactly as over the rotated inputs; the cache gets the rotated key."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    attn = hf_model.model.layers[0].self_attn
+    d, nb = attn.head_dim, 3
+    g = torch.Generator().manual_seed(2)
+    q, k_new, v_new = (torch.randn(nb, h, 1, d, generator=g) for h in (4, 2, 2))
+    positions = torch.tensor([[4], [0], [9]])
+    cos, sin = hf_model.model.rotary_emb(q, positions)  # [nb, 1, D]
+    with torch.no_grad():
+        want_q, want_k = apply_rotary_pos_emb(attn.q_norm(q), attn.k_norm(k_new), cos, sin)
+    rope = decode_kernel.Rope(cos, sin, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon)
+    torch.testing.assert_close(decode_kernel.rotate_reference(q[:, :, 0], rope, rope.q_norm), want_q[:, :, 0],
+                               atol=1e-6, rtol=1e-6)
+    k, v = cache_views(2, 4, 2, 16, d, nb, 12, seed=6)
+    lengths = positions[:, 0] + 1
+    k2, v2 = k.clone(), v.clone()
+    expected = decode_attention_reference(want_q, k2, v2, lengths, 0.25, k_new=want_k, v_new=v_new)
+    out = decode_attention_reference(q, k, v, lengths, 0.25, k_new=k_new, v_new=v_new, rope=rope)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(k, k2, atol=1e-6, rtol=1e-6)
+    plain = decode_kernel.Rope(cos, sin)  # no norms (Llama): the rotary alone
+    torch.testing.assert_close(decode_kernel.rotate_reference(q[:, :, 0], plain, None),
+                               apply_rotary_pos_emb(q, k_new, cos, sin)[0][:, :, 0], atol=1e-6, rtol=1e-6)
+
+
+def test_rope_operands_are_checked():
+    k = torch.zeros(2, 2, 8, 16)
+    q, k_new = torch.zeros(2, 4, 16), torch.zeros(2, 2, 16)
+    lengths = torch.ones(2, dtype=torch.long)
+    rope = decode_kernel.Rope(torch.zeros(2, 16), torch.zeros(2, 16))
+    with pytest.raises(ValueError, match="needs k_new"):
+        decode_attention_reference(q, k, k, lengths, 1.0, rope=rope)
+    for bad, match in ((rope._replace(cos=torch.zeros(3, 16)), r"\[2, 16\]"),
+                       (rope._replace(q_norm=torch.ones(16)), "go together"),
+                       (rope._replace(q_norm=torch.ones(8), k_norm=torch.ones(8)), "norm weight")):
+        with pytest.raises(ValueError, match=match):
+            decode_attention_reference(q, k, k.clone(), lengths, 1.0, k_new=k_new, v_new=k_new, rope=bad)
+
+
 def test_reference_rejects_mismatched_shapes():
     k = torch.zeros(2, 2, 4, 16)
     with pytest.raises(ValueError, match="multiple"):
@@ -210,6 +252,39 @@ def test_triton_runner_writing_in_the_kernel_equals_separate_writes(tiny_ckpt):
     assert not ModelRunner(tiny_ckpt, max_slots=2, context_length=32).attention_writes_kv  # sdpa writes itself
 
 
+def test_runner_rotating_in_the_attention_equals_the_separate_rotary(tiny_ckpt):
+    """``rope_in_attention``: raw projections into the attention (here its reference, as on a CPU), the same
+    logits, tokens and cache as Qwen3's norms and rotary run before it; off by default on a CPU."""
+    on = ModelRunner(tiny_ckpt, max_slots=4, context_length=64, decode_attention="triton", rope_in_attention=True)
+    off = ModelRunner(tiny_ckpt, max_slots=4, context_length=64, decode_attention="triton")
+    assert on.rope_in_attention and not off.rope_in_attention
+    (a, seqs_a), (b, seqs_b) = decode_steps(on), decode_steps(off)
+    assert seqs_a == seqs_b
+    for x, y in zip(a, b):
+        for s in PROMPTS:
+            torch.testing.assert_close(x[s], y[s], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(on.k_cache, off.k_cache, atol=1e-5, rtol=1e-5)
+    assert torch.equal(on.v_cache, off.v_cache)
+
+
+def test_rope_in_attention_refuses_what_it_cannot_rotate(tiny_ckpt, tmp_path):
+    """GLM-4's half-dim interleaved rotary is refused by probing it (not by name); so is a path without the
+    kernel's cache write; a Llama checkpoint (no Q/K norms) is taken."""
+    from posttrain.testing.tiny import make_tiny_checkpoint
+
+    glm = make_tiny_checkpoint(tmp_path / "glm4", family="glm4", seed=0)
+    with pytest.raises(ValueError, match="rope_in_attention: .*rotary"):
+        ModelRunner(glm, max_slots=2, context_length=32, decode_attention="triton", rope_in_attention=True)
+    with pytest.raises(ValueError, match="attention_writes_kv"):
+        ModelRunner(tiny_ckpt, max_slots=2, context_length=32, decode_attention="sdpa", rope_in_attention=True)
+    llama = make_tiny_checkpoint(tmp_path / "llama", family="llama", seed=0)
+    on = ModelRunner(llama, max_slots=4, context_length=64, decode_attention="triton", rope_in_attention=True)
+    off = ModelRunner(llama, max_slots=4, context_length=64, decode_attention="triton")
+    (a, seqs_a), (b, seqs_b) = decode_steps(on), decode_steps(off)
+    assert seqs_a == seqs_b
+    torch.testing.assert_close(a[-1][0], b[-1][0], atol=1e-5, rtol=1e-5)
+
+
 def test_runner_accepts_triton_and_still_rejects_unknown(tiny_ckpt):
     assert ModelRunner(tiny_ckpt, max_slots=2, context_length=32, decode_attention="triton").decode_attention == "triton"
     with pytest.raises(ValueError, match="decode_attention"):
@@ -270,6 +345,27 @@ INTERPRETED = textwrap.dedent("""
                                   num_splits=1)
         torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
         assert torch.equal(k, k2) and torch.equal(v, v2), "the grouped kernel wrote the cache as the reference does"
+    rotated = [  # nb, H, Hkv, D, span, splits, slots per program, dtype, Q/K norms: raw q and k_new, rotated in
+        (3, 4, 2, 64, 70, None, None, torch.float32, True), (5, 8, 8, 32, 50, 1, None, torch.float32, False),
+        (4, 8, 2, 32, 100, 3, None, torch.float32, True), (9, 16, 8, 64, 60, 1, 8, torch.float32, True),
+        (7, 12, 4, 32, 40, 1, 4, torch.float16, False), (6, 4, 1, 64, 45, 2, None, torch.float16, True)]
+    for nb, heads, hkv, d, span, splits, group, dtype, norms in rotated:
+        k, v = torch.randn(nb, hkv, span, d).to(dtype), torch.randn(nb, hkv, span, d).to(dtype)
+        q = torch.randn(nb, heads, 1, d).to(dtype)
+        k_new, v_new = torch.randn(nb, hkv, 1, d).to(dtype), torch.randn(nb, hkv, 1, d).to(dtype)
+        angle = torch.rand(nb, 1, d) * 6
+        weights = (torch.rand(d).to(dtype) + 0.5, torch.rand(d).to(dtype) + 0.5) if norms else (None, None)
+        rope = dk.Rope(angle.cos().to(dtype), angle.sin().to(dtype), *weights, 1e-6)
+        lengths = torch.randint(1, span + 1, (nb,))
+        lengths[0], lengths[-1] = 1, span
+        k2, v2 = k.clone(), v.clone()
+        ref = dk.decode_attention_reference(q, k2, v2, lengths, d ** -0.5, k_new=k_new, v_new=v_new, rope=rope)
+        out = dk.decode_attention(q, k, v, lengths, d ** -0.5, num_splits=splits, k_new=k_new, v_new=v_new, rope=rope,
+                                  slots_per_program=group)
+        tol = 1e-5 if dtype == torch.float32 else 2e-3
+        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+        torch.testing.assert_close(k.float(), k2.float(), atol=tol, rtol=tol)  # the rotated key, cached
+        assert torch.equal(v, v2)
     k, v = torch.randn(3, 2, 40, 64), torch.randn(3, 2, 40, 64)
     q = torch.randn(3, 4, 64)
     for splits in (1, 2):  # no valid position (0, negative): zeros; past the span: clamped
@@ -367,6 +463,52 @@ def test_kernel_writes_the_new_keys_and_values(nb, heads, hkv, d, span, splits, 
     ref = decode_attention_reference(q, k2, v2, lengths, scale, k_new=k_new, v_new=v_new)
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
     assert torch.equal(k, k2) and torch.equal(v, v2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("nb,splits,group,norms", [
+    (256, None, None, True), (256, None, 1, False), (5, None, None, True), (9, 3, None, True), (64, 1, 4, True)])
+def test_kernel_rotates_raw_queries_and_keys(nb, splits, group, norms, dtype, tol):
+    """``rope=`` at the Qwen3-1.7B head layout: raw ``q``/``k_new`` normed and rotated in the kernel equal the
+    reference (output and the cached key), the grouped and per-slot kernels and the split one, and in a CUDA
+    graph replayed with new lengths and new tables."""
+    if not triton_available():
+        pytest.skip("triton did not import")
+    heads, hkv, d, span = 16, 8, 128, 400
+    k, v = cache_views(2, nb + 1, hkv, span + 64, d, nb, span, dtype=dtype, device="cuda")
+    q = torch.randn(nb, heads, 1, d, device="cuda").to(dtype)
+    k_new, v_new = (torch.randn(nb, hkv, 1, d, device="cuda").to(dtype) for _ in range(2))
+    angle = torch.rand(nb, 1, d, device="cuda") * 6
+    weights = (torch.rand(d, device="cuda").to(dtype) + 0.5 for _ in range(2)) if norms else (None, None)
+    rope = decode_kernel.Rope(angle.cos().to(dtype), angle.sin().to(dtype), *weights, 1e-6)
+    lengths = ragged_lengths(nb, span, device="cuda")
+    scale = d ** -0.5
+
+    def run():
+        return decode_kernel.decode_attention(q, k, v, lengths, scale, num_splits=splits, k_new=k_new, v_new=v_new,
+                                              slots_per_program=group, rope=rope)
+
+    def check(out, before):  # against the reference run on the cache as it was before
+        k2, v2 = before[0].clone(), before[1].clone()
+        ref = decode_attention_reference(q, k2, v2, lengths, scale, k_new=k_new, v_new=v_new, rope=rope)
+        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+        torch.testing.assert_close(k.float(), k2.float(), atol=tol, rtol=tol)  # the rotated key, cached
+        assert torch.equal(v, v2)
+
+    before = (k.clone(), v.clone())
+    check(run(), before)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    lengths.copy_(ragged_lengths(nb, span, device="cuda", seed=7))
+    angle.uniform_(0, 6)
+    rope.cos.copy_(angle.cos()), rope.sin.copy_(angle.sin())
+    before = (k.clone(), v.clone())
+    graph.replay()
+    torch.cuda.synchronize()
+    check(out, before)
 
 
 @pytest.mark.gpu

@@ -125,6 +125,45 @@ def test_a_call_in_the_engine_lands_the_step_in_flight_first(runner):
     assert seen and all(seen)
 
 
+class GraphLike(ModelRunner):
+    """A CPU runner that leaves ``step_positions`` one further after each step, as a CUDA graph's step does."""
+
+    advances_positions = True
+
+    def _decode(self, tokens, positions, max_position, temperature=None):
+        out = super()._decode(tokens, positions, max_position, temperature)
+        self.step_positions[: self._bucket(tokens.shape[0])].add_(1)
+        return out
+
+
+def test_rows_moving_on_together_copy_no_positions(tiny_ckpt):
+    """``device_positions``: a step whose rows all moved on by one since the last (the graph moved them on)
+    copies no positions to the device, and the answers stay the synchronous engine's; a row set that
+    changes (a request stops launching) copies them again."""
+    runner = GraphLike(tiny_ckpt, max_slots=8, context_length=64)
+    greedy = RequestSampling(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    lockstep = [(p, greedy) for p in PROMPTS[:4]]
+    over, stats = generate(runner, lockstep, overlap=True)
+    assert stats["decode_steps"] == 5 and stats["position_copies"] == 1  # the next four found them in place
+    sync, _ = generate(ModelRunner(tiny_ckpt, max_slots=8, context_length=64), lockstep, overlap=False)
+    assert_same(over, sync)
+    staggered = [(p, RequestSampling(temperature=0.0, max_new_tokens=n, ignore_eos=True))
+                 for p, n in zip(PROMPTS[:4], (6, 6, 4, 2))]  # the last slots stop first: no holes below busy ones
+    over, stats = generate(runner, staggered, overlap=True)
+    assert stats["position_copies"] == 3  # the first step, and after each of the two shorter requests' last
+    sync, _ = generate(ModelRunner(tiny_ckpt, max_slots=8, context_length=64), staggered, overlap=False)
+    assert_same(over, sync)
+    staggered = [(p, RequestSampling(temperature=0.0, max_new_tokens=n, ignore_eos=True))
+                 for p, n in zip(PROMPTS[:4], (2, 6, 6, 6))]  # slot 0 stops first: its idle row stays at 0
+    over, stats = generate(runner, staggered, overlap=True)
+    assert stats["position_copies"] == 5  # the graph moved the idle row on: every step copies again
+    sync, _ = generate(ModelRunner(tiny_ckpt, max_slots=8, context_length=64), staggered, overlap=False)
+    assert_same(over, sync)
+    plain = ModelRunner(tiny_ckpt, max_slots=8, context_length=64)  # no graphs: every step copies
+    assert not plain.advances_positions
+    assert generate(plain, lockstep, overlap=True)[1]["position_copies"] == 5
+
+
 def test_overlap_reports_the_routed_experts_of_the_tokens_read_and_no_more(tmp_path):
     """A MoE row that stops on a token is decoded once more on the device; its answer still holds one
     routing row per token the model read (prompt + output - 1), equal to the synchronous engine's."""

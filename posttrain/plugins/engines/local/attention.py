@@ -16,16 +16,21 @@ import torch
 import torch.nn.functional as F
 
 
-def step_attention(runner, positions: torch.Tensor, span: int):
+def step_attention(runner, positions: torch.Tensor, span: int, tables: tuple | None = None):
     """``attend(l, q [nb, H, 1, D], k, v [nb, Hkv, 1, D]) -> [nb, H, 1, D]`` for one decode step of
     ``runner`` (a ``ModelRunner``: its cache, attention kind and scale) at ``positions`` ``[nb]``, over the
-    cache's first ``span`` positions; a mask, where one is needed, is built once for all layers."""
+    cache's first ``span`` positions; a mask, where one is needed, is built once for all layers. With the
+    runner's ``rope_in_attention``, ``q`` and ``k`` are raw projections and ``tables`` the step's rotary
+    ``(cos, sin)`` (``[nb, 1, D]`` each): the Triton kernel norms and rotates them (``decode_kernel.Rope``)."""
     nb = positions.shape[0]
     k_cache, v_cache, scale = runner.k_cache, runner.v_cache, runner.scaling
     caches = lambda l: (k_cache[l, :nb, :, :span], v_cache[l, :nb, :, :span])  # noqa: E731
     if runner.decode_attention == "triton":  # no mask: each slot reads its own ``position + 1`` entries
         lengths = positions + 1
         kernel = triton_attention(positions.is_cuda, runner.attention_launch)
+        if runner.rope_in_attention:
+            ropes = layer_ropes(runner.layers, *tables)
+            return lambda l, q, k, v: kernel(q, *caches(l), lengths, scale, k_new=k, v_new=v, rope=ropes[l])
         if runner.attention_writes_kv:  # the kernel writes k, v at ``position`` itself
             return lambda l, q, k, v: kernel(q, *caches(l), lengths, scale, k_new=k, v_new=v)
         attend = lambda q, kc, vc: kernel(q, kc, vc, lengths, scale)  # noqa: E731
@@ -45,6 +50,23 @@ def step_attention(runner, positions: torch.Tensor, span: int):
         return attend(q, *caches(l))
 
     return write_then_attend
+
+
+def layer_ropes(layers, cos: torch.Tensor, sin: torch.Tensor) -> list:
+    """One ``decode_kernel.Rope`` per layer: the step's ``cos``/``sin`` and the layer's Q/K norm weights (found
+    again at every step: a memory release may have moved them; None for a model without Q/K norms)."""
+    from posttrain.plugins.engines.local.decode_kernel import Rope
+
+    out = []
+    for layer in layers:
+        attn = layer.self_attn
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        if q_norm is None:
+            out.append(Rope(cos, sin))
+        else:
+            eps = getattr(q_norm, "variance_epsilon", getattr(q_norm, "eps", 1e-6))
+            out.append(Rope(cos, sin, q_norm.weight, k_norm.weight, eps))
+    return out
 
 
 def attend_sdpa(q, k, v, allowed, scale: float):
@@ -83,7 +105,7 @@ def attend_bmm(q, k, v, masked, scale: float, fp32_scores: bool = False):
 
 
 # decode_kernel.decode_attention's launch settings
-LAUNCH_KEYS = ("block_n", "num_warps", "num_stages", "num_splits", "slots_per_program")
+LAUNCH_KEYS = ("block_n", "num_warps", "num_stages", "num_splits", "slots_per_program", "pdl")
 
 
 def checked_launch(launch: dict | None) -> dict:

@@ -31,6 +31,9 @@ never NaN); lengths past the cache view's span are clamped to it.
   layer (a plain read of the same bytes takes 61.5); over lengths spread +-128 in random slot order it is
   1.6% slower (the groups' sums differ, and one wave of programs waits for its longest), at 1024 positions
   0.9% faster (bench/RESULTS.md).
+- ``rope=`` (:class:`Rope`): ``q`` and ``k_new`` come raw from the projections, and the kernels RMS-norm (Qwen3's
+  per-head Q/K norms) and rotate them as they load them (:func:`_load_rows`), so the decode step needs no
+  kernel of its own for that (``ModelRunner(rope_in_attention=)``).
 - :func:`decode_attention_reference`: the same function in plain torch (float32 math), for CPU and as the
   fallback where Triton or CUDA is missing.
 - :func:`triton_available`: whether the kernel can run here.
@@ -46,6 +49,9 @@ import functools
 import math
 
 import torch
+
+from posttrain.plugins.engines.local.decode_reference import (  # noqa: F401 - re-exported: the kernel's contract
+    Rope, _as_3d, _check, _checked_rope, _new_rows, decode_attention_reference, rotate_reference)
 
 try:  # optional dependency: CPU-only installs have no triton
     import triton
@@ -69,132 +75,108 @@ def triton_available() -> bool:
     return triton is not None and torch.cuda.is_available()
 
 
-def _as_3d(q: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """``[nb, H, D]`` or ``[nb, H, 1, D]`` -> ``[nb, H, D]`` (a view) and whether it was 4-D."""
-    if q.dim() == 4:
-        if q.shape[2] != 1:
-            raise ValueError(f"decode attention takes one query token per slot, got q of shape {tuple(q.shape)}")
-        return q[:, :, 0], True
-    if q.dim() != 3:
-        raise ValueError(f"q: expected [nb, H, D] or [nb, H, 1, D], got shape {tuple(q.shape)}")
-    return q, False
-
-
-def _check(q3: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> tuple[int, int, int, int, int]:
-    nb, heads, d = q3.shape
-    if k.dim() != 4 or k.shape != v.shape:
-        raise ValueError(f"k, v: expected equal shapes [nb, Hkv, S, D], got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape[0] != nb or k.shape[3] != d:
-        raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q3.shape)} (slots, head dim)")
-    hkv = k.shape[1]
-    if heads % hkv:
-        raise ValueError(f"{heads} query heads are not a multiple of {hkv} KV heads")
-    if lengths.shape != (nb,) or lengths.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"lengths: expected int32/int64 of shape [{nb}], got {lengths.dtype} {tuple(lengths.shape)}")
-    return nb, heads, hkv, k.shape[2], d
-
-
-def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
-                               scale: float, k_new: torch.Tensor | None = None,
-                               v_new: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`decode_attention` in plain torch, same semantics: ``q`` ``[nb, H, D]`` or ``[nb, H, 1, D]``,
-    ``k``/``v`` ``[nb, Hkv, S, D]``, ``lengths`` ``[nb]`` -> the shape of ``q`` in ``q``'s dtype;
-    ``k_new``/``v_new`` (``[nb, Hkv, D]`` or ``[nb, Hkv, 1, D]``) are first written at ``lengths - 1``.
-
-    Scores, softmax and the weighted sum run in float32 over the whole span with positions
-    ``>= lengths[b]`` masked out; a row with no valid position gives zeros."""
-    q3, four_d = _as_3d(q)
-    nb, heads, hkv, span, d = _check(q3, k, v, lengths)
-    if k_new is not None:
-        _write_newest(k, v, _new_rows(k_new, k, "k_new"), _new_rows(v_new, k, "v_new"), lengths)
-    qg = q3.reshape(nb, hkv, heads // hkv, d).float()
-    scores = torch.einsum("bjgd,bjsd->bjgs", qg, k.float()) * scale
-    valid = torch.arange(span, device=k.device)[None, :] < lengths[:, None]  # [nb, S]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    top = scores.amax(dim=-1, keepdim=True).clamp_min(-1e30)  # finite even for a row with nothing valid
-    weights = torch.exp(scores - top)
-    probs = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-30)  # all-masked rows: 0 / tiny = 0
-    out = torch.einsum("bjgs,bjsd->bjgd", probs, v.float()).reshape(nb, heads, d).to(q.dtype)
-    return out[:, :, None, :] if four_d else out
-
-
-def _new_rows(x: torch.Tensor | None, k: torch.Tensor, name: str) -> torch.Tensor:
-    """``k_new``/``v_new`` as ``[nb, Hkv, D]`` (a view), checked against the cache view ``k``."""
-    if x is None:
-        raise ValueError("k_new and v_new go together")
-    if x.dim() == 4 and x.shape[2] == 1:
-        x = x[:, :, 0]
-    if x.shape != (k.shape[0], k.shape[1], k.shape[3]) or x.dtype != k.dtype:
-        raise ValueError(f"{name}: expected {k.dtype} [{k.shape[0]}, {k.shape[1]}, {k.shape[3]}], "
-                         f"got {x.dtype} {tuple(x.shape)}")
-    return x
-
-
-def _write_newest(k, v, k_new, v_new, lengths) -> None:
-    """``k[b, :, lengths[b] - 1] = k_new[b]`` (and ``v``) for every slot with ``1 <= lengths[b] <= S``."""
-    rows = torch.arange(k.shape[0], device=k.device)
-    valid = (lengths >= 1) & (lengths <= k.shape[2])
-    at = (lengths - 1).clamp(0, k.shape[2] - 1)
-    k[rows[valid], :, at[valid]] = k_new[valid]
-    v[rows[valid], :, at[valid]] = v_new[valid]
-
-
 if triton is not None:
 
+    @triton.jit
+    def _load_rows(X, row_off, offs_d, mask, COS, SIN, cs_off, stride_cd, W, norm_eps, stride_xd,
+                   HEAD_D: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr):
+        """Rows of ``X`` starting at element offsets ``row_off`` ``[R]``: an ``[R, BLOCK_D]`` tile in ``X``'s dtype.
+        With ``ROPE`` each row is first RMS-normed over its head (``QK_NORM``: weight ``W`` ``[D]``, rounded to
+        ``X``'s dtype after the scaling, as the checkpoint's norm rounds) and rotated: ``x * cos + rotate_half(x)
+        * sin`` with ``rotate_half(x)[d] = -x[d + D/2]`` below ``D/2`` and ``x[d - D/2]`` above, ``cos``/``sin``
+        the row's ``[D]`` at ``cs_off``; float32 math, one rounding at the end."""
+        x = tl.load(X + row_off[:, None] + offs_d[None, :] * stride_xd, mask=mask, other=0.0)
+        if ROPE:
+            half = HEAD_D // 2
+            partner = (offs_d + half) % HEAD_D  # the lane rotate_half pairs with d
+            xf = x.to(tl.float32)
+            xp = tl.load(X + row_off[:, None] + partner[None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
+            if QK_NORM:
+                rstd = tl.rsqrt(tl.sum(xf * xf, 1) / HEAD_D + norm_eps)
+                w = tl.load(W + offs_d, mask=offs_d < HEAD_D, other=0.0).to(tl.float32)
+                wp = tl.load(W + partner, mask=offs_d < HEAD_D, other=0.0).to(tl.float32)
+                xf = (xf * rstd[:, None]).to(x.dtype).to(tl.float32) * w[None, :]
+                xp = (xp * rstd[:, None]).to(x.dtype).to(tl.float32) * wp[None, :]
+            cos = tl.load(COS + cs_off[:, None] + offs_d[None, :] * stride_cd, mask=mask, other=0.0).to(tl.float32)
+            sin = tl.load(SIN + cs_off[:, None] + offs_d[None, :] * stride_cd, mask=mask, other=0.0).to(tl.float32)
+            sign = tl.where(offs_d < half, -1.0, 1.0)
+            x = (xf * cos + sign[None, :] * xp * sin).to(x.dtype)
+        return x
+
     @triton.jit(do_not_specialize=["span", "chunk"])
-    def _decode_kernel(Q, K, V, LENS, OUT, PART_ACC, PART_M, PART_L, KN, VN, scale_log2, span, chunk,
+    def _decode_kernel(Q, K, V, LENS, OUT, PART_ACC, PART_M, PART_L, KN, VN, COS, SIN, QW, KW, norm_eps,
+                       scale_log2, span, chunk, stride_cb, stride_cd,
                        stride_qb, stride_qh, stride_qd,
                        stride_knb, stride_knh, stride_knd, stride_vnb, stride_vnh, stride_vnd,
                        stride_kb, stride_kh, stride_ks, stride_kd,
                        stride_vb, stride_vh, stride_vs, stride_vd,
                        stride_ob, stride_oh, stride_od,
                        G: tl.constexpr, G_PAD: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, WRITE_NEW: tl.constexpr):
+                       BLOCK: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, WRITE_NEW: tl.constexpr,
+                       ROPE: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
         """One (slot, KV head, chunk): positions ``[split * chunk, min((split + 1) * chunk, length))``.
 
         Scores are kept in base 2 (``scale_log2 = scale * log2(e)``, ``exp2``): the same softmax.
         ``WRITE_NEW``: position ``length - 1`` is this step's ``KN``/``VN`` row, not the cache's. The loop
         over the cache stops before it (the loop is the one without ``WRITE_NEW``: a substituted row inside
         the loaded tiles cost the tiles their path from shared memory into ``tl.dot``, 76 -> 119 us per
-        layer on an H200), and the chunk holding it adds it as one more online-softmax step, from
-        registers, then stores it into the cache."""
+        layer on an H200); the chunk holding it starts its online softmax from it, from registers, and
+        stores it into the cache. ``ROPE``: ``Q`` and ``KN`` are raw projections, normed and rotated here
+        (:func:`_load_rows`). Everything the step's own rows need is loaded first, with the length, so their
+        latencies overlap and nothing waits on memory after the loop. ``PDL``: the kernel is launched while
+        the one before it drains (programmatic dependent launch) and reads the lengths (written by earlier
+        kernels) before it waits for that one's outputs (``q``, ``k_new``, ``v_new``)."""
         slot = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         num_splits = tl.num_programs(2)
         heads = tl.num_programs(1) * G
-
-        length = tl.load(LENS + slot).to(tl.int32)
-        length = tl.minimum(tl.maximum(length, 0), span)
-        lo = split * chunk
-        hi_all = tl.minimum(lo + chunk, length)
-        newest = length - 1
-        hi = hi_all  # the cache positions this program reads
-        if WRITE_NEW:
-            hi = tl.minimum(hi_all, newest)
-
         offs_g = tl.arange(0, G_PAD)
         offs_d = tl.arange(0, BLOCK_D)
         offs_n = tl.arange(0, BLOCK)
         mask_g = offs_g < G
         mask_d = offs_d < HEAD_D
         head = kvh * G + offs_g  # query heads of this KV head (rows past G are padding)
+        tile = mask_g[:, None] & mask_d[None, :]
 
+        length = tl.load(LENS + slot).to(tl.int32)
+        if PDL:  # launched early (programmatic dependent launch): wait for the kernel that wrote q, k_new, v_new
+            tl.extra.cuda.gdc_wait()
         # 64-bit slot/head base offsets: across the whole cache they can pass 2**31 elements; the offsets
         # inside one (slot, head) are small (checked on the host)
-        q_ptrs = Q + slot.to(tl.int64) * stride_qb + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
-        q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)
-        k_base = K + slot.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
-        v_base = V + slot.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
-        if WRITE_NEW:  # this step's key and value, [BLOCK_D]
-            k_new = tl.load(KN + slot.to(tl.int64) * stride_knb + kvh * stride_knh + offs_d * stride_knd,
-                            mask=mask_d, other=0.0)
+        cs_off = slot.to(tl.int64) * stride_cb + 0 * offs_g  # the slot's cos/sin row, for every query row
+        q = _load_rows(Q, slot.to(tl.int64) * stride_qb + head * stride_qh, offs_d, tile, COS, SIN, cs_off, stride_cd,
+                       QW, norm_eps, stride_qd, HEAD_D=HEAD_D, ROPE=ROPE, QK_NORM=QK_NORM)
+        if WRITE_NEW:  # this step's key in every row ([G_PAD, BLOCK_D], rows alike) and value ([BLOCK_D])
+            k_new = _load_rows(KN, slot.to(tl.int64) * stride_knb + kvh * stride_knh + 0 * offs_g, offs_d, tile, COS,
+                               SIN, cs_off, stride_cd, KW, norm_eps, stride_knd, HEAD_D=HEAD_D, ROPE=ROPE,
+                               QK_NORM=QK_NORM)
             v_new = tl.load(VN + slot.to(tl.int64) * stride_vnb + kvh * stride_vnh + offs_d * stride_vnd,
                             mask=mask_d, other=0.0)
+        length = tl.minimum(tl.maximum(length, 0), span)
+        lo = split * chunk
+        hi_all = tl.minimum(lo + chunk, length)
+        newest = length - 1
+        hi = hi_all  # the cache positions this program reads
+        k_base = K + slot.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
+        v_base = V + slot.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
 
         m_i = tl.full([G_PAD], -1.0e30, dtype=tl.float32)  # finite: exp2(m_i - m_new) is 0, never NaN
         l_i = tl.zeros([G_PAD], dtype=tl.float32)
         acc = tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32)
+        if WRITE_NEW:  # the chunk holding the newest position starts from it, then stores it (nobody else reads it)
+            hi = tl.minimum(hi_all, newest)
+            at_g = newest + 0 * offs_g  # block masks (the interpreter rejects scalar ones here)
+            owns_g = (at_g >= lo) & (at_g < hi_all)
+            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale_log2  # [G_PAD]
+            m_i = tl.where(owns_g, s_new, m_i)
+            l_i = tl.where(owns_g, 1.0, l_i)
+            acc = tl.where(owns_g[:, None], v_new.to(tl.float32)[None, :], acc)
+            at_d = newest + 0 * offs_d
+            owns_d = mask_d & (at_d >= lo) & (at_d < hi_all)
+            tl.store(k_base + newest * stride_ks + offs_d[None, :] * stride_kd + 0 * offs_g[:, None], k_new,
+                     mask=(offs_g == 0)[:, None] & owns_d[None, :])  # one row of the alike rows
+            tl.store(v_base + newest * stride_vs + offs_d * stride_vd, v_new, mask=owns_d)
         for start in range(lo, hi, BLOCK):
             pos = start + offs_n
             mask_n = pos < hi
@@ -216,21 +198,6 @@ if triton is not None:
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
-        if WRITE_NEW:  # the chunk holding the newest position: attend to it, then store it (nobody else reads it)
-            at_g = newest + 0 * offs_g  # block masks (the interpreter rejects scalar ones here)
-            owns_g = (at_g >= lo) & (at_g < hi_all)
-            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale_log2  # [G_PAD]
-            s_new = tl.where(owns_g, s_new, float("-inf"))
-            m_new = tl.maximum(m_i, s_new)
-            alpha = tl.exp2(m_i - m_new)
-            p_new = tl.exp2(s_new - m_new)  # 0 where this chunk does not hold the newest position
-            l_i = l_i * alpha + p_new
-            acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
-            m_i = m_new
-            at_d = newest + 0 * offs_d
-            owns_d = mask_d & (at_d >= lo) & (at_d < hi_all)
-            tl.store(k_base + newest * stride_ks + offs_d * stride_kd, k_new, mask=owns_d)
-            tl.store(v_base + newest * stride_vs + offs_d * stride_vd, v_new, mask=owns_d)
 
         if SPLIT:  # partials [nb, H, splits] (max, sum) and [nb, H, splits, BLOCK_D] (unnormalized sum of V)
             row = (slot.to(tl.int64) * heads + head) * num_splits + split
@@ -243,20 +210,22 @@ if triton is not None:
             tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
 
     @triton.jit(do_not_specialize=["span", "nb"])
-    def _grouped_kernel(Q, K, V, LENS, OUT, KN, VN, scale_log2, span, nb,
-                        stride_qb, stride_qh, stride_qd,
+    def _grouped_kernel(Q, K, V, LENS, OUT, KN, VN, COS, SIN, QW, KW, norm_eps, scale_log2, span, nb,
+                        stride_cb, stride_cd, stride_qb, stride_qh, stride_qd,
                         stride_knb, stride_knh, stride_knd, stride_vnb, stride_vnh, stride_vnd,
                         stride_kb, stride_kh, stride_ks, stride_kd,
                         stride_vb, stride_vh, stride_vs, stride_vd,
                         stride_ob, stride_oh, stride_od,
                         G: tl.constexpr, P: tl.constexpr, ROWS: tl.constexpr, HEAD_D: tl.constexpr,
-                        BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr, WRITE_NEW: tl.constexpr):
+                        BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr, WRITE_NEW: tl.constexpr,
+                        ROPE: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
         """One (group of ``P`` slots, KV head): the ``P * G`` query rows of the group's slots share one
         ``[ROWS, D]`` tile, and one loop walks the slots' position blocks back to back (slot ``p``'s
         ``ceil(n_p / BLOCK)`` blocks after those of slots ``0 .. p - 1``), so the loads stay pipelined across
         slots instead of restarting per slot. A block belongs to one slot: the other slots' rows score
         ``-inf`` there (their running max and sum stay as they were). Otherwise as :func:`_decode_kernel`
-        with one split."""
+        with one split: each row starts its online softmax from its slot's new key, and the slot's first row
+        stores the new K/V before the loop."""
         group = tl.program_id(0)
         kvh = tl.program_id(1)
         offs_r = tl.arange(0, ROWS)
@@ -268,26 +237,47 @@ if triton is not None:
         row_slot = group * P + local
         row_ok = (offs_r < P * G) & (row_slot < nb)
         head = kvh * G + offs_r % G
+        row_slot64 = row_slot.to(tl.int64)
+        tile = row_ok[:, None] & mask_d[None, :]
+        # first every load the loop does not need (the lengths, this step's own rows), so their latencies overlap
         lens = tl.load(LENS + row_slot, mask=row_ok, other=0).to(tl.int32)
+        slot_lens = tl.load(LENS + group * P + offs_p, mask=group * P + offs_p < nb, other=0).to(tl.int32)
+        if PDL:  # launched early (programmatic dependent launch): wait for the kernel that wrote q, k_new, v_new
+            tl.extra.cuda.gdc_wait()
+        q = _load_rows(Q, row_slot64 * stride_qb + head * stride_qh, offs_d, tile, COS, SIN, row_slot64 * stride_cb,
+                       stride_cd, QW, norm_eps, stride_qd, HEAD_D=HEAD_D, ROPE=ROPE, QK_NORM=QK_NORM)
+        if WRITE_NEW:
+            k_new = _load_rows(KN, row_slot64 * stride_knb + kvh * stride_knh, offs_d, tile, COS, SIN,
+                               row_slot64 * stride_cb, stride_cd, KW, norm_eps, stride_knd, HEAD_D=HEAD_D, ROPE=ROPE,
+                               QK_NORM=QK_NORM)
+            v_new = tl.load(VN + row_slot64[:, None] * stride_vnb + kvh * stride_vnh + offs_d[None, :] * stride_vnd,
+                            mask=tile, other=0.0)
         lens = tl.minimum(tl.maximum(lens, 0), span)
         # per slot of the group: the cache positions it reads, its blocks, where its blocks start in the loop
-        slot_lens = tl.load(LENS + group * P + offs_p, mask=group * P + offs_p < nb, other=0).to(tl.int32)
         slot_his = tl.minimum(tl.maximum(slot_lens, 0), span)
         if WRITE_NEW:
             slot_his = tl.maximum(slot_his - 1, 0)
         slot_blocks = tl.cdiv(slot_his, BLOCK)
         slot_end = tl.cumsum(slot_blocks, 0)
         slot_start = slot_end - slot_blocks
-
-        row_slot64 = row_slot.to(tl.int64)
-        q_ptrs = Q + row_slot64[:, None] * stride_qb + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
-        q = tl.load(q_ptrs, mask=row_ok[:, None] & mask_d[None, :], other=0.0)
         k_head = K + kvh.to(tl.int64) * stride_kh
         v_head = V + kvh.to(tl.int64) * stride_vh
 
         m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([ROWS], dtype=tl.float32)
         acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+        if WRITE_NEW:  # each row starts from its slot's new key; the slot's first row stores the new K/V
+            has_new = row_ok & (lens >= 1)
+            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale_log2
+            m_i = tl.where(has_new, s_new, m_i)
+            l_i = tl.where(has_new, 1.0, l_i)
+            acc = tl.where(has_new[:, None], v_new.to(tl.float32), acc)
+            writes = has_new[:, None] & mask_d[None, :] & (offs_r % G == 0)[:, None]
+            at = (lens - 1)[:, None]
+            tl.store(k_head + row_slot64[:, None] * stride_kb + at * stride_ks + offs_d[None, :] * stride_kd,
+                     k_new, mask=writes)
+            tl.store(v_head + row_slot64[:, None] * stride_vb + at * stride_vs + offs_d[None, :] * stride_vd,
+                     v_new, mask=writes)
         for t in range(0, tl.sum(slot_blocks, 0)):
             p_slot = tl.sum((slot_end <= t).to(tl.int32), 0)  # the slot whose blocks hold step t
             at_slot = offs_p == p_slot
@@ -315,26 +305,6 @@ if triton is not None:
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
-        if WRITE_NEW:  # each row attends to its slot's new key; the slot's first row stores the new K/V
-            has_new = row_ok & (lens >= 1)
-            new_mask = has_new[:, None] & mask_d[None, :]
-            k_new = tl.load(KN + row_slot64[:, None] * stride_knb + kvh * stride_knh + offs_d[None, :] * stride_knd,
-                            mask=new_mask, other=0.0)
-            v_new = tl.load(VN + row_slot64[:, None] * stride_vnb + kvh * stride_vnh + offs_d[None, :] * stride_vnd,
-                            mask=new_mask, other=0.0)
-            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale_log2
-            s_new = tl.where(has_new, s_new, float("-inf"))
-            m_new = tl.maximum(m_i, s_new)
-            alpha = tl.exp2(m_i - m_new)
-            p_new = tl.exp2(s_new - m_new)
-            l_i = l_i * alpha + p_new
-            acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)
-            writes = new_mask & (offs_r % G == 0)[:, None]
-            at = (lens - 1)[:, None]
-            tl.store(k_head + row_slot64[:, None] * stride_kb + at * stride_ks + offs_d[None, :] * stride_kd,
-                     k_new, mask=writes)
-            tl.store(v_head + row_slot64[:, None] * stride_vb + at * stride_vs + offs_d[None, :] * stride_vd,
-                     v_new, mask=writes)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_ptrs = OUT + row_slot64[:, None] * stride_ob + head[:, None] * stride_oh + offs_d[None, :] * stride_od
         tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & mask_d[None, :])
@@ -381,6 +351,27 @@ def _block_n(block_d: int, itemsize: int) -> int:
     """Positions per loop iteration: ``BLOCK_N``, fewer where a tile would pass ``TILE_BYTES`` (float32 or
     ``D = 256``), so three pipeline stages of K and V (96 KB) stay well inside shared memory."""
     return max(16, min(BLOCK_N, TILE_BYTES // (block_d * itemsize)))
+
+
+@functools.lru_cache(maxsize=8)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether the kernels can be launched with programmatic dependent launch on ``device``: CUDA of compute
+    capability 9 or newer (Hopper), a Triton with ``launch_pdl`` and ``gdc_wait``, not the interpreter."""
+    import os
+
+    if device.type != "cuda" or triton is None or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra.cuda import gdc_wait  # noqa: F401
+    except Exception:  # noqa: BLE001 - an older triton: launch the plain way
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__ and _cuda_capability(index)[0] >= 9
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -433,7 +424,8 @@ def _plan_group(nb: int, hkv: int, g: int, device: torch.device, slots_per_progr
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float,
                      out: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
                      num_warps: int = 4, num_stages: int = 3, k_new: torch.Tensor | None = None,
-                     v_new: torch.Tensor | None = None, slots_per_program: int | None = None) -> torch.Tensor:
+                     v_new: torch.Tensor | None = None, slots_per_program: int | None = None,
+                     rope: Rope | None = None, pdl: bool = False) -> torch.Tensor:
     """Decode attention with the Triton kernel.
 
     ``q`` ``[nb, H, D]`` or ``[nb, H, 1, D]``; ``k``/``v`` ``[nb, Hkv, S, D]``, any strides (one layer's
@@ -451,6 +443,15 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     ``k_new``/``v_new`` (``[nb, Hkv, D]`` or ``[nb, Hkv, 1, D]``, any strides): this step's keys and values,
     written into ``k``/``v`` at ``lengths[b] - 1`` by the kernel itself and attended to there (the decode
     step then needs no separate cache write); every ``lengths[b]`` must then be ``<= S`` (not clamped).
+    ``rope`` (:class:`Rope`; needs ``k_new``): ``q`` and ``k_new`` are the raw projections, rotated (and
+    RMS-normed per head) as each program loads them, and the cache gets the rotated key: the decode step then
+    needs no kernel of its own for Qwen3's Q/K norms and the rotary (one launch and a round trip of ``q`` and
+    ``k`` fewer per layer).
+    ``pdl``: launch with programmatic dependent launch where supported (:func:`pdl_supported`: Hopper or
+    newer): the kernel's blocks start while the kernel before it drains and read nothing it writes before
+    ``griddepcontrol.wait``, so ``q``, ``k_new``, ``v_new`` may come from the kernel launched just before,
+    everything else from kernels before that one. Off by default: after cuBLAS's matmuls the gap before the
+    attention grew (12 -> 25 us a step on an H200, bench/RESULTS.md).
 
     No host synchronization and no allocation but the output (and the split partials): capturable in a
     CUDA graph, and a replay with new ``lengths`` values attends over the new lengths.
@@ -472,6 +473,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
         raise ValueError(f"out: expected {q3.dtype} [{nb}, {heads}, {d}], got {out.dtype} {tuple(out.shape)}")
     if k_new is not None:
         k_new, v_new = _new_rows(k_new, k, "k_new"), _new_rows(v_new, k, "v_new")
+    if rope is not None:
+        if k_new is None:
+            raise ValueError("rope needs k_new: this step's keys are rotated before they are cached")
+        rope = _checked_rope(rope, nb, d)
     if nb == 0:
         return out[:, :, None, :] if four_d else out
 
@@ -484,11 +489,20 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     kn, vn = (q3, q3) if k_new is None else (k_new, v_new)  # unread without WRITE_NEW
     scale_log2 = float(scale) * math.log2(math.e)
     strides = (*q3.stride(), *kn.stride(), *vn.stride(), *k.stride(), *v.stride(), *out.stride())
+    pdl = bool(pdl) and pdl_supported(q3.device)
     common = dict(G=g, HEAD_D=d, BLOCK_D=block_d, BLOCK=block, IEEE=q3.dtype == torch.float32,
-                  WRITE_NEW=k_new is not None, num_warps=num_warps, num_stages=num_stages)
+                  WRITE_NEW=k_new is not None, ROPE=rope is not None, PDL=pdl,
+                  QK_NORM=rope is not None and rope.q_norm is not None, num_warps=num_warps, num_stages=num_stages,
+                  **({"launch_pdl": True} if pdl else {}))
+    # the rotary's operands (unread without ROPE / QK_NORM)
+    cos, sin = (q3, q3) if rope is None else (rope.cos, rope.sin)
+    qw, kw = (q3, q3) if rope is None or rope.q_norm is None else (rope.q_norm, rope.k_norm)
+    rotary = (cos, sin, qw, kw, 1e-6 if rope is None else rope.eps)
+    cs_strides = (0, 0) if rope is None else cos.stride()
     with torch.cuda.device(q3.device) if q3.is_cuda else contextlib.nullcontext():
         if group > 1:
-            _grouped_kernel[(_cdiv(nb, group), hkv)](q3, k, v, lengths, out, kn, vn, scale_log2, span, nb, *strides,
+            _grouped_kernel[(_cdiv(nb, group), hkv)](q3, k, v, lengths, out, kn, vn, *rotary, scale_log2, span, nb,
+                                                     *cs_strides, *strides,
                                                      P=group, ROWS=max(MIN_DOT_ROWS, _pow2(group * g)), **common)
             return out[:, :, None, :] if four_d else out
         splits, chunk = _plan_splits(nb, hkv, span, q3.device, num_splits)
@@ -498,20 +512,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
             part_l = torch.empty((nb, heads, splits), dtype=torch.float32, device=q3.device)
         else:  # unused by the single-pass kernel: any float32 tensors
             part_acc = part_m = part_l = out
-        _decode_kernel[(nb, hkv, splits)](q3, k, v, lengths, out, part_acc, part_m, part_l, kn, vn, scale_log2, span,
-                                          chunk, *strides, G_PAD=max(MIN_DOT_ROWS, _pow2(g)), SPLIT=splits > 1,
+        _decode_kernel[(nb, hkv, splits)](q3, k, v, lengths, out, part_acc, part_m, part_l, kn, vn, *rotary, scale_log2,
+                                          span, chunk, *cs_strides, *strides, G_PAD=max(MIN_DOT_ROWS, _pow2(g)),
+                                          SPLIT=splits > 1,
                                           **common)
-        if splits > 1:
-            _merge_kernel[(nb, heads)](out, part_acc, part_m, part_l, splits, *out.stride(),
-                                       HEAD_D=d, BLOCK_D=block_d, SPLITS_PAD=max(2, _pow2(splits)), num_warps=4)
-    return out[:, :, None, :] if four_d else out
-    with torch.cuda.device(q3.device) if q3.is_cuda else contextlib.nullcontext():
-        _decode_kernel[(nb, hkv, splits)](
-            q3, k, v, lengths, out, part_acc, part_m, part_l, kn, vn, float(scale) * math.log2(math.e), span, chunk,
-            *q3.stride(), *kn.stride(), *vn.stride(), *k.stride(), *v.stride(), *out.stride(),
-            G=g, G_PAD=max(MIN_DOT_ROWS, _pow2(g)), HEAD_D=d, BLOCK_D=block_d, BLOCK=block,
-            SPLIT=splits > 1, IEEE=q3.dtype == torch.float32, WRITE_NEW=k_new is not None,
-            num_warps=num_warps, num_stages=num_stages)
         if splits > 1:
             _merge_kernel[(nb, heads)](out, part_acc, part_m, part_l, splits, *out.stride(),
                                        HEAD_D=d, BLOCK_D=block_d, SPLITS_PAD=max(2, _pow2(splits)), num_warps=4)

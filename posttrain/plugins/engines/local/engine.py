@@ -43,20 +43,22 @@ class LocalEngine:
     """Continuous-batching generation over a HF checkpoint. Thread-safe public methods."""
 
     def __init__(self, runner, tokenizer, eos_token_ids: list[int], overlap: bool | None = None,
-                 fused_sampling: bool | None = None, prefill_tokens: int | None = None, sample_in_step=None):
+                 fused_sampling: bool | None = None, prefill_tokens: int | None = None, sample_in_step=None,
+                 device_positions: bool | None = None):
         """``overlap``: launch decode step N + 1 before step N's tokens reach the host (module docstring); None:
         on when the runner is on a GPU (on a CPU every op finishes before the next is issued). ``fused_sampling``:
         draw uniform batches with the one-pass Triton kernel (``sampling_kernel``; None: where it runs, CUDA);
         ``sample_in_step`` (None: on): with overlap, inside the runner's step (``ModelRunner.decode_sampled``).
         ``prefill_tokens``: prompt tokens per prefill batch (it bounds the prefill's activation memory; None:
-        8,192 on a CPU, 32,768 on a GPU, where one batch of 256 prompts of 128 tokens prefills faster than four)."""
+        8,192 on a CPU, 32,768 on a GPU, where one batch of 256 prompts of 128 tokens prefills faster than four);
+        ``device_positions`` (None: on): ``overlap.OverlappedDecode``'s."""
         self.runner, self.fused_sampling, self.sample_in_step = runner, fused_sampling, sample_in_step is not False
         on_gpu = runner.device.type == "cuda"
         self.prefill_tokens = (32768 if on_gpu else 8192) if prefill_tokens is None else int(prefill_tokens)
         if self.prefill_tokens < 1:
             raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
         on = on_gpu if overlap is None else bool(overlap)
-        self._overlap = OverlappedDecode(self) if on else None
+        self._overlap = OverlappedDecode(self, device_positions is not False) if on else None
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.weight_version = "0"
@@ -169,7 +171,7 @@ class LocalEngine:
                 print(f"engine step failed; aborting {len(self._running) + len(self._waiting)} request(s):\n"
                       f"{traceback.format_exc()}", file=sys.stderr, flush=True)
                 if self._overlap is not None:
-                    self._overlap.inflight = None
+                    self._overlap.inflight, self._overlap._advanced = None, None
                 for req in list(self._running.values()) + list(self._waiting):
                     req.finish = {"type": "abort", "message": f"engine error: {exc!r}"}
                     self._complete(req)
@@ -259,8 +261,7 @@ class LocalEngine:
             self._advance(kept, tokens, logprobs)
             if self._overlap is not None:
                 self._overlap.put_next_tokens(kept, tokens)
-        self.stats.prefill_steps += 1
-        self.stats.prefill_s += time.perf_counter() - t0
+        self.stats.add_prefill(t0)
 
     @staticmethod
     def _scores_input(req: Request) -> bool:

@@ -45,6 +45,69 @@ def project_qkv(layer, h, cos, sin, rope, qkv: Fused | None = None):
     return q, k, v
 
 
+def project_raw(layer, h, cos, sin, rope, qkv: Fused | None = None):
+    """:func:`project_qkv` without Qwen3's Q/K norms and the rotary, which the Triton decode attention then
+    applies as it loads ``q`` and this step's ``k`` (``ModelRunner(rope_in_attention=True)``,
+    ``decode_kernel.Rope``): ``h`` ``[n, q, hidden]`` -> ``q`` ``[n, H, q, D]``, ``k``/``v`` ``[n, Hkv, q, D]``
+    (views of the projections). ``cos``, ``sin``, ``rope``: unused (the signature is :func:`project_qkv`'s)."""
+    attn = layer.self_attn
+    n, q_len, _ = h.shape
+    x = layer.input_layernorm(h)
+    q, k, v = (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)) if qkv is None else run_fused(qkv, x)
+    shape = (n, q_len, -1, attn.head_dim)
+    return q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
+
+
+def rope_in_attention_refusal(model, layers) -> str | None:
+    """Why the decode attention cannot apply these layers' Q/K norms and rotary itself (``decode_kernel.Rope``:
+    HF's ``rotate_half`` rotary over the whole head, per-head RMSNorms of weight ``[D]`` or none), or None
+    when it can. Checked on the modules themselves (a few tiny calls), not by model name: a checkpoint whose
+    rotary or norm computes something else (GLM's partial rotary, a norm over all heads) is refused."""
+    import torch
+
+    attn = layers[0].self_attn
+    d = attn.head_dim
+    try:
+        weight = model.model.embed_tokens.weight
+        probe = torch.zeros(1, 1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        cos, _ = model.model.rotary_emb(probe, torch.zeros(1, 1, dtype=torch.long, device=weight.device))
+        if cos.shape[-1] != d:
+            return f"the rotary tables are {cos.shape[-1]} wide, not the head's {d}"
+        g = torch.Generator().manual_seed(0)
+        q, k, cos, sin = (torch.randn(shape, generator=g) for shape in ((1, 2, 1, d), (1, 1, 1, d), (1, 1, d), (1, 1, d)))
+        got_q, got_k = rotary_of(model)(q, k, cos, sin)
+        half = d // 2
+        want = lambda x: x * cos[:, None] + torch.cat([-x[..., half:], x[..., :half]], -1) * sin[:, None]  # noqa: E731
+        if not (torch.allclose(got_q, want(q), atol=1e-5) and torch.allclose(got_k, want(k), atol=1e-5)):
+            return "the checkpoint's rotary is not rotate_half over the whole head"
+    except Exception as exc:  # noqa: BLE001 - an unexpected rotary is a refusal, not a crash
+        return f"its rotary could not be probed ({exc!r})"
+    for i, layer in enumerate(layers):
+        norms = [getattr(layer.self_attn, name, None) for name in ("q_norm", "k_norm")]
+        if norms == [None, None]:
+            continue
+        eps = [None if n is None else rms_norm_eps(n, d) for n in norms]
+        if None in eps or eps[0] != eps[1]:
+            return f"layer {i}'s Q/K norms are not per-head RMSNorms of one epsilon"
+    return None
+
+
+def rms_norm_eps(norm, d: int) -> float | None:
+    """The epsilon of ``norm`` if it is a per-head RMSNorm (weight ``[d]``, ``x * rsqrt(mean(x^2) + eps)``
+    rounded to ``x``'s dtype, times the weight), else None; tried on one random row."""
+    import torch
+
+    weight = getattr(norm, "weight", None)
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if weight is None or tuple(weight.shape) != (d,) or not isinstance(eps, float):
+        return None
+    x = torch.randn(2, d, generator=torch.Generator().manual_seed(1)).to(device=weight.device, dtype=weight.dtype)
+    xf = x.float()
+    want = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype).float() * weight.float()
+    with torch.no_grad():
+        return eps if torch.allclose(norm(x).float(), want, atol=1e-2, rtol=1e-2) else None
+
+
 def rotary_of(model):
     """The checkpoint's own ``apply_rotary_pos_emb(q, k, cos, sin)`` (from its modeling module): GLM's
     rotate only part of each head (and dense GLM-4 interleaved pairs); Llama's is the fallback."""
@@ -123,3 +186,4 @@ def through_parts(finish, project):
 
 
 finish_then_project, finish_then_head = through_parts(finish_layer, project_qkv)  # the joined step
+finish_then_project_raw = through_parts(finish_layer, project_raw)[0]  # the same for rope_in_attention

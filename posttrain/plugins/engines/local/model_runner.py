@@ -44,8 +44,6 @@ The layer parts are in ``layers``, the decode attention paths in ``attention``.
 from __future__ import annotations
 
 import re
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +51,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from posttrain.plugins.engines.local import graphs
 from posttrain.plugins.engines.local.attention import checked_launch, step_attention
 from posttrain.plugins.engines.local.fused import Fused, fuse_layers, layer_parts
 from posttrain.plugins.engines.local.layers import (embed_and_rotary, finish_layer, finish_then_head, finish_then_project,
-                                                   project_qkv, rotary_of, through_parts)
+                                                   finish_then_project_raw, project_qkv, project_raw,
+                                                   rope_in_attention_refusal, rotary_of, through_parts)
 
 DEFAULT_MAX_CONTEXT = 4096
 DECODE_ATTENTION = ("sdpa", "bmm", "triton")  # "triton": decode_kernel.decode_attention
@@ -88,31 +88,31 @@ def _weight_view(params: dict[str, torch.Tensor], name: str) -> torch.Tensor | N
     return stacked[e, :half] if kind == "gate_proj" else stacked[e, half:]
 
 
-def _compiled(fn, mode: str, combo: bool = False):
+def _compiled(fn, mode: str, combo: bool = False, pdl: bool = False):
     """``fn`` under ``torch.compile``: one graph (``fullgraph``), no Inductor CUDA graphs (ours wrap the
     whole step), and automatic dynamic shapes: the second batch size seen recompiles ``fn`` with the batch
     dimension symbolic, and that version serves every later bucket. (Static shapes compiled once per
     bucket, each a few seconds on an H200, so a colocated step that first met a bucket took seconds
     longer than the others.) Each CUDA graph still captures the kernels at its own bucket's size.
     ``combo``: Inductor's combo kernels (independent kernels of one graph, such as the Q and the K norm with
-    their rotary, launched as one)."""
-    if not combo:
+    their rotary, launched as one); ``pdl``: Inductor's kernels launched with programmatic dependent launch
+    (each starts while the kernel before it drains, and waits for its outputs inside)."""
+    options = {**({"combo_kernels": True} if combo else {}), **({"triton.enable_pdl": True} if pdl else {})}
+    if not options:
         return torch.compile(fn, fullgraph=True, dynamic=None, mode=None if mode == "default" else mode)
     from torch._inductor import list_mode_options
 
-    options = dict(list_mode_options(mode)) if mode != "default" else {}
-    return torch.compile(fn, fullgraph=True, dynamic=None, options={**options, "combo_kernels": True})
+    modes = dict(list_mode_options(mode)) if mode != "default" else {}
+    return torch.compile(fn, fullgraph=True, dynamic=None, options={**modes, **options})
 
 
-def draw_into(logits: torch.Tensor, temperature: float, next_tokens: torch.Tensor):
-    """The fused draw of ``logits`` ``[n, V]`` at ``temperature``, also written into ``next_tokens`` ``[n]``:
-    ``(tokens, logprobs, [2, n] float64 of both)`` (:meth:`ModelRunner.decode_sampled`)."""
-    from posttrain.plugins.engines.local.sampling import packed
-    from posttrain.plugins.engines.local.sampling_kernel import fused_sample
+def inductor_pdl_supported(device: torch.device) -> bool:
+    """Whether Inductor here can launch its kernels with programmatic dependent launch on ``device``."""
+    from posttrain.plugins.engines.local.decode_kernel import pdl_supported
 
-    sampled, logprobs = fused_sample(logits, temperature)
-    next_tokens.copy_(sampled)
-    return sampled, logprobs, packed(sampled, logprobs)
+    import torch._inductor.config as inductor_config
+
+    return hasattr(inductor_config.triton, "enable_pdl") and pdl_supported(device)
 
 
 def as_words(x: torch.Tensor) -> torch.Tensor:
@@ -164,7 +164,8 @@ class ModelRunner:
                  decode_attention: str = "sdpa", compile: bool = False, compile_mode: str = "default",
                  fuse_projections: bool | None = None, attention_writes_kv: bool | None = None,
                  float_logits: bool = True, join_layers: bool | None = None, combo_kernels: bool | None = None,
-                 attention_launch: dict | None = None):
+                 attention_launch: dict | None = None, rope_in_attention: bool | None = None,
+                 pdl: bool = False):
         """``decode_attention``: ``"sdpa"``, ``"bmm"``, ``"triton"`` (see the module docstring) or ``"auto"``
         (``triton`` on CUDA when Triton imports, else ``sdpa``); ``compile``:
         ``torch.compile`` the per-layer decode parts, with Inductor ``compile_mode`` (``"default"`` or
@@ -181,7 +182,16 @@ class ModelRunner:
         ``combo_kernels``: with ``compile``, Inductor launches independent kernels of a part as one (the Q and
         the K norm with their rotary: one kernel instead of two per layer; None: on with ``compile``);
         ``attention_launch``: launch settings of the Triton decode attention (``decode_kernel.decode_attention``'s
-        ``block_n``, ``num_warps``, ``num_stages``, ``num_splits``; None: its defaults)."""
+        ``block_n``, ``num_warps``, ``num_stages``, ``num_splits``; None: its defaults);
+        ``rope_in_attention``: the decode step hands the attention raw Q/K projections, and the Triton kernel
+        applies Qwen3's per-head Q/K norms and the rotary as it loads them (``decode_kernel.Rope``; one kernel
+        and a round trip of ``q`` and ``k`` fewer per layer). Needs ``triton`` with ``attention_writes_kv`` and
+        a checkpoint whose rotary and norms are the standard ones (``layers.rope_in_attention_refusal``); None:
+        on where all that holds on a GPU, True: a ValueError naming what does not; ``pdl``: the step's Triton
+        kernels (the decode attention, with ``compile`` Inductor's) launched with programmatic dependent launch
+        where supported (``decode_kernel.pdl_supported``: Hopper or newer), each starting while the kernel
+        before it drains; an ``attention_launch`` ``pdl`` key decides for the attention alone. Off: after
+        cuBLAS's matmuls the gaps grew on an H200 (bench/RESULTS.md)."""
         from transformers import AutoModelForCausalLM
 
         if decode_attention == "auto":  # the measured fastest on an H200 (bench/RESULTS.md)
@@ -237,21 +247,29 @@ class ModelRunner:
         self.decode_attention = decode_attention
         self.attention_writes_kv = decode_attention == "triton" and attention_writes_kv is not False
         self.attention_launch = checked_launch(attention_launch)
+        self.pdl = bool(pdl) and inductor_pdl_supported(self.device)  # Inductor's kernels
+        if pdl:
+            self.attention_launch.setdefault("pdl", True)
         self.float_logits = bool(float_logits)
         self.compile = bool(compile)
         self.compile_mode = compile_mode
         self.join_layers = self.compile if join_layers is None else bool(join_layers)
         self.combo_kernels = self.compile if combo_kernels is None else bool(combo_kernels)
+        self.rope_in_attention = self._rope_in_attention(rope_in_attention)
         self._qkv, self._finish = project_qkv, finish_layer  # the per-layer parts (the prefill's, and the
         # decode step's without join_layers)
+        project = project_raw if self.rope_in_attention else project_qkv  # the decode step's projection part
+        self._project = project
         # the decode step between attentions: joined (layers.py), or through the separate parts
-        joined = (embed_and_rotary, finish_then_project, finish_then_head)
+        joined = (embed_and_rotary, finish_then_project_raw if self.rope_in_attention else finish_then_project,
+                  finish_then_head)
         self._embed, self._step, self._last = joined if self.join_layers else (  # late-bound parts: compiled below
-            embed_and_rotary, *through_parts(lambda *a: self._finish(*a), lambda *a: self._qkv(*a)))
+            embed_and_rotary, *through_parts(lambda *a: self._finish(*a), lambda *a: self._project(*a)))
         if self.compile:
             _raise_recompile_limit(self._bucket(self.max_slots).bit_length() + 1)
-            compiled = lambda f: _compiled(f, compile_mode, self.combo_kernels)  # noqa: E731
+            compiled = lambda f: _compiled(f, compile_mode, self.combo_kernels, self.pdl)  # noqa: E731
             self._qkv, self._finish = compiled(project_qkv), compiled(finish_layer)
+            self._project = compiled(project) if self.rope_in_attention else self._qkv
             if self.join_layers:  # one graph from each attention to the next
                 self._embed, self._step, self._last = (compiled(f) for f in joined)
         # the prefill's parts: the decode step's, except under max-autotune, whose timings at the prefill's
@@ -259,6 +277,22 @@ class ModelRunner:
         self._prefill_parts = (self._qkv, self._finish)
         if self.compile and compile_mode != "default":
             self._prefill_parts = (_compiled(project_qkv, "default"), _compiled(finish_layer, "default"))
+
+    @property
+    def advances_positions(self) -> bool:
+        """Whether a decode step leaves ``step_positions[:bucket]`` one further than it read them (a CUDA graph's
+        step does, ``graphs``): a caller whose rows all move on by one needs no copy before the next step."""
+        return self.cuda_graphs
+
+    def _rope_in_attention(self, asked: bool | None) -> bool:
+        """``rope_in_attention`` resolved (see ``__init__``): None -> on where it can be on a GPU."""
+        if asked is False or (asked is None and self.device.type != "cuda"):
+            return False
+        why = None if self.attention_writes_kv else "it needs decode_attention='triton' with attention_writes_kv"
+        why = why or rope_in_attention_refusal(self.model, self.layers)
+        if why and asked:
+            raise ValueError(f"rope_in_attention: {why}")
+        return why is None
 
     # -- weights --------------------------------------------------------------------------------
     def named_weights(self) -> dict[str, torch.Tensor]:
@@ -424,7 +458,7 @@ class ModelRunner:
         need = (int(positions.max()) if max_position is None else int(max_position)) + 1
         nb = tokens.shape[0]
         if self.cuda_graphs:
-            out, routing = self._decode_graphed(tokens, positions, need, temperature)
+            out, routing = graphs.replay(self, tokens, positions, need, temperature)
         elif self.compile and self._bucket(nb) > nb:  # pad to the bucket: compiled code is specialized to its batch size
             pad = tokens.new_zeros(self._bucket(nb) - nb)  # position 0 of idle slots nb..bucket-1, as graphs do
             out = self._decode_eager(torch.cat([tokens, pad]), torch.cat([positions, pad]), need)[:nb]
@@ -441,9 +475,9 @@ class ModelRunner:
         nb = tokens.shape[0]
         model = self.model.model
         h, cos, sin = self._embed(model, tokens[:, None], positions[:, None])
-        attend = step_attention(self, positions, span)  # attend(l, q, k, v)
+        attend = step_attention(self, positions, span, (cos, sin))  # attend(l, q, k, v)
         parts = [self._parts(layer) for layer in self.layers]  # [(qkv, gate_up)] per layer
-        q, k, v = self._qkv(self.layers[0], h, cos, sin, self._rope, parts[0][0])
+        q, k, v = self._project(self.layers[0], h, cos, sin, self._rope, parts[0][0])
         routed = []
         for l, layer in enumerate(self.layers):
             o = attend(l, q, k, v)
@@ -479,27 +513,6 @@ class ModelRunner:
         """Attention span of a graph: ``need`` (longest context) rounded up to 256, capped at the context length."""
         return min(self.context_length, -(-need // 256) * 256)
 
-    def _decode_graphed(self, tokens, positions, need: int, temperature: float | None = None):
-        """CUDA-graph decode: one graph per (power-of-two batch bucket, 256-token span bucket, sampling):
-        ``temperature`` None returns ``(logits, routing)``; a float, ``((tokens, logprobs, [2, nb] float64 of
-        both), routing)`` of the graph's own fused sampling."""
-        nb = tokens.shape[0]
-        bucket = self._bucket(nb)
-        span = self._span(need)
-        key = (bucket, span, temperature)
-        if key not in self._graphs:
-            self._capture(bucket, span, temperature)
-        graph, static = self._graphs[key]
-        for name, given in (("tokens", tokens), ("positions", positions)):
-            if given.data_ptr() != static[name].data_ptr():  # not already the step buffer's own slice
-                static[name][:nb].copy_(given)
-        if bucket > nb:
-            static["positions"][nb:].zero_()
-        graph.replay()
-        if temperature is None:
-            return static["logits"][:nb], static["routing"]
-        return (static["sampled"][:nb], static["logprobs"][:nb], static["packed"][:, :nb]), static["routing"]
-
     def decode_sampled(self, tokens: torch.Tensor, positions: torch.Tensor, temperature: float,
                        max_position: int | None = None, packed: bool = False):
         """:meth:`decode`, then one token per slot from ``sampling_kernel.fused_sample`` at ``temperature``
@@ -514,41 +527,6 @@ class ModelRunner:
         if self.cuda_graphs:
             sampled, logprobs, both = self._decode(tokens, positions, max_position, float(temperature))
         else:
-            sampled, logprobs, both = draw_into(self.decode(tokens, positions, max_position), temperature,
+            sampled, logprobs, both = graphs.draw_into(self.decode(tokens, positions, max_position), temperature,
                                                  self.step_tokens[:tokens.shape[0]])
         return both if packed else (sampled, logprobs)
-
-    def _capture(self, bucket: int, span: int, temperature: float | None = None) -> None:
-        """Capture the decode step of ``bucket`` slots over ``span`` positions (and its fused sampling at
-        ``temperature``, unless None) into ``self._graphs`` (one line on stderr each, with its seconds: the
-        engine log then shows what a slow step captured)."""
-        def step():
-            logits = self._decode_eager(static["tokens"], static["positions"], span)
-            return logits, (None if temperature is None else draw_into(logits, temperature, static["tokens"]))
-
-        t0 = time.perf_counter()
-        static = {"tokens": self.step_tokens[:bucket], "positions": self.step_positions[:bucket]}
-        # The warm-up runs for real: it writes K/V at position 0 of slots 0 .. bucket-1, which may belong
-        # to requests in flight, and (sampling) its draw over the step's input tokens. Keep both and put
-        # them back afterwards.
-        saved = (self.k_cache[:, :bucket, :, 0].clone(), self.v_cache[:, :bucket, :, 0].clone(),
-                 static["tokens"].clone())
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up kernels (and torch.compile) outside the graph
-                step()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.k_cache[:, :bucket, :, 0] = saved[0]
-        self.v_cache[:, :bucket, :, 0] = saved[1]
-        static["tokens"].copy_(saved[2])
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            static["logits"], drawn = step()
-            static["routing"] = self._step_routing
-        if drawn is not None:
-            static["sampled"], static["logprobs"], static["packed"] = drawn
-        self._graphs[(bucket, span, temperature)] = (graph, static)
-        what = "" if temperature is None else f" sampling at temperature {temperature:g}"
-        print(f"captured the decode graph of {bucket} slots x {span} positions{what} in "
-              f"{time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)

@@ -9,6 +9,9 @@ sampled (its ``max_new_tokens`` or the context is reached) is not launched again
 token is decoded once more on the device, and that token is dropped when it lands. A batch the one-pass
 sampler can draw (all greedy, or one temperature without truncation or seeds) is sampled inside the
 runner's step (``ModelRunner.decode_sampled``: in its CUDA graph), with no sampler launches after it.
+A graphed step also moves the runner's ``step_positions`` on by one (``graphs``): when every row of the next
+step is one position further, as in a batch decoding in lockstep, no positions are copied to the device
+(``device_positions``).
 """
 
 from __future__ import annotations
@@ -23,10 +26,14 @@ class OverlappedDecode:
     """The overlap half of a :class:`~posttrain.plugins.engines.local.engine.LocalEngine`'s decode: the
     step in flight, the device-side next tokens and two pinned host buffers. Engine thread only."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Any, device_positions: bool = True):
+        """``device_positions``: with CUDA graphs, skip the positions' host-to-device copy when the last graph
+        left them in place (every row one further)."""
         self.engine = engine
         self.inflight: InFlight | None = None
         self._hosts: list[Any] = []  # two pinned [2 * max_slots] float64, used in turn
+        self.device_positions = device_positions
+        self._advanced: list[int] | None = None  # what the last graph left in step_positions[:nb], if known
 
     def step(self) -> None:
         """Launch a decode step from the device-side tokens, then land the step launched before it."""
@@ -55,7 +62,10 @@ class OverlappedDecode:
         index = to_device(slots, device) if len(slots) != nb else None
         temperature = fused_temperature(params, engine.fused_sampling, device) if engine.sample_in_step else None
         step_positions = runner.step_positions[:nb]
-        step_positions.copy_(to_host_pinned(positions, device), non_blocking=True)
+        if positions != self._advanced:  # else the last graph left them there
+            step_positions.copy_(to_host_pinned(positions, device), non_blocking=True)
+            engine.stats.position_copies += 1
+        self._advanced = [p + 1 for p in positions] if self.device_positions and runner.advances_positions else None
         host, top = self._host_buffer(len(reqs)), max(positions)
         if temperature is not None:  # a uniform batch: sampled inside the runner's step (its CUDA graph),
             # which also leaves the tokens in place as the next step's input
@@ -70,6 +80,7 @@ class OverlappedDecode:
             try:
                 sampled, logprobs = sample_tokens(logits, params, [r.launched for r in reqs], fused=engine.fused_sampling)
             except Exception:  # a row's own parameters break the batched draw: this step goes the synchronous way
+                self._advanced = None
                 self.land_inflight()
                 kept, host_tokens, host_logprobs = engine._sample_isolated(reqs, logits)
                 engine._advance(kept, host_tokens, host_logprobs)
@@ -91,7 +102,9 @@ class OverlappedDecode:
             self._land(previous)
 
     def land_inflight(self) -> None:
-        """Land the step in flight, if any (before calls, pauses and idle waits)."""
+        """Land the step in flight, if any (before calls, pauses and idle waits: what runs then may replay
+        graphs or move buffers, so the next step copies its positions again)."""
+        self._advanced = None
         if self.inflight is not None:
             step, self.inflight = self.inflight, None
             self._land(step)

@@ -30,12 +30,23 @@ class StepStats:
     advance_s: float = 0.0
     prefill_steps: int = 0
     prefill_s: float = 0.0
+    position_copies: int = 0  # overlapped decode steps that copied their positions to the device
+    started: float = 0.0  # perf_counter at the start of the first prefill since the reset (0: none yet)
+    ended: float = 0.0  # perf_counter at the end of the last prefill or decode step
 
     def reset(self) -> None:
         self.__init__()
 
+    def add_prefill(self, start: float) -> None:
+        """One prefill batch that began at ``start`` (``perf_counter``) and ends now."""
+        self.ended = time.perf_counter()
+        self.started = self.started or start
+        self.prefill_steps += 1
+        self.prefill_s += self.ended - start
+
     def add_decode(self, rows: int, launch: float, sample: float, advance: float) -> None:
-        """One decode step of ``rows`` requests and its phases' seconds."""
+        """One decode step of ``rows`` requests and its phases' seconds (it ends now)."""
+        self.ended = time.perf_counter()
         self.decode_steps += 1
         self.decode_rows += rows
         self.decode_s += launch + sample + advance
@@ -49,7 +60,8 @@ class StepStats:
         return {"decode_steps": self.decode_steps, "mean_batch": round(self.decode_rows / n, 1),
                 "step_ms": round(1e3 * self.decode_s / n, 3), "launch_ms": round(1e3 * self.launch_s / n, 3),
                 "sample_ms": round(1e3 * self.sample_s / n, 3), "advance_ms": round(1e3 * self.advance_s / n, 3),
-                "prefill_steps": self.prefill_steps, "prefill_s": round(self.prefill_s, 3)}
+                "prefill_steps": self.prefill_steps, "prefill_s": round(self.prefill_s, 3),
+                "position_copies": self.position_copies}
 
 
 @dataclass
