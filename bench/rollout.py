@@ -279,11 +279,20 @@ def profile_runner(runner, batch: int, position: int, device: str, prompt_len: i
     if fused_temperature(params, fused, runner.device) is not None:  # the step with its sampling (graphed)
         out["decode_sampled_ms"] = time_ms(lambda: runner.decode_sampled(tokens, positions, 0.0, position), device)
     if prompt_len:
-        n = max(1, min(batch, budget // prompt_len))
-        prompts = torch.randint(1, runner.vocab_size, (n, prompt_len)).tolist()
+        prompts = prefill_prompts(runner, batch, prompt_len, budget)
+        n = len(prompts)
         out["prefill_batch_prompts"] = n
         out["prefill_batch_ms"] = time_ms(lambda: runner.prefill(list(range(n)), prompts), device, iters=5, warmup=1)
     return out
+
+
+def prefill_prompts(runner, prompts: int, prompt_len: int, budget: int) -> list[list[int]]:
+    """One prefill batch as the engine forms it: as many distinct random prompts of ``prompt_len`` tokens as the
+    ``budget`` of prompt tokens holds (at least one, at most ``prompts``)."""
+    import torch
+
+    n = max(1, min(prompts, budget // max(1, prompt_len)))
+    return torch.randint(1, runner.vocab_size, (n, prompt_len)).tolist()
 
 
 def _op_table(prof, cuda: bool) -> str:
@@ -299,11 +308,10 @@ def _op_table(prof, cuda: bool) -> str:
 def prefill_table(runner, prompts: int, prompt_len: int, budget: int, device: str, path: str) -> None:
     """Write ``torch.profiler``'s op table of one prefill batch as the engine forms it (``budget`` prompt
     tokens of distinct random prompts) to ``path``."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
-    n = max(1, min(prompts, budget // max(1, prompt_len)))
-    batch = torch.randint(1, runner.vocab_size, (n, prompt_len)).tolist()
+    batch = prefill_prompts(runner, prompts, prompt_len, budget)
+    n = len(batch)
     runner.prefill(list(range(n)), batch)
     sync(device)
     cuda = device.startswith("cuda")
@@ -376,11 +384,10 @@ def prefill_busy(runner, prompts: int, prompt_len: int, budget: int) -> dict:
     """One prefill batch as the engine forms it (``budget`` prompt tokens of distinct random prompts) under
     ``torch.profiler``: its wall ms, the fraction of it the device was busy, and where it idled (us by the
     operations around each gap). Run in the engine thread while it is idle."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
-    n = max(1, min(prompts, budget // max(1, prompt_len)))
-    batch = torch.randint(1, runner.vocab_size, (n, prompt_len)).tolist()
+    batch = prefill_prompts(runner, prompts, prompt_len, budget)
+    n = len(batch)
     runner.prefill(list(range(n)), batch)
     sync("cuda")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

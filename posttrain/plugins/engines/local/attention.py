@@ -56,6 +56,7 @@ def layer_ropes(layers, cos: torch.Tensor, sin: torch.Tensor) -> list:
     """One ``decode_kernel.Rope`` per layer: the step's ``cos``/``sin`` and the layer's Q/K norm weights (found
     again at every step: a memory release may have moved them; None for a model without Q/K norms)."""
     from posttrain.plugins.engines.local.decode_kernel import Rope
+    from posttrain.plugins.engines.local.layers import norm_epsilon
 
     out = []
     for layer in layers:
@@ -64,8 +65,7 @@ def layer_ropes(layers, cos: torch.Tensor, sin: torch.Tensor) -> list:
         if q_norm is None:
             out.append(Rope(cos, sin))
         else:
-            eps = getattr(q_norm, "variance_epsilon", getattr(q_norm, "eps", 1e-6))
-            out.append(Rope(cos, sin, q_norm.weight, k_norm.weight, eps))
+            out.append(Rope(cos, sin, q_norm.weight, k_norm.weight, norm_epsilon(q_norm)))
     return out
 
 

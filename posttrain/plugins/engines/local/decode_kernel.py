@@ -50,8 +50,9 @@ import math
 
 import torch
 
-from posttrain.plugins.engines.local.decode_reference import (  # noqa: F401 - re-exported: the kernel's contract
-    Rope, _as_3d, _check, _checked_rope, _new_rows, decode_attention_reference, rotate_reference)
+from posttrain.plugins.engines.local.decode_reference import _as_3d, _check, _checked_rope, _new_rows
+from posttrain.plugins.engines.local.decode_reference import (  # noqa: F401 - re-exported with the kernel
+    Rope, decode_attention_reference, rotate_reference)
 
 try:  # optional dependency: CPU-only installs have no triton
     import triton

@@ -171,7 +171,7 @@ class LocalEngine:
                 print(f"engine step failed; aborting {len(self._running) + len(self._waiting)} request(s):\n"
                       f"{traceback.format_exc()}", file=sys.stderr, flush=True)
                 if self._overlap is not None:
-                    self._overlap.inflight, self._overlap._advanced = None, None
+                    self._overlap.drop_inflight()
                 for req in list(self._running.values()) + list(self._waiting):
                     req.finish = {"type": "abort", "message": f"engine error: {exc!r}"}
                     self._complete(req)

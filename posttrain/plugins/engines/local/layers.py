@@ -92,13 +92,18 @@ def rope_in_attention_refusal(model, layers) -> str | None:
     return None
 
 
+def norm_epsilon(norm):
+    """The epsilon a HF RMSNorm module adds (``variance_epsilon`` or ``eps``), or None."""
+    return getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+
+
 def rms_norm_eps(norm, d: int) -> float | None:
     """The epsilon of ``norm`` if it is a per-head RMSNorm (weight ``[d]``, ``x * rsqrt(mean(x^2) + eps)``
     rounded to ``x``'s dtype, times the weight), else None; tried on one random row."""
     import torch
 
     weight = getattr(norm, "weight", None)
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    eps = norm_epsilon(norm)
     if weight is None or tuple(weight.shape) != (d,) or not isinstance(eps, float):
         return None
     x = torch.randn(2, d, generator=torch.Generator().manual_seed(1)).to(device=weight.device, dtype=weight.dtype)

@@ -101,6 +101,11 @@ class OverlappedDecode:
         if previous is not None:
             self._land(previous)
 
+    def drop_inflight(self) -> None:
+        """Forget the step in flight without landing it (a failed step: its requests are answered with the error),
+        and what the last graph left in the positions."""
+        self.inflight, self._advanced = None, None
+
     def land_inflight(self) -> None:
         """Land the step in flight, if any (before calls, pauses and idle waits: what runs then may replay
         graphs or move buffers, so the next step copies its positions again)."""
