@@ -8,8 +8,13 @@ at the Qwen3-1.7B shape (8 KV heads of 128, 16 query heads, bf16), slot lengths 
 ``--shuffled-lengths``: the spread in random slot order, as in an RL batch), for every
 launch setting of a small grid (positions per iteration, warps, pipeline stages, sequence splits; ``--quick``
 a smaller one; ``--slots-per-program 1,4,8`` adds grouped programs); ``--write-new``: as the engine calls
-it, writing the step's keys and values too. Reports microseconds per call and the fraction of the bandwidth
-bound (the K and V bytes the call must read / 4.8 TB/s). First, the read ceiling: the same bytes loaded in
+it, writing the step's keys and values too, and with ``--rope`` applying Qwen3's Q/K norms and the rotary
+(``decode_kernel.Rope``, as the engine calls it on a GPU); ``--settings 64x4x3,64x4x4`` times exactly those
+launches (positions, warps, stages) instead of the grid; ``--kernel-files a.py,b.py`` times other copies of
+``decode_kernel.py`` (a candidate edit, the last commit's) beside the installed one, setting by setting, so a
+change to the kernel is measured against its predecessor in one process. Reports microseconds per call and the
+fraction of the bandwidth bound (the K and V bytes the call must read / 4.8 TB/s). First (unless
+``--no-ceiling``), the read ceiling: the same bytes loaded in
 the same tiles and summed, no attention (``read_ceiling``), and torch's sum over the whole cache.
 
 ``--gemms``: the decode step's matmuls at ``M = slots`` rows, as the engine runs them (Q, K, V separately;
@@ -58,8 +63,11 @@ def bench_us(fn, iters: int = 50) -> float:
 def attention(args) -> None:
     import torch
 
-    from posttrain.plugins.engines.local.decode_kernel import decode_attention
+    from posttrain.plugins.engines.local import decode_kernel
 
+    kernels = {"posttrain": decode_kernel}  # name -> a module with decode_attention (and Rope)
+    for path in filter(None, args.kernel_files.split(",")):
+        kernels[path] = kernel_module(path)
     nb, hkv, g, d, span = args.slots, 8, 2, 128, args.mean_context + 256
     dev = torch.device("cuda")
     k = torch.randn(nb, hkv, span, d, dtype=torch.bfloat16, device=dev)
@@ -77,26 +85,50 @@ def attention(args) -> None:
     if args.write_new:  # the engine's call: the kernel also writes this step's K/V row at lengths - 1
         new = {"k_new": torch.randn(nb, hkv, d, dtype=torch.bfloat16, device=dev),
                "v_new": torch.randn(nb, hkv, d, dtype=torch.bfloat16, device=dev)}
-    read_ceiling(k, v, lengths, bound_us, args)
+    rope = None
+    if args.rope:  # Qwen3's Q/K norms and the rotary applied by the kernel (the engine's default on a GPU)
+        angle = torch.rand(nb, d, device=dev) * 6
+        rope = (angle.cos().to(torch.bfloat16), angle.sin().to(torch.bfloat16),
+                torch.rand(d, device=dev).to(torch.bfloat16) + 0.5, torch.rand(d, device=dev).to(torch.bfloat16) + 0.5)
+    if not args.no_ceiling:
+        read_ceiling(k, v, lengths, bound_us, args)
     groups = [int(p) for p in args.slots_per_program.split(",")]
     # (sequence splits, slots per program): grouped programs run one split
     layouts = [(splits, 1) for splits in ((1, 2, 3) if args.quick else (1, 2, 4))] + [(1, p) for p in groups if p > 1]
     if 1 not in groups:
         layouts = [(1, p) for p in groups]
     grid = ((32, 64, 128), (4, 8), (2, 3)) if args.quick else ((32, 64, 128), (2, 4, 8), (1, 2, 3, 4))
-    for (block, warps, stages), (splits, group) in itertools.product(itertools.product(*grid), layouts):
-        row = {"bench": "decode_attention", "slots": nb, "mean_context": args.mean_context,
+    settings = list(itertools.product(*grid))
+    if args.settings:  # exact launch settings, BLOCKxWARPSxSTAGES
+        settings = [tuple(int(x) for x in one.split("x")) for one in args.settings.split(",")]
+    # each kernel copy in turn for every setting, so the copies are timed back to back
+    for (block, warps, stages), (splits, group), name in itertools.product(settings, layouts, kernels):
+        dk = kernels[name]
+        row = {"bench": "decode_attention", "kernel": name, "slots": nb, "mean_context": args.mean_context,
                "equal_lengths": args.equal_lengths, "shuffled_lengths": args.shuffled_lengths,
-               "write_new": args.write_new, "block_n": block,
+               "write_new": args.write_new, "rope": args.rope, "block_n": block,
                "num_warps": warps, "num_stages": stages, "num_splits": splits, "slots_per_program": group}
+        extra = dict(new, **({"rope": dk.Rope(*rope)} if rope is not None else {}))
         try:
-            us = bench_us(lambda: decode_attention(q, k, v, lengths, 0.088, out=out, num_splits=splits,
-                                                   block_n=block, num_warps=warps, num_stages=stages,
-                                                   slots_per_program=group, **new))
+            us = bench_us(lambda: dk.decode_attention(q, k, v, lengths, 0.088, out=out, num_splits=splits,
+                                                      block_n=block, num_warps=warps, num_stages=stages,
+                                                      slots_per_program=group, **extra))
             row.update(us=us, bound_us=round(bound_us, 2), fraction_of_bound=round(bound_us / us, 3))
         except Exception as exc:  # noqa: BLE001 - a setting that does not fit (shared memory) is reported
             row["error"] = repr(exc)[:200]
         print(json.dumps(row), flush=True)
+
+
+def kernel_module(path: str):
+    """Another copy of ``decode_kernel.py`` (a candidate edit, or the last commit's) loaded as a module of its own
+    from ``path``, for ``--kernel-files``: its kernels compile apart from the installed ones."""
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location(f"decode_kernel_{pathlib.Path(path).stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def read_ceiling(k, v, lengths, bound_us: float, args) -> None:
@@ -286,6 +318,13 @@ def main() -> None:
     ap.add_argument("--shuffled-lengths", action="store_true",
                     help="--attention: the spread of lengths in random slot order (neighbouring slots differ)")
     ap.add_argument("--write-new", action="store_true", help="--attention: the kernel also writes the step's K/V")
+    ap.add_argument("--rope", action="store_true",
+                    help="--attention with --write-new: the kernel also norms and rotates q and the new key (Qwen3)")
+    ap.add_argument("--settings", default="", help="--attention: launch settings BLOCKxWARPSxSTAGES, comma-separated "
+                                                   "(instead of the grid)")
+    ap.add_argument("--kernel-files", default="", help="--attention: other copies of decode_kernel.py, comma-separated, "
+                                                       "timed beside the installed one")
+    ap.add_argument("--no-ceiling", action="store_true", help="--attention: skip the read ceiling")
     ap.add_argument("--slots-per-program", default="1",
                     help="--attention: comma-separated slots per program (decode_attention(slots_per_program=)); "
                          "without 1 in the list, only grouped layouts are timed")

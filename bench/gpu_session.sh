@@ -62,6 +62,18 @@
 #             positions copied in every step, the defaults again (call 4 of 2026-12-04 also ran a host mailbox,
 #             since measured, found to corrupt an in-flight step at a mid-run capture, and removed: RESULTS.md)
 #   decode17n decode at the benchmark shape with the new defaults and with the rotary apart, then colocated5
+#   decode17o the decode kernel's GPU tests, the decode attention alone with the rotary and without at the benchmark
+#             shape (eight slots a program, three and four stages; BASELINE_KERNEL=path: another decode_kernel.py timed
+#             beside it, setting by setting), decode at the benchmark shape: the defaults, the rotary apart, four
+#             attention stages, the defaults again
+#   attention17 the decode kernel's GPU tests, the decode attention alone at the benchmark shape with the rotary
+#             (ATTN_SETTINGS: launches BLOCKxWARPSxSTAGES, ATTN_GROUPS: slots per program; BASELINE_KERNEL as decode17o), then decode at the
+#             benchmark shape (VARIANTS, default the defaults) with the device's clocks sampled
+#   decode17p the kernels' and the engine's GPU tests, decode at the benchmark shape: the defaults (a prefill's K/V
+#             written by one Triton launch a layer), torch's copies instead, a GIL switch interval of 0.1 ms, the
+#             defaults again (the device's clocks sampled)
+#   decode17q decode at the benchmark shape with the defaults twice (answered requests freed after the answers), then
+#             colocated5
 #   ragged17  the decode attention over lengths spread +-128 in random slot order (mean 256 and 1024), one slot a
 #             program against four and eight
 #   autotune17 decode at the benchmark shape with inductor's max-autotune (Triton matmul templates against cuBLAS)
@@ -113,14 +125,29 @@ e2e() {  # the run stops itself 15 s before the step's limit and reports the ste
 }
 engine_tests() {  # the kernels' and the engine's GPU tests (the decode parts' common first steps)
   step kernel_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
-    tests/unit/rollout/test_decode_kernel.py tests/unit/rollout/test_sampling_kernel.py
+    tests/unit/rollout/test_decode_kernel.py tests/unit/rollout/test_sampling_kernel.py tests/unit/rollout/test_cache_write.py
   step engine_gpu_tests 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/rollout/test_rollout_gpu.py \
     tests/unit/rollout/test_decode_variants.py tests/unit/rollout/test_engine_overlap.py \
     tests/unit/rollout/test_fused_projections.py
 }
 bench_shape() {  # bench_shape NAME VARIANTS: decode at the benchmark shape, variants back to back on one model
+  # (the GPU's clocks, power and throttle reasons sampled every 100 ms meanwhile, summarized after: what the device
+  # ran at, read only)
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
+    --format=csv,noheader,nounits -lms 100 > "$LOGS/smi_$1.csv" 2>/dev/null & local smi=$!
   step "$1" ${ROLLOUT_S:-200} python3 bench/rollout.py --device cuda --shape qwen3-1.7b --prompts 256 \
     --prompt-len 128 --new-tokens 256 --skip-hf --profile --variants "${VARIANTS:-$2}" ${KT:-}
+  kill $smi 2>/dev/null
+  python3 - "$LOGS/smi_$1.csv" <<'PY' || true
+import collections, statistics, sys
+rows = [[x.strip() for x in l.split(",")] for l in open(sys.argv[1]) if l.count(",") >= 5]
+busy = [r for r in rows if float(r[3]) > 200]  # samples under load (W)
+if busy:
+    sm = [float(r[1]) for r in busy]
+    print(f"smi under load: {len(busy)} samples, SM MHz min {min(sm):.0f} median {statistics.median(sm):.0f} max {max(sm):.0f}, "
+          f"memory MHz {busy[0][2]}, power W max {max(float(r[3]) for r in busy):.0f}, temperature C max "
+          f"{max(float(r[4]) for r in busy):.0f}, throttle reasons {dict(collections.Counter(r[5] for r in busy))}")
+PY
 }
 PARTS=(); for p in "$@"; do if [ "$p" = moe ]; then PARTS+=(moe_train moe_rollout moe_grpo); else PARTS+=("$p"); fi; done
 for part in "${PARTS[@]}"; do case $part in
@@ -269,6 +296,24 @@ why = vmm_supported(0); print('vmm:', why or 'supported'); raise SystemExit(1 if
              KT="--kernel-tables $LOGS/kernels" bench_shape rollout_j triton+compile,triton+compile+ropeapart,triton+compile
              head -n 32 "$LOGS/kernels/triton+compile.txt" | cut -c1-180
              head -n 32 "$LOGS/kernels/triton+compile+ropeapart.txt" | cut -c1-180 ;;
+  decode17o) step kernel_gpu_tests 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/rollout/test_decode_kernel.py
+             for rope in --rope ""; do
+               step attention_o${rope:+_rope} 150 python3 bench/decode_parts.py --attention --equal-lengths --write-new $rope \
+                 --no-ceiling --slots-per-program 8 --settings 64x4x3,64x4x4 ${BASELINE_KERNEL:+--kernel-files $BASELINE_KERNEL}
+             done
+             bench_shape rollout_o triton+compile,triton+compile+ropeapart,triton+compile+stages4,triton+compile ;;
+  attention17) step kernel_gpu_tests 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/rollout/test_decode_kernel.py
+               step attention_17 150 python3 bench/decode_parts.py --attention --equal-lengths --write-new --rope \
+                 --no-ceiling --slots-per-program ${ATTN_GROUPS:-8} --settings ${ATTN_SETTINGS:-64x4x3} \
+                 ${BASELINE_KERNEL:+--kernel-files $BASELINE_KERNEL}
+               grep -h '^{' "$LOGS/attention_17.log" | python3 -c "import sys, json; rows = [json.loads(l) for l in sys.stdin]; \
+                 [print(r.get('kernel'), r['slots_per_program'], r['block_n'], r['num_warps'], r['num_stages'], r.get('us'), \
+                 r.get('fraction_of_bound'), r.get('error', '')) for r in sorted(rows, key=lambda r: r.get('us', 1e9))]"
+               bench_shape rollout_17 ${VARIANTS:-triton+compile} ;;
+  decode17p) engine_tests
+             bench_shape rollout_p triton+compile,triton+compile+prefillcopy,triton+compile+switch100us,triton+compile ;;
+  decode17q) bench_shape rollout_q triton+compile,triton+compile
+             e2e colocated5 ${COLOCATED5_S:-330} resources.colocate=true rollout.num_rollouts=5 ;;
   decode17n) bench_shape rollout_n triton+compile,triton+compile+ropeapart,triton+compile
              e2e colocated5 ${COLOCATED5_S:-330} resources.colocate=true rollout.num_rollouts=5 ;;
   decode17m) step engine_gpu_tests 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/rollout/test_rollout_gpu.py \

@@ -20,12 +20,14 @@ float32, not the model's dtype as the engine server takes them on a GPU), ``join
 one graph from each attention to the next, or each layer's two halves apart), ``stepsample``/``aftersample``
 (uniform batches sampled inside the decode step's graph, or by the kernel's own launches after it),
 ``combo``/``nocombo`` (Inductor's combo kernels: independent kernels of a compiled part launched as one),
-``stages2``/``stages3`` (pipeline stages of the triton decode attention), ``group1``/``2``/``4``/``8``/``16`` (its slots
-per program), ``block128``, ``warps8`` (its positions per iteration, its warps), ``ropefused``/``ropeapart``
+``stages2``/``stages3``/``stages4`` (pipeline stages of the triton decode attention), ``group1``/``2``/``4``/``8``/``16`` (its slots
+per program), ``block32``/``64``/``128``, ``warps1``/``2``/``4``/``8`` (its positions per iteration, its warps), ``ropefused``/``ropeapart``
 (Qwen3's Q/K norms and the rotary inside the triton attention, or a kernel of their own before it),
 ``pdl``/``nopdl`` (the step's Triton kernels, ours and Inductor's, launched with programmatic dependent launch
 or not), ``inductorpdl`` (Inductor's only, not the attention), ``poshost``/``posdevice`` (the overlapped
-engine copies every step's positions to the device, or not where the last graph moved them on); unnamed
+engine copies every step's positions to the device, or not where the last graph moved them on),
+``prefillcopy``/``prefillkernel`` (a prefill's keys and values into the cache by torch's copies or by one Triton
+launch a layer, ``cache_write``), ``switch100us`` (the timed run under a GIL switch interval of 0.1 ms, not 5); unnamed
 levers take the engine's defaults. A variant that fails prints
 its line with ``error`` and the next one still runs. The HF baseline (unless ``--skip-hf``) runs once,
 first, and its numbers go on every line.
@@ -43,6 +45,9 @@ D2H copy, which waits for the device) and ``step_advance_ms`` (Python bookkeepin
 some kernel or copy ran (below 1: the device waited) and the window per decode step; ``trace_gap_us_per_step``
 (the idle microseconds per step between consecutive device operations, by the names around each gap, top 10)
 and ``trace_op_us_per_step`` (each operation's own time per step, top 10).
+Every line also has where the timed run's wall time went outside the steps (``submit_ms``, ``admit_wait_ms``,
+``between_steps_ms``, ``answer_ms``, ``answer_wake_ms``: :func:`run_outside_steps`) and ``engine_handoff_ms`` (a call
+into the idle engine thread and back).
 ``--kernel-tables DIR`` writes a ``torch.profiler`` op table of a few eager decode steps per variant to
 ``DIR/<variant>.txt`` (inside a CUDA graph the ops are not visible), and one of a prefill batch as the engine
 forms it to ``DIR/<variant>.prefill.txt``.
@@ -70,6 +75,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import threading
 import time
 
@@ -148,8 +154,8 @@ def sync(device: str) -> None:
 
 def run_engine(engine, prompts, new_tokens: int, marks: dict | None = None) -> float:
     """Generate for every prompt; return the wall seconds from the first submit to the last answer
-    (``marks``: also ``start``, ``submitted`` and ``end``, ``perf_counter`` stamps of the first submit, the last
-    submit and the last answer).
+    (``marks``: also ``start``, ``submitted``, ``answered`` and ``end``, ``perf_counter`` stamps of the first submit,
+    the last submit, the last answer's callback in the engine thread and this thread's return from its wait).
 
     The prompts are queued while the engine is paused, so it admits them the same way every run
     (prefill batches of its token budget): the batch buckets then repeat run to run, and the warm-up
@@ -159,11 +165,12 @@ def run_engine(engine, prompts, new_tokens: int, marks: dict | None = None) -> f
 
     params = parse_sampling({"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True})
     done = threading.Event()  # set by the last answer: one wake-up, not one GIL hand-off per answer
-    lengths = []
+    lengths, stamps = [], {}
 
     def finished(out):
         lengths.append(len(out["output_ids"]))
         if len(lengths) == len(prompts):
+            stamps["answered"] = time.perf_counter()
             done.set()
 
     engine.pause(mode="in_place")
@@ -176,22 +183,30 @@ def run_engine(engine, prompts, new_tokens: int, marks: dict | None = None) -> f
     end = time.perf_counter()
     elapsed = end - start
     if marks is not None:
-        marks.update(start=start, submitted=submitted, end=end)
+        marks.update(start=start, submitted=submitted, end=end, answered=stamps["answered"])
     assert all(n == new_tokens for n in lengths), "every request must produce new_tokens tokens"
     return elapsed
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def run_outside_steps(stats, marks: dict) -> dict:
     """Where a timed run's wall time went outside the engine's steps, in ms: ``submit_ms`` (the submits),
     ``admit_wait_ms`` (the last submit to the first prefill), ``between_steps_ms`` (the engine's loop between
-    its steps: the span from the first prefill to the last step less their own times) and ``answer_ms`` (the
-    last step's end to the last answer)."""
+    its steps: the span from the first prefill to the last step less their own times), ``answer_ms`` (the
+    last step's end to the last answer) and of it ``answer_wake_ms`` (the last answer's callback to the waiting
+    thread's return)."""
     if not stats.started:
         return {}
     inside = stats.prefill_s + stats.decode_s
     ms = lambda s: round(1e3 * s, 2)  # noqa: E731
     return {"submit_ms": ms(marks["submitted"] - marks["start"]), "admit_wait_ms": ms(stats.started - marks["submitted"]),
-            "between_steps_ms": ms(stats.ended - stats.started - inside), "answer_ms": ms(marks["end"] - stats.ended)}
+            "between_steps_ms": ms(stats.ended - stats.started - inside), "answer_ms": ms(marks["end"] - stats.ended),
+            "answer_wake_ms": ms(marks["end"] - marks["answered"])}
 
 
 def run_hf(model, prompts, new_tokens: int, device: str) -> float:
@@ -224,10 +239,14 @@ VARIANT_WORDS = {"sdpa": {"decode_attention": "sdpa"}, "bmm": {"decode_attention
                  "combo": {"combo_kernels": True}, "nocombo": {"combo_kernels": False},
                  "stages2": {"attention_launch": {"num_stages": 2}}, "stages3": {"attention_launch": {"num_stages": 3}},
                  **{f"group{p}": {"attention_launch": {"slots_per_program": p}} for p in (1, 2, 4, 8, 16)},
-                 "block128": {"attention_launch": {"block_n": 128}}, "warps8": {"attention_launch": {"num_warps": 8}},
+                 **{f"block{n}": {"attention_launch": {"block_n": n}} for n in (32, 64, 128)},
+                 **{f"warps{w}": {"attention_launch": {"num_warps": w}} for w in (1, 2, 4, 8)},
                  "ropefused": {"rope_in_attention": True}, "ropeapart": {"rope_in_attention": False},
+                 "stages4": {"attention_launch": {"num_stages": 4}},
                  "pdl": {"pdl": True}, "nopdl": {"pdl": False}, "inductorpdl": {"pdl": True, "attention_launch": {"pdl": False}},
-                 "poshost": {"device_positions": False}, "posdevice": {"device_positions": True}}
+                 "poshost": {"device_positions": False}, "posdevice": {"device_positions": True},
+                 "prefillcopy": {"prefill_kv_kernel": False}, "prefillkernel": {"prefill_kv_kernel": True},
+                 "switch100us": {"switch_interval": 1e-4}}
 ENGINE_OPTIONS = ("overlap", "fused_sampling", "prefill_tokens", "sample_in_step",
                   "device_positions")  # LocalEngine's; the rest are ModelRunner's
 
@@ -472,7 +491,7 @@ def bench_variant(model, prompts: list[list[int]], args, name: str, opts: dict, 
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     context = args.prompt_len + args.new_tokens + 1
     position = args.prompt_len + args.new_tokens // 2  # the run's mean context, for the profile
-    runner_opts = {k: v for k, v in opts.items() if k not in ENGINE_OPTIONS}
+    runner_opts = {k: v for k, v in opts.items() if k not in ENGINE_OPTIONS and k != "switch_interval"}
     runner_opts.setdefault("float_logits", not args.device.startswith("cuda"))  # as the engine server runs it
     runner = ModelRunner(None, device=args.device, dtype=dtype, max_slots=args.prompts, context_length=context,
                          model=model, **runner_opts)
@@ -480,7 +499,8 @@ def bench_variant(model, prompts: list[list[int]], args, name: str, opts: dict, 
     out.update(overlap=engine.overlap, fused_groups=runner.fused_groups, prefill_tokens=engine.prefill_tokens,
                attention_writes_kv=runner.attention_writes_kv, fused_sampling=engine.fused_sampling,
                sample_in_step=engine.sample_in_step, join_layers=runner.join_layers,
-               rope_in_attention=runner.rope_in_attention, inductor_pdl=runner.pdl)
+               rope_in_attention=runner.rope_in_attention, inductor_pdl=runner.pdl,
+               prefill_kv_kernel=runner.prefill_kv_kernel)
     try:
         start = time.perf_counter()
         run_engine(engine, prompts, min(args.new_tokens, 8))  # warm-up: kernels, allocator, graphs, compiles
@@ -488,7 +508,17 @@ def bench_variant(model, prompts: list[list[int]], args, name: str, opts: dict, 
         out["warmup_s"] = round(time.perf_counter() - start, 3)
         engine.call_in_engine(engine.stats.reset)
         marks: dict = {}
-        engine_s = run_engine(engine, prompts, args.new_tokens, marks)
+        switch = sys.getswitchinterval()
+        if opts.get("switch_interval"):  # the interpreter's GIL switch interval for the timed run only
+            sys.setswitchinterval(opts["switch_interval"])
+        try:
+            engine_s = run_engine(engine, prompts, args.new_tokens, marks)
+        finally:
+            sys.setswitchinterval(switch)
+        # a hand-off to the idle engine thread and back (call_in_engine), median of 5: the wake-up latency that
+        # answer_wake_ms also pays
+        out["engine_handoff_ms"] = round(1e3 * sorted(_timed(lambda: engine.call_in_engine(lambda: None))
+                                                       for _ in range(5))[2], 3)
         out.update(engine_s=round(engine_s, 3), engine_tok_s=round(len(prompts) * args.new_tokens / engine_s, 1))
         out.update(run_outside_steps(engine.call_in_engine(lambda: engine.stats), marks))
         if runner.moe_top_k:  # the routing of the run's last decode step: how many experts it read

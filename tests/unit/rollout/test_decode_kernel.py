@@ -348,7 +348,8 @@ INTERPRETED = textwrap.dedent("""
     rotated = [  # nb, H, Hkv, D, span, splits, slots per program, dtype, Q/K norms: raw q and k_new, rotated in
         (3, 4, 2, 64, 70, None, None, torch.float32, True), (5, 8, 8, 32, 50, 1, None, torch.float32, False),
         (4, 8, 2, 32, 100, 3, None, torch.float32, True), (9, 16, 8, 64, 60, 1, 8, torch.float32, True),
-        (7, 12, 4, 32, 40, 1, 4, torch.float16, False), (6, 4, 1, 64, 45, 2, None, torch.float16, True)]
+        (7, 12, 4, 32, 40, 1, 4, torch.float16, False), (6, 4, 1, 64, 45, 2, None, torch.float16, True),
+        (5, 8, 4, 48, 60, None, None, torch.float32, True), (9, 8, 4, 48, 30, 1, 4, torch.float32, True)]  # D < tile
     for nb, heads, hkv, d, span, splits, group, dtype, norms in rotated:
         k, v = torch.randn(nb, hkv, span, d).to(dtype), torch.randn(nb, hkv, span, d).to(dtype)
         q = torch.randn(nb, heads, 1, d).to(dtype)

@@ -198,3 +198,63 @@ def test_overlap_reports_the_routed_experts_of_the_tokens_read_and_no_more(tmp_p
         assert a["output_ids"] == b["output_ids"]
         assert routed(a).shape[0] == len(prompt) + len(a["output_ids"]) - 1
         assert (routed(a) == routed(b)).all()
+
+
+def test_a_paused_engine_is_woken_by_resume_not_by_each_submit(runner):
+    """Requests queued while paused wait for ``resume()``, which wakes the engine once for all of them (a
+    wake per submit hands the GIL to the engine thread and back 256 times in a benchmark's submits)."""
+
+    class CountingEvent(threading.Event):
+        sets = 0
+
+        def set(self):
+            CountingEvent.sets += 1
+            super().set()
+
+    engine = LocalEngine(runner, None, [0], overlap=True)
+    answered, done = [], threading.Event()
+    try:
+        engine.pause(mode="in_place")
+        engine._wake = CountingEvent()
+        for i, p in enumerate(PROMPTS[:4]):
+            engine.submit(p, RequestSampling(max_new_tokens=3, temperature=0.0, ignore_eos=True), False,
+                          lambda out: (answered.append(out), len(answered) == 4 and done.set()), rid=f"r{i}")
+        assert CountingEvent.sets == 0 and engine.paused
+        engine.resume()
+        assert done.wait(60)
+        assert CountingEvent.sets >= 1 and all(len(o["output_ids"]) == 3 for o in answered)
+        engine.submit(PROMPTS[0], RequestSampling(max_new_tokens=1), False, lambda out: None)
+        assert CountingEvent.sets >= 2  # a running engine is woken by a submit again
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_answered_requests_are_freed_after_the_answers_not_kept(runner, overlap):
+    """The engine holds answered requests past their answers (freeing a batch's token lists holds the GIL, which
+    delayed the waiting thread) and drops them at the next step's launch or once idle: none is kept for good."""
+    import time
+    import weakref
+
+    engine = LocalEngine(runner, None, [0], overlap=overlap)
+    refs, held, done = [], [], threading.Event()
+
+    def on_done(out):  # in the engine thread; the three (one per slot) finish in one step
+        refs.append(len(out["output_ids"]))
+        if len(refs) == 3:
+            held.extend(weakref.ref(r) for r in engine._answered)
+            done.set()
+
+    try:
+        engine.pause(mode="in_place")  # admitted together, so they finish together
+        for p in PROMPTS[:3]:
+            engine.submit(p, RequestSampling(max_new_tokens=4, temperature=0.0, ignore_eos=True), False, on_done)
+        engine.resume()
+        assert done.wait(60) and refs == [4, 4, 4]
+        assert len(held) == 2, "the requests answered before the last are still held when it is answered"
+        deadline = time.monotonic() + 10
+        while any(r() is not None for r in held) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert all(r() is None for r in held), "an answered request was never freed"
+    finally:
+        engine.shutdown()

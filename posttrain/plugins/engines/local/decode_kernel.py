@@ -32,7 +32,7 @@ never NaN); lengths past the cache view's span are clamped to it.
   1.6% slower (the groups' sums differ, and one wave of programs waits for its longest), at 1024 positions
   0.9% faster (bench/RESULTS.md).
 - ``rope=`` (:class:`Rope`): ``q`` and ``k_new`` come raw from the projections, and the kernels RMS-norm (Qwen3's
-  per-head Q/K norms) and rotate them as they load them (:func:`_load_rows`), so the decode step needs no
+  per-head Q/K norms) and rotate them as they load them (:func:`_rows`, :func:`_rotated`), so the decode step needs no
   kernel of its own for that (``ModelRunner(rope_in_attention=)``).
 - :func:`decode_attention_reference`: the same function in plain torch (float32 math), for CPU and as the
   fallback where Triton or CUDA is missing.
@@ -79,30 +79,52 @@ def triton_available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _load_rows(X, row_off, offs_d, mask, COS, SIN, cs_off, stride_cd, W, norm_eps, stride_xd,
-                   HEAD_D: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr):
-        """Rows of ``X`` starting at element offsets ``row_off`` ``[R]``: an ``[R, BLOCK_D]`` tile in ``X``'s dtype.
-        With ``ROPE`` each row is first RMS-normed over its head (``QK_NORM``: weight ``W`` ``[D]``, rounded to
-        ``X``'s dtype after the scaling, as the checkpoint's norm rounds) and rotated: ``x * cos + rotate_half(x)
-        * sin`` with ``rotate_half(x)[d] = -x[d + D/2]`` below ``D/2`` and ``x[d - D/2]`` above, ``cos``/``sin``
-        the row's ``[D]`` at ``cs_off``; float32 math, one rounding at the end."""
+    def _rows(X, row_off, offs_d, mask, stride_xd, HEAD_D: tl.constexpr, ROPE: tl.constexpr):
+        """Rows of ``X`` starting at element offsets ``row_off`` ``[R]``: an ``[R, BLOCK_D]`` tile in ``X``'s dtype,
+        and with ``ROPE`` a second one of each lane's ``rotate_half`` partner (``x[d + D/2]`` below ``D/2``,
+        ``x[d - D/2]`` above; else the same tile). The partner's offsets are written as a sum whose halves are
+        contiguous, so both tiles load in 16-byte vectors (``(d + D/2) % D`` loaded one element at a time)."""
         x = tl.load(X + row_off[:, None] + offs_d[None, :] * stride_xd, mask=mask, other=0.0)
+        xp = x
         if ROPE:
             half = HEAD_D // 2
-            partner = (offs_d + half) % HEAD_D  # the lane rotate_half pairs with d
-            xf = x.to(tl.float32)
-            xp = tl.load(X + row_off[:, None] + partner[None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
-            if QK_NORM:
-                rstd = tl.rsqrt(tl.sum(xf * xf, 1) / HEAD_D + norm_eps)
-                w = tl.load(W + offs_d, mask=offs_d < HEAD_D, other=0.0).to(tl.float32)
-                wp = tl.load(W + partner, mask=offs_d < HEAD_D, other=0.0).to(tl.float32)
-                xf = (xf * rstd[:, None]).to(x.dtype).to(tl.float32) * w[None, :]
-                xp = (xp * rstd[:, None]).to(x.dtype).to(tl.float32) * wp[None, :]
-            cos = tl.load(COS + cs_off[:, None] + offs_d[None, :] * stride_cd, mask=mask, other=0.0).to(tl.float32)
-            sin = tl.load(SIN + cs_off[:, None] + offs_d[None, :] * stride_cd, mask=mask, other=0.0).to(tl.float32)
-            sign = tl.where(offs_d < half, -1.0, 1.0)
-            x = (xf * cos + sign[None, :] * xp * sin).to(x.dtype)
-        return x
+            partner = offs_d + half - HEAD_D * (offs_d >= half).to(tl.int32)
+            xp = tl.load(X + row_off[:, None] + partner[None, :] * stride_xd, mask=mask, other=0.0)
+        return x, xp
+
+    @triton.jit
+    def _rotary_operands(COS, SIN, cs_off, stride_cd, W, offs_r, offs_d, mask, HEAD_D: tl.constexpr,
+                         QK_NORM: tl.constexpr):
+        """The rotary's ``cos``/``sin`` rows at ``cs_off`` ``[R]`` (``[R, BLOCK_D]`` float32) and, with ``QK_NORM``,
+        the norm weight ``W`` ``[D]`` at every lane and at its partner's (``[R, BLOCK_D]`` float32 each, loaded in
+        the tile's own layout: a ``[D]`` vector would be moved into it through shared memory)."""
+        cos = tl.load(COS + cs_off[:, None] + offs_d[None, :] * stride_cd, mask=mask, other=0.0).to(tl.float32)
+        sin = tl.load(SIN + cs_off[:, None] + offs_d[None, :] * stride_cd, mask=mask, other=0.0).to(tl.float32)
+        w = cos
+        wp = cos
+        if QK_NORM:
+            half = HEAD_D // 2
+            partner = offs_d + half - HEAD_D * (offs_d >= half).to(tl.int32)
+            lanes = mask & (offs_d < HEAD_D)[None, :]
+            w = tl.load(W + offs_d[None, :] + 0 * offs_r[:, None], mask=lanes, other=0.0).to(tl.float32)
+            wp = tl.load(W + partner[None, :] + 0 * offs_r[:, None], mask=lanes, other=0.0).to(tl.float32)
+        return cos, sin, w, wp
+
+    @triton.jit
+    def _rotated(x, xp, cos, sin, w, wp, norm_eps, offs_d, HEAD_D: tl.constexpr, QK_NORM: tl.constexpr):
+        """Rows ``x`` (partners ``xp``, from :func:`_rows`) RMS-normed over their head (``QK_NORM``: weight ``w``,
+        rounded to ``x``'s dtype after the scaling, as the checkpoint's norm rounds) and rotated: ``x * cos +
+        rotate_half(x) * sin`` with ``rotate_half(x)[d] = -x[d + D/2]`` below ``D/2`` and ``x[d - D/2]`` above;
+        float32 math, one rounding at the end. The operands are loaded before (:func:`_rotary_operands`), with
+        every other load of the program, so their latencies overlap."""
+        xf = x.to(tl.float32)
+        xpf = xp.to(tl.float32)
+        if QK_NORM:
+            rstd = tl.rsqrt(tl.sum(xf * xf, 1) / HEAD_D + norm_eps)
+            xf = (xf * rstd[:, None]).to(x.dtype).to(tl.float32) * w
+            xpf = (xpf * rstd[:, None]).to(x.dtype).to(tl.float32) * wp
+        sign = tl.where(offs_d < HEAD_D // 2, -1.0, 1.0)
+        return (xf * cos + sign[None, :] * xpf * sin).to(x.dtype)
 
     @triton.jit(do_not_specialize=["span", "chunk"])
     def _decode_kernel(Q, K, V, LENS, OUT, PART_ACC, PART_M, PART_L, KN, VN, COS, SIN, QW, KW, norm_eps,
@@ -123,7 +145,7 @@ if triton is not None:
         the loaded tiles cost the tiles their path from shared memory into ``tl.dot``, 76 -> 119 us per
         layer on an H200); the chunk holding it starts its online softmax from it, from registers, and
         stores it into the cache. ``ROPE``: ``Q`` and ``KN`` are raw projections, normed and rotated here
-        (:func:`_load_rows`). Everything the step's own rows need is loaded first, with the length, so their
+        (:func:`_rows`, :func:`_rotated`). Everything the step's own rows need is loaded first, with the length, so their
         latencies overlap and nothing waits on memory after the loop. ``PDL``: the kernel is launched while
         the one before it drains (programmatic dependent launch) and reads the lengths (written by earlier
         kernels) before it waits for that one's outputs (``q``, ``k_new``, ``v_new``)."""
@@ -145,15 +167,21 @@ if triton is not None:
             tl.extra.cuda.gdc_wait()
         # 64-bit slot/head base offsets: across the whole cache they can pass 2**31 elements; the offsets
         # inside one (slot, head) are small (checked on the host)
-        cs_off = slot.to(tl.int64) * stride_cb + 0 * offs_g  # the slot's cos/sin row, for every query row
-        q = _load_rows(Q, slot.to(tl.int64) * stride_qb + head * stride_qh, offs_d, tile, COS, SIN, cs_off, stride_cd,
-                       QW, norm_eps, stride_qd, HEAD_D=HEAD_D, ROPE=ROPE, QK_NORM=QK_NORM)
+        q, q_partner = _rows(Q, slot.to(tl.int64) * stride_qb + head * stride_qh, offs_d, tile, stride_qd,
+                             HEAD_D=HEAD_D, ROPE=ROPE)
         if WRITE_NEW:  # this step's key in every row ([G_PAD, BLOCK_D], rows alike) and value ([BLOCK_D])
-            k_new = _load_rows(KN, slot.to(tl.int64) * stride_knb + kvh * stride_knh + 0 * offs_g, offs_d, tile, COS,
-                               SIN, cs_off, stride_cd, KW, norm_eps, stride_knd, HEAD_D=HEAD_D, ROPE=ROPE,
-                               QK_NORM=QK_NORM)
+            k_new, k_partner = _rows(KN, slot.to(tl.int64) * stride_knb + kvh * stride_knh + 0 * offs_g, offs_d, tile,
+                                     stride_knd, HEAD_D=HEAD_D, ROPE=ROPE)
             v_new = tl.load(VN + slot.to(tl.int64) * stride_vnb + kvh * stride_vnh + offs_d * stride_vnd,
                             mask=mask_d, other=0.0)
+        if ROPE:  # every operand loaded above and here before any math: one memory latency, not one per stage
+            cs_off = slot.to(tl.int64) * stride_cb + 0 * offs_g  # the slot's cos/sin row, for every query row
+            cos, sin, qw, qwp = _rotary_operands(COS, SIN, cs_off, stride_cd, QW, offs_g, offs_d, tile, HEAD_D=HEAD_D,
+                                                 QK_NORM=QK_NORM)
+            _, _, kw, kwp = _rotary_operands(COS, SIN, cs_off, stride_cd, KW, offs_g, offs_d, tile, HEAD_D=HEAD_D,
+                                             QK_NORM=QK_NORM)
+            q = _rotated(q, q_partner, cos, sin, qw, qwp, norm_eps, offs_d, HEAD_D=HEAD_D, QK_NORM=QK_NORM)
+            k_new = _rotated(k_new, k_partner, cos, sin, kw, kwp, norm_eps, offs_d, HEAD_D=HEAD_D, QK_NORM=QK_NORM)
         length = tl.minimum(tl.maximum(length, 0), span)
         lo = split * chunk
         hi_all = tl.minimum(lo + chunk, length)
@@ -245,14 +273,20 @@ if triton is not None:
         slot_lens = tl.load(LENS + group * P + offs_p, mask=group * P + offs_p < nb, other=0).to(tl.int32)
         if PDL:  # launched early (programmatic dependent launch): wait for the kernel that wrote q, k_new, v_new
             tl.extra.cuda.gdc_wait()
-        q = _load_rows(Q, row_slot64 * stride_qb + head * stride_qh, offs_d, tile, COS, SIN, row_slot64 * stride_cb,
-                       stride_cd, QW, norm_eps, stride_qd, HEAD_D=HEAD_D, ROPE=ROPE, QK_NORM=QK_NORM)
+        q, q_partner = _rows(Q, row_slot64 * stride_qb + head * stride_qh, offs_d, tile, stride_qd, HEAD_D=HEAD_D,
+                             ROPE=ROPE)
         if WRITE_NEW:
-            k_new = _load_rows(KN, row_slot64 * stride_knb + kvh * stride_knh, offs_d, tile, COS, SIN,
-                               row_slot64 * stride_cb, stride_cd, KW, norm_eps, stride_knd, HEAD_D=HEAD_D, ROPE=ROPE,
-                               QK_NORM=QK_NORM)
+            k_new, k_partner = _rows(KN, row_slot64 * stride_knb + kvh * stride_knh, offs_d, tile, stride_knd,
+                                     HEAD_D=HEAD_D, ROPE=ROPE)
             v_new = tl.load(VN + row_slot64[:, None] * stride_vnb + kvh * stride_vnh + offs_d[None, :] * stride_vnd,
                             mask=tile, other=0.0)
+        if ROPE:  # every operand loaded above and here before any math: one memory latency, not one per stage
+            cos, sin, qw, qwp = _rotary_operands(COS, SIN, row_slot64 * stride_cb, stride_cd, QW, offs_r, offs_d, tile,
+                                                 HEAD_D=HEAD_D, QK_NORM=QK_NORM)
+            _, _, kw, kwp = _rotary_operands(COS, SIN, row_slot64 * stride_cb, stride_cd, KW, offs_r, offs_d, tile,
+                                             HEAD_D=HEAD_D, QK_NORM=QK_NORM)
+            q = _rotated(q, q_partner, cos, sin, qw, qwp, norm_eps, offs_d, HEAD_D=HEAD_D, QK_NORM=QK_NORM)
+            k_new = _rotated(k_new, k_partner, cos, sin, kw, kwp, norm_eps, offs_d, HEAD_D=HEAD_D, QK_NORM=QK_NORM)
         lens = tl.minimum(tl.maximum(lens, 0), span)
         # per slot of the group: the cache positions it reads, its blocks, where its blocks start in the loop
         slot_his = tl.minimum(tl.maximum(slot_lens, 0), span)

@@ -69,6 +69,7 @@ class LocalEngine:
         self._abort_rids: set[str] = set()
         self._abort_all = False
         self._paused = False
+        self._held = False  # pause() asked for and no resume() since: a submit need not wake the engine (resume does)
         self._calls: queue.Queue = queue.Queue()
         self._wake = threading.Event()
         self._stop = False
@@ -78,6 +79,10 @@ class LocalEngine:
         self._ids = itertools.count()
         self._rid_prefix = uuid.uuid4().hex[:16]
         self._texts: dict[tuple, str] = {}  # decoded text of short outputs (a one-token answer decodes once)
+        # answered requests, freed after the next step's launch or once idle (release_answered): freeing a batch's
+        # token lists (256 x 512 Python numbers) holds the GIL for milliseconds, which right after the answers
+        # delayed the thread waiting for them by 3-5 ms on an H200's host
+        self._answered: list[Request] = []
         self._thread.start()
 
     # -- public, any thread ---------------------------------------------------------------------
@@ -93,7 +98,8 @@ class LocalEngine:
         req = Request(rid, list(prompt_ids), sampling, return_logprob, on_done, logprob_start_len,
                       return_routed_experts=return_routed_experts)
         self._inbox.put(req)
-        self._wake.set()
+        if not self._held:  # a paused engine only moves it to its queue: resume() wakes it once for all
+            self._wake.set()
         return rid
 
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
@@ -105,11 +111,13 @@ class LocalEngine:
         """Stop stepping. ``abort`` ends in-flight requests first; ``in_place``/``retract`` keep them."""
         if mode == "abort":
             self.abort(abort_all=True)
+        self._held = True
         self._inbox.put(("pause", True))
         self._wake.set()
         self.call_in_engine(lambda: None)  # returns once the engine has taken the pause
 
     def resume(self) -> None:
+        self._held = False
         self._inbox.put(("pause", False))
         self._wake.set()
 
@@ -160,6 +168,7 @@ class LocalEngine:
                 self._land_inflight()
                 self._wake.wait(0.05)
                 self._wake.clear()
+                self.release_answered()
                 continue
             try:
                 self._admit()
@@ -177,6 +186,11 @@ class LocalEngine:
                     self._complete(req)
                 self._waiting.clear()
             self.steps += 1
+
+    def release_answered(self) -> None:
+        """Drop the engine's last references to answered requests (engine thread: after a launch, while the device
+        works, or when idle)."""
+        self._answered.clear()
 
     def _land_inflight(self) -> None:
         if self._overlap is not None:
@@ -272,6 +286,7 @@ class LocalEngine:
             return self._overlap.step()
         import torch
 
+        self.release_answered()
         t0 = time.perf_counter()
         slots = sorted(self._running)
         reqs = [self._running[s] for s in slots]
@@ -426,6 +441,7 @@ class LocalEngine:
             req.on_done(result)
         except Exception:  # the waiter went away (client disconnected): nothing to deliver to
             pass
+        self._answered.append(req)
 
     def _decode_text(self, ids: list[int], skip_special_tokens: bool) -> str:
         """``tokenizer.decode(ids)``, remembered for outputs of up to 2 tokens (bounded by vocab^2 keys;

@@ -43,6 +43,7 @@ The layer parts are in ``layers``, the decode attention paths in ``attention``.
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ import torch.nn.functional as F
 
 from posttrain.plugins.engines.local import graphs
 from posttrain.plugins.engines.local.attention import checked_launch, step_attention
+from posttrain.plugins.engines.local.cache_write import as_words, write_prompt_kv, write_prompt_kv_reference  # noqa: F401
 from posttrain.plugins.engines.local.fused import Fused, fuse_layers, layer_parts
 from posttrain.plugins.engines.local.layers import (embed_and_rotary, finish_layer, finish_then_head, finish_then_project,
                                                    finish_then_project_raw, project_qkv, project_raw,
@@ -115,18 +117,6 @@ def inductor_pdl_supported(device: torch.device) -> bool:
     return hasattr(inductor_config.triton, "enable_pdl") and pdl_supported(device)
 
 
-def as_words(x: torch.Tensor) -> torch.Tensor:
-    """``x`` viewed as 8-byte words along its last dimension where that dimension is contiguous and whole
-    words long, else ``x``: a strided copy then moves 8 bytes per element instead of 2 (bf16). The prefill's
-    K/V writes into the slot cache (``[n, Hkv, T, D]`` views of ``[n, T, Hkv, D]`` projections) are such copies."""
-    if x.dim() and x.stride(-1) == 1 and (x.shape[-1] * x.element_size()) % 8 == 0 and x.element_size() < 8:
-        try:
-            return x.view(torch.int64)
-        except RuntimeError:  # strides or offset not whole words
-            pass
-    return x
-
-
 def _raise_recompile_limit(shapes: int) -> None:
     """Dynamo stops compiling a function after ``recompile_limit`` versions (8 by default) and runs it
     eagerly from then on; decode needs one per batch bucket (10 for 512 slots), and runners of other
@@ -165,7 +155,7 @@ class ModelRunner:
                  fuse_projections: bool | None = None, attention_writes_kv: bool | None = None,
                  float_logits: bool = True, join_layers: bool | None = None, combo_kernels: bool | None = None,
                  attention_launch: dict | None = None, rope_in_attention: bool | None = None,
-                 pdl: bool = False):
+                 pdl: bool = False, prefill_kv_kernel: bool | None = None):
         """``decode_attention``: ``"sdpa"``, ``"bmm"``, ``"triton"`` (see the module docstring) or ``"auto"``
         (``triton`` on CUDA when Triton imports, else ``sdpa``); ``compile``:
         ``torch.compile`` the per-layer decode parts, with Inductor ``compile_mode`` (``"default"`` or
@@ -191,7 +181,9 @@ class ModelRunner:
         kernels (the decode attention, with ``compile`` Inductor's) launched with programmatic dependent launch
         where supported (``decode_kernel.pdl_supported``: Hopper or newer), each starting while the kernel
         before it drains; an ``attention_launch`` ``pdl`` key decides for the attention alone. Off: after
-        cuBLAS's matmuls the gaps grew on an H200 (bench/RESULTS.md)."""
+        cuBLAS's matmuls the gaps grew on an H200 (bench/RESULTS.md); ``prefill_kv_kernel``: a prefill's keys and
+        values go into the slot cache through one Triton launch per layer (``cache_write.write_prompt_kv``; None: where
+        it runs, CUDA with Triton), else torch's copies."""
         from transformers import AutoModelForCausalLM
 
         if decode_attention == "auto":  # the measured fastest on an H200 (bench/RESULTS.md)
@@ -247,6 +239,11 @@ class ModelRunner:
         self.decode_attention = decode_attention
         self.attention_writes_kv = decode_attention == "triton" and attention_writes_kv is not False
         self.attention_launch = checked_launch(attention_launch)
+        if prefill_kv_kernel is None:
+            from posttrain.plugins.engines.local.decode_kernel import triton_available
+
+            prefill_kv_kernel = self.device.type == "cuda" and triton_available()
+        self.prefill_kv_kernel = bool(prefill_kv_kernel)
         self.pdl = bool(pdl) and inductor_pdl_supported(self.device)  # Inductor's kernels
         if pdl:
             self.attention_launch.setdefault("pdl", True)
@@ -385,14 +382,19 @@ class ModelRunner:
         inverse = [first.setdefault(tuple(p), len(first)) for p in prompts]
         unique = list(first)  # in order of first appearance: unique[inverse[i]] == prompts[i]
         n = len(unique)
-        lens_np = np.fromiter((len(p) for p in unique), dtype=np.int64, count=n)
+        lens_np = np.fromiter(map(len, unique), dtype=np.int64, count=n)
         width = int(lens_np.max())
-        ids_np = np.zeros((n, width), dtype=np.int64)
-        ids_np[np.arange(width)[None, :] < lens_np[:, None]] = np.fromiter(
-            (t for p in unique for t in p), dtype=np.int64, count=int(lens_np.sum()))
+        # the host's part of a prefill is latency (the device waits for it): C-level iteration over the tokens
+        flat = np.fromiter(itertools.chain.from_iterable(unique), dtype=np.int64, count=int(lens_np.sum()))
+        if (lens_np == width).all():
+            ids_np = flat.reshape(n, width)
+        else:
+            ids_np = np.zeros((n, width), dtype=np.int64)
+            ids_np[np.arange(width)[None, :] < lens_np[:, None]] = flat
         ids = torch.from_numpy(ids_np).to(self.device)
         lens = torch.from_numpy(lens_np).to(self.device)
-        rows = torch.tensor(inverse, dtype=torch.long, device=self.device)  # [len(prompts)] -> unique row
+        index = torch.tensor([slots, inverse], dtype=torch.long, device=self.device)  # one copy for both
+        rows = index[1]  # [len(prompts)] -> unique row
 
         def spread(x):  # per unique prompt -> per row (as it is when no prompt repeats)
             return x[rows] if n < len(prompts) and x is not None else x
@@ -415,12 +417,11 @@ class ModelRunner:
         for l, layer in enumerate(self.layers):
             qkv, gate_up = self._parts(layer)
             q, k, v = project(layer, h, cos, sin, self._rope, qkv)
-            for cache, x in ((self.k_cache[l, :, :, :width], k), (self.v_cache[l, :, :, :width], v)):
-                cache, x = as_words(cache), as_words(spread(x))
-                if isinstance(dest, slice):
-                    cache[dest].copy_(x)
-                else:
-                    cache.index_copy_(0, dest, x)
+            if self.prefill_kv_kernel:  # gather and both copies in one launch
+                write_prompt_kv(k, v, self.k_cache[l], self.v_cache[l], index[0], rows)
+            else:
+                write_prompt_kv_reference(k, v, self.k_cache[l], self.v_cache[l], dest,
+                                          rows if n < len(prompts) else None)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
             if self.compile:  # [n, H, P, D]
                 torch._dynamo.maybe_mark_dynamic(o, 0)

@@ -98,6 +98,7 @@ class OverlappedDecode:
         for r in reqs:
             r.launched += 1
         previous, self.inflight = self.inflight, InFlight(reqs, host, ready, time.perf_counter() - t0)
+        engine.release_answered()  # the requests answered by the last landing, freed while this step runs
         if previous is not None:
             self._land(previous)
 
