@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from posttrain.plugins.engines.local.overlap import OverlappedDecode
-from posttrain.plugins.engines.local.requests import Request, StepStats, input_logprobs
+from posttrain.plugins.engines.local.requests import Request, StepStats, check_finish, input_logprobs
 
 
 class LocalEngine:
@@ -381,33 +381,9 @@ class LocalEngine:
         for req, tok, lp in zip(reqs, tokens, logprobs):
             req.output_ids.append(tok)
             req.logprobs.append(lp)
-            self._check_finish(req, tok)
+            check_finish(req, tok, self.eos_token_ids, self.tokenizer, self.runner.context_length)
             if req.finish is not None:
                 self._complete(req)
-
-    def _check_finish(self, req: Request, tok: int) -> None:
-        s = req.sampling
-        n = len(req.output_ids)
-        if n >= s.min_new_tokens:
-            if tok in s.stop_token_ids or (not s.ignore_eos and tok in self.eos_token_ids):
-                req.finish = {"type": "stop", "matched": tok}
-                return
-            if s.stop and self.tokenizer is not None:
-                # Only a stop string that ends in the newest token can be new: decode a short tail of
-                # tokens (cheap) and look there; decode everything only on a hit, to find the cut.
-                window = max(map(len, s.stop)) + 8
-                tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=s.skip_special_tokens)
-                if any(stop in tail for stop in s.stop):
-                    text = self.tokenizer.decode(req.output_ids, skip_special_tokens=s.skip_special_tokens)
-                    hits = [(text.find(stop), stop) for stop in s.stop if stop in text]
-                    at, stop = min(hits)
-                    req.finish = {"type": "stop", "matched": stop}
-                    req.text_cut = at if not s.no_stop_trim else at + len(stop)
-                    return
-        if n >= s.max_new_tokens:
-            req.finish = {"type": "length", "length": s.max_new_tokens}
-        elif len(req.prompt_ids) + n >= self.runner.context_length:
-            req.finish = {"type": "length", "length": n}
 
     def _complete(self, req: Request) -> None:
         if req.slot >= 0:

@@ -105,3 +105,31 @@ def input_logprobs(req: Request) -> list[list[Any]]:
         return []
     ids = req.prompt_ids[req.logprob_start_len:]
     return [[None, ids[0], None]] + [[lp, t, None] for lp, t in zip(req.input_logprobs, ids[1:])]
+
+
+def check_finish(req: Request, tok: int, eos_token_ids: set[int], tokenizer: Any, context_length: int) -> None:
+    """Set ``req.finish`` (and ``req.text_cut`` for a stop string) if ``tok``, its newest token, ends it: a stop
+    token or EOS (unless ``ignore_eos``) once ``min_new_tokens`` are out, a stop string ending in the newest
+    token, ``max_new_tokens``, or the context's end."""
+    s = req.sampling
+    n = len(req.output_ids)
+    if n >= s.min_new_tokens:
+        if tok in s.stop_token_ids or (not s.ignore_eos and tok in eos_token_ids):
+            req.finish = {"type": "stop", "matched": tok}
+            return
+        if s.stop and tokenizer is not None:
+            # Only a stop string that ends in the newest token can be new: decode a short tail of
+            # tokens (cheap) and look there; decode everything only on a hit, to find the cut.
+            window = max(map(len, s.stop)) + 8
+            tail = tokenizer.decode(req.output_ids[-window:], skip_special_tokens=s.skip_special_tokens)
+            if any(stop in tail for stop in s.stop):
+                text = tokenizer.decode(req.output_ids, skip_special_tokens=s.skip_special_tokens)
+                hits = [(text.find(stop), stop) for stop in s.stop if stop in text]
+                at, stop = min(hits)
+                req.finish = {"type": "stop", "matched": stop}
+                req.text_cut = at if not s.no_stop_trim else at + len(stop)
+                return
+    if n >= s.max_new_tokens:
+        req.finish = {"type": "length", "length": s.max_new_tokens}
+    elif len(req.prompt_ids) + n >= context_length:
+        req.finish = {"type": "length", "length": n}
