@@ -1,6 +1,6 @@
 """The parts of one decode step timed alone on a GPU, one JSON line per measurement (issue 17's decode profile).
 
-    python bench/decode_parts.py [--slots 256] [--mean-context 256] [--attention] [--gemms] [--gemm-backends]
+    python bench/decode_parts.py [--slots 256] [--mean-context 256] [--attention] [--sampling] [--gemms] [--gemm-backends]
 
 ``--attention``: our Triton decode kernel (``decode_kernel.decode_attention``) over one layer's slot cache
 at the Qwen3-1.7B shape (8 KV heads of 128, 16 query heads, bf16), slot lengths spread evenly over
@@ -16,6 +16,9 @@ change to the kernel is measured against its predecessor in one process. Reports
 fraction of the bandwidth bound (the K and V bytes the call must read / 4.8 TB/s). First (unless
 ``--no-ceiling``), the read ceiling: the same bytes loaded in
 the same tiles and summed, no attention (``read_ceiling``), and torch's sum over the whole cache.
+
+``--sampling``: the one-pass sampler (``sampling_kernel.fused_sample``) over the step's ``[slots, 151936]`` bf16
+logits, greedy and at temperature 1 (``--kernel-files``: copies of ``sampling_kernel.py`` beside it).
 
 ``--gemms``: the decode step's matmuls at ``M = slots`` rows, as the engine runs them (Q, K, V separately;
 gate and up separately) and fused (one ``[Q; K; V]`` matmul; one ``[gate; up]`` matmul), in microseconds
@@ -117,6 +120,27 @@ def attention(args) -> None:
         except Exception as exc:  # noqa: BLE001 - a setting that does not fit (shared memory) is reported
             row["error"] = repr(exc)[:200]
         print(json.dumps(row), flush=True)
+
+
+def sampling(args) -> None:
+    """The decode step's one-pass sampler (``sampling_kernel.fused_sample``) alone over ``[slots, 151936]`` bf16
+    logits, greedy and at temperature 1, in us per call, against the read bound (the logits' bytes / 4.8 TB/s);
+    ``--kernel-files``: other copies of ``sampling_kernel.py`` beside the installed one."""
+    import torch
+
+    from posttrain.plugins.engines.local import sampling_kernel
+
+    kernels = {"posttrain": sampling_kernel}
+    for path in filter(None, args.kernel_files.split(",")):
+        kernels[path] = kernel_module(path)
+    logits = (torch.randn(args.slots, 151936, device="cuda") * 3).to(torch.bfloat16)
+    bound_us = 1e6 * logits.numel() * logits.element_size() / BANDWIDTH
+    for temperature, name in itertools.product((0.0, 1.0), kernels):
+        seed = torch.zeros(1, dtype=torch.int64, device="cuda")
+        us = bench_us(lambda: kernels[name].fused_sample(logits, temperature, seed=seed))
+        print(json.dumps({"bench": "fused_sample", "kernel": name, "rows": args.slots, "temperature": temperature,
+                          "us": us, "bound_us": round(bound_us, 2), "fraction_of_bound": round(bound_us / us, 3)}),
+              flush=True)
 
 
 def kernel_module(path: str):
@@ -311,6 +335,7 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=256)
     ap.add_argument("--mean-context", type=int, default=256)
     ap.add_argument("--attention", action="store_true")
+    ap.add_argument("--sampling", action="store_true")
     ap.add_argument("--gemms", action="store_true")
     ap.add_argument("--gemm-backends", action="store_true")
     ap.add_argument("--equal-lengths", action="store_true", help="--attention: every slot at --mean-context")
@@ -322,8 +347,8 @@ def main() -> None:
                     help="--attention with --write-new: the kernel also norms and rotates q and the new key (Qwen3)")
     ap.add_argument("--settings", default="", help="--attention: launch settings BLOCKxWARPSxSTAGES, comma-separated "
                                                    "(instead of the grid)")
-    ap.add_argument("--kernel-files", default="", help="--attention: other copies of decode_kernel.py, comma-separated, "
-                                                       "timed beside the installed one")
+    ap.add_argument("--kernel-files", default="", help="--attention / --sampling: other copies of decode_kernel.py / "
+                                                       "sampling_kernel.py, comma-separated, timed beside the installed one")
     ap.add_argument("--no-ceiling", action="store_true", help="--attention: skip the read ceiling")
     ap.add_argument("--slots-per-program", default="1",
                     help="--attention: comma-separated slots per program (decode_attention(slots_per_program=)); "
@@ -331,6 +356,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.attention:
         attention(args)
+    if args.sampling:
+        sampling(args)
     if args.gemms:
         gemms(args)
     if args.gemm_backends:

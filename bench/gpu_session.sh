@@ -76,6 +76,8 @@
 #             colocated5
 #   decode17r decode at the benchmark shape with the defaults three times (the step's copies against its graph in
 #             one power state: step_io_ms, step_graph_ms)
+#   sampling17 the sampling kernel's GPU tests, the one-pass sampler alone (BASELINE_KERNEL=path: another
+#             sampling_kernel.py beside it), decode at the benchmark shape with the defaults twice
 #   ragged17  the decode attention over lengths spread +-128 in random slot order (mean 256 and 1024), one slot a
 #             program against four and eight
 #   autotune17 decode at the benchmark shape with inductor's max-autotune (Triton matmul templates against cuBLAS)
@@ -317,6 +319,9 @@ why = vmm_supported(0); print('vmm:', why or 'supported'); raise SystemExit(1 if
   decode17q) bench_shape rollout_q triton+compile,triton+compile
              e2e colocated5 ${COLOCATED5_S:-330} resources.colocate=true rollout.num_rollouts=5 ;;
   decode17r) bench_shape rollout_r triton+compile,triton+compile,triton+compile ;;
+  sampling17) step sampling_gpu_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/rollout/test_sampling_kernel.py
+              step sampler 60 python3 bench/decode_parts.py --sampling ${BASELINE_KERNEL:+--kernel-files $BASELINE_KERNEL}
+              bench_shape rollout_s triton+compile,triton+compile ;;
   decode17n) bench_shape rollout_n triton+compile,triton+compile+ropeapart,triton+compile
              e2e colocated5 ${COLOCATED5_S:-330} resources.colocate=true rollout.num_rollouts=5 ;;
   decode17m) step engine_gpu_tests 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/rollout/test_rollout_gpu.py \

@@ -68,6 +68,16 @@ INTERPRETED = textwrap.dedent("""
         assert tokens[:3].tolist() == [100, 7000, 9999]
         ref = torch.log_softmax(x.float(), -1).gather(1, tokens[:, None])[:, 0]
         torch.testing.assert_close(logprobs, ref, atol=1e-5, rtol=1e-5)
+    # chunks of two and more blocks, loaded two at a time: ties between a program's two blocks keep the first
+    wide = torch.randn(300, 3 * sk.BLOCK + 100)  # 300 rows: two chunks a row, of two blocks each
+    wide[0, 10] = wide[0, 10 + sk.BLOCK] = 50.0  # one lane, both blocks of one iteration
+    wide[1, 5 + 2 * sk.BLOCK] = wide[1, 5 + 3 * sk.BLOCK] = 50.0  # the second chunk, its partial second block
+    wide[2, -1] = 60.0
+    assert sk._chunks(300, wide.shape[1], torch.device("cpu"))[1] == 2 * sk.BLOCK
+    tokens, logprobs = sk.fused_sample(wide, 0.0)
+    assert torch.equal(tokens, wide.argmax(-1)) and tokens[:3].tolist() == [10, 5 + 2 * sk.BLOCK, wide.shape[1] - 1]
+    torch.testing.assert_close(logprobs, torch.log_softmax(wide, -1).gather(1, tokens[:, None])[:, 0], atol=1e-5,
+                               rtol=1e-5)
     # sampled at T = 0.7: the draws follow softmax(z / T); the log-prob is log_softmax(z / T) at the draw
     z = torch.tensor([1.0, 0.2, -1.0, 2.0, 0.0, -3.0, 1.5])
     rows = 1500
