@@ -258,3 +258,28 @@ def test_answered_requests_are_freed_after_the_answers_not_kept(runner, overlap)
         assert all(r() is None for r in held), "an answered request was never freed"
     finally:
         engine.shutdown()
+
+
+def test_rows_submitted_together_are_admitted_in_one_prefill(runner):
+    """``submit_many`` (the server's path for a batched ``/generate``): one queue item, so a running engine admits
+    all rows in one prefill instead of starting on the first few while the rest arrive."""
+    engine = LocalEngine(runner, None, [0], overlap=True)
+    outs, done = {}, threading.Event()
+
+    def on_done(i):
+        def f(out):
+            outs[i] = out
+            if len(outs) == 3:
+                done.set()
+        return f
+
+    try:
+        engine.call_in_engine(engine.stats.reset)
+        rids = engine.submit_many([(p, RequestSampling(max_new_tokens=2, temperature=0.0, ignore_eos=True), on_done(i),
+                                    f"row{i}", -1) for i, p in enumerate(PROMPTS[:3])], return_logprob=True)
+        assert rids == ["row0", "row1", "row2"] and done.wait(60)
+        stats = engine.call_in_engine(engine.stats.summary)
+        assert stats["prefill_steps"] == 1 and all(len(outs[i]["output_ids"]) == 2 for i in range(3))
+        assert all(len(outs[i]["meta_info"]["output_token_logprobs"]) == 2 for i in range(3))
+    finally:
+        engine.shutdown()

@@ -94,13 +94,21 @@ class LocalEngine:
         with ``max_new_tokens: 0`` that is all the request does (a teacher scoring a sample).
         ``return_routed_experts`` (MoE models): ``meta_info.routed_experts`` holds the expert ids of every
         token the model read."""
-        rid = rid or f"{self._rid_prefix}{next(self._ids)}"  # unique per engine; uuid4 per request cost 5%
-        req = Request(rid, list(prompt_ids), sampling, return_logprob, on_done, logprob_start_len,
-                      return_routed_experts=return_routed_experts)
-        self._inbox.put(req)
-        if not self._held:  # a paused engine only moves it to its queue: resume() wakes it once for all
+        return self.submit_many([(prompt_ids, sampling, on_done, rid, logprob_start_len)], return_logprob,
+                                return_routed_experts)[0]
+
+    def submit_many(self, rows: list[tuple], return_logprob: bool = False, return_routed_experts: bool = False
+                    ) -> list[str]:
+        """:meth:`submit` for several requests, ``rows`` of ``(prompt_ids, sampling, on_done, rid, logprob_start_len)``:
+        one queue item and one wake-up for all, so the engine admits a ``/generate`` of many rows together rather
+        than starting on the first few while the rest arrive (and trading the GIL with the submitter per row)."""
+        reqs = [Request(rid or f"{self._rid_prefix}{next(self._ids)}", list(ids), sampling, return_logprob, on_done, start,
+                        return_routed_experts=return_routed_experts)  # rid: unique per engine (uuid4 cost 5%)
+                for ids, sampling, on_done, rid, start in rows]
+        self._inbox.put(reqs)
+        if not self._held:  # a paused engine only moves them to its queue: resume() wakes it once for all
             self._wake.set()
-        return rid
+        return [r.rid for r in reqs]
 
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
         """End matching requests (queued or running) with finish reason ``abort``."""
@@ -214,8 +222,8 @@ class LocalEngine:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(item, Request):
-                self._waiting.append(item)
+            if isinstance(item, list):  # submit_many's requests
+                self._waiting.extend(item)
             elif item[0] == "abort":
                 _, rid, abort_all = item
                 for req in list(self._waiting) + list(self._running.values()):

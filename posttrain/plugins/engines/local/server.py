@@ -279,15 +279,16 @@ class EngineServer:
         return web.Response(body=jsonio.dumps_bytes(outs if batched else outs[0]), content_type="application/json")
 
     async def _run_rows(self, prompts, params, return_logprob: bool, rids, starts, routed: bool) -> list[dict]:
-        """Every row of one ``/generate`` into the engine at once, one future each (no task per row); a
+        """Every row of one ``/generate`` into the engine at once (``submit_many``), one future each (no task per row); a
         gone client aborts the rows still running; a row that broke an engine step fails the request."""
         loop = asyncio.get_running_loop()
         futs = [loop.create_future() for _ in prompts]
         submitted = []
         try:
-            for ids, sampling, rid, start, fut in zip(prompts, params, rids, starts, futs):
-                submitted.append(self.engine.submit(ids, sampling, return_logprob, functools.partial(self._deliver, loop, fut),
-                                                    rid=rid, logprob_start_len=start, return_routed_experts=routed))
+            submitted = self.engine.submit_many(
+                [(ids, sampling, functools.partial(self._deliver, loop, fut), rid, start)
+                 for ids, sampling, rid, start, fut in zip(prompts, params, rids, starts, futs)],
+                return_logprob, routed)
             outs = await asyncio.gather(*futs)
         except asyncio.CancelledError:
             for rid in submitted:
