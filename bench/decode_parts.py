@@ -144,12 +144,13 @@ def sampling(args) -> None:
 
 
 def kernel_module(path: str):
-    """Another copy of ``decode_kernel.py`` (a candidate edit, or the last commit's) loaded as a module of its own
-    from ``path``, for ``--kernel-files``: its kernels compile apart from the installed ones."""
+    """Another copy of a kernel module (``decode_kernel.py``, ``sampling_kernel.py``: a candidate edit, or the last
+    commit's) loaded as a module of its own from ``path``, for ``--kernel-files``: its kernels compile apart from the
+    installed ones."""
     import importlib.util
     import pathlib
 
-    spec = importlib.util.spec_from_file_location(f"decode_kernel_{pathlib.Path(path).stem}", path)
+    spec = importlib.util.spec_from_file_location(f"kernel_copy_{pathlib.Path(path).stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -215,7 +215,7 @@ def test_local_engine_backend_passes_the_new_decode_levers_only_when_set():
 def test_cache_copies_move_whole_words_and_keep_every_bit():
     """``as_words``: a bf16 ``[n, Hkv, T, D]`` view of ``[n, T, Hkv, D]`` projections copies into the slot
     cache as 8-byte words, bit for bit (slices and ``index_copy_``); what is not whole words stays as it is."""
-    from posttrain.plugins.engines.local.model_runner import as_words
+    from posttrain.plugins.engines.local.cache_write import as_words
 
     cache = torch.zeros(4, 2, 10, 8, dtype=torch.bfloat16)
     x = torch.randn(3, 6, 2, 8).to(torch.bfloat16).transpose(1, 2)

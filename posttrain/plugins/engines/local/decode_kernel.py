@@ -93,30 +93,30 @@ if triton is not None:
         return x, xp
 
     @triton.jit
-    def _rotary_operands(COS, SIN, cs_off, stride_cd, W, offs_r, offs_d, mask, HEAD_D: tl.constexpr,
-                         QK_NORM: tl.constexpr):
-        """The rotary's ``cos``/``sin`` rows at ``cs_off`` ``[R]`` (``[R, BLOCK_D]`` float32) and, with ``QK_NORM``,
-        the norm weight ``W`` ``[D]`` at every lane and at its partner's (``[R, BLOCK_D]`` float32 each, loaded in
-        the tile's own layout: a ``[D]`` vector would be moved into it through shared memory)."""
+    def _rotary_tables(COS, SIN, cs_off, stride_cd, offs_d, mask):
+        """The rotary's ``cos``/``sin`` rows at ``cs_off`` ``[R]``: ``[R, BLOCK_D]`` float32 each."""
         cos = tl.load(COS + cs_off[:, None] + offs_d[None, :] * stride_cd, mask=mask, other=0.0).to(tl.float32)
         sin = tl.load(SIN + cs_off[:, None] + offs_d[None, :] * stride_cd, mask=mask, other=0.0).to(tl.float32)
-        w = cos
-        wp = cos
-        if QK_NORM:
-            half = HEAD_D // 2
-            partner = offs_d + half - HEAD_D * (offs_d >= half).to(tl.int32)
-            lanes = mask & (offs_d < HEAD_D)[None, :]
-            w = tl.load(W + offs_d[None, :] + 0 * offs_r[:, None], mask=lanes, other=0.0).to(tl.float32)
-            wp = tl.load(W + partner[None, :] + 0 * offs_r[:, None], mask=lanes, other=0.0).to(tl.float32)
-        return cos, sin, w, wp
+        return cos, sin
+
+    @triton.jit
+    def _norm_weights(W, offs_r, offs_d, mask, HEAD_D: tl.constexpr):
+        """A norm weight ``W`` ``[D]`` at every lane and at its ``rotate_half`` partner's: ``[R, BLOCK_D]`` float32 each,
+        loaded in the tile's own layout (a ``[D]`` vector would be moved into it through shared memory)."""
+        half = HEAD_D // 2
+        partner = offs_d + half - HEAD_D * (offs_d >= half).to(tl.int32)
+        lanes = mask & (offs_d < HEAD_D)[None, :]
+        w = tl.load(W + offs_d[None, :] + 0 * offs_r[:, None], mask=lanes, other=0.0).to(tl.float32)
+        wp = tl.load(W + partner[None, :] + 0 * offs_r[:, None], mask=lanes, other=0.0).to(tl.float32)
+        return w, wp
 
     @triton.jit
     def _rotated(x, xp, cos, sin, w, wp, norm_eps, offs_d, HEAD_D: tl.constexpr, QK_NORM: tl.constexpr):
         """Rows ``x`` (partners ``xp``, from :func:`_rows`) RMS-normed over their head (``QK_NORM``: weight ``w``,
         rounded to ``x``'s dtype after the scaling, as the checkpoint's norm rounds) and rotated: ``x * cos +
         rotate_half(x) * sin`` with ``rotate_half(x)[d] = -x[d + D/2]`` below ``D/2`` and ``x[d - D/2]`` above;
-        float32 math, one rounding at the end. The operands are loaded before (:func:`_rotary_operands`), with
-        every other load of the program, so their latencies overlap."""
+        float32 math, one rounding at the end. The operands are loaded before (:func:`_rotary_tables`, :func:`_norm_weights`), with
+        every other load of the program, so their latencies overlap (``w``/``wp``: unread without ``QK_NORM``)."""
         xf = x.to(tl.float32)
         xpf = xp.to(tl.float32)
         if QK_NORM:
@@ -176,10 +176,11 @@ if triton is not None:
                             mask=mask_d, other=0.0)
         if ROPE:  # every operand loaded above and here before any math: one memory latency, not one per stage
             cs_off = slot.to(tl.int64) * stride_cb + 0 * offs_g  # the slot's cos/sin row, for every query row
-            cos, sin, qw, qwp = _rotary_operands(COS, SIN, cs_off, stride_cd, QW, offs_g, offs_d, tile, HEAD_D=HEAD_D,
-                                                 QK_NORM=QK_NORM)
-            _, _, kw, kwp = _rotary_operands(COS, SIN, cs_off, stride_cd, KW, offs_g, offs_d, tile, HEAD_D=HEAD_D,
-                                             QK_NORM=QK_NORM)
+            cos, sin = _rotary_tables(COS, SIN, cs_off, stride_cd, offs_d, tile)
+            qw, qwp, kw, kwp = cos, cos, cos, cos
+            if QK_NORM:
+                qw, qwp = _norm_weights(QW, offs_g, offs_d, tile, HEAD_D=HEAD_D)
+                kw, kwp = _norm_weights(KW, offs_g, offs_d, tile, HEAD_D=HEAD_D)
             q = _rotated(q, q_partner, cos, sin, qw, qwp, norm_eps, offs_d, HEAD_D=HEAD_D, QK_NORM=QK_NORM)
             k_new = _rotated(k_new, k_partner, cos, sin, kw, kwp, norm_eps, offs_d, HEAD_D=HEAD_D, QK_NORM=QK_NORM)
         length = tl.minimum(tl.maximum(length, 0), span)
@@ -281,10 +282,11 @@ if triton is not None:
             v_new = tl.load(VN + row_slot64[:, None] * stride_vnb + kvh * stride_vnh + offs_d[None, :] * stride_vnd,
                             mask=tile, other=0.0)
         if ROPE:  # every operand loaded above and here before any math: one memory latency, not one per stage
-            cos, sin, qw, qwp = _rotary_operands(COS, SIN, row_slot64 * stride_cb, stride_cd, QW, offs_r, offs_d, tile,
-                                                 HEAD_D=HEAD_D, QK_NORM=QK_NORM)
-            _, _, kw, kwp = _rotary_operands(COS, SIN, row_slot64 * stride_cb, stride_cd, KW, offs_r, offs_d, tile,
-                                             HEAD_D=HEAD_D, QK_NORM=QK_NORM)
+            cos, sin = _rotary_tables(COS, SIN, row_slot64 * stride_cb, stride_cd, offs_d, tile)
+            qw, qwp, kw, kwp = cos, cos, cos, cos
+            if QK_NORM:
+                qw, qwp = _norm_weights(QW, offs_r, offs_d, tile, HEAD_D=HEAD_D)
+                kw, kwp = _norm_weights(KW, offs_r, offs_d, tile, HEAD_D=HEAD_D)
             q = _rotated(q, q_partner, cos, sin, qw, qwp, norm_eps, offs_d, HEAD_D=HEAD_D, QK_NORM=QK_NORM)
             k_new = _rotated(k_new, k_partner, cos, sin, kw, kwp, norm_eps, offs_d, HEAD_D=HEAD_D, QK_NORM=QK_NORM)
         lens = tl.minimum(tl.maximum(lens, 0), span)

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 from posttrain.plugins.engines.local import graphs
 from posttrain.plugins.engines.local.attention import checked_launch, step_attention
-from posttrain.plugins.engines.local.cache_write import as_words, write_prompt_kv, write_prompt_kv_reference  # noqa: F401
+from posttrain.plugins.engines.local.cache_write import write_prompt_kv, write_prompt_kv_reference
 from posttrain.plugins.engines.local.fused import Fused, fuse_layers, layer_parts
 from posttrain.plugins.engines.local.layers import (embed_and_rotary, finish_layer, finish_then_head, finish_then_project,
                                                    finish_then_project_raw, project_qkv, project_raw,
@@ -403,8 +403,7 @@ class ModelRunner:
         # the cache rows to fill: a slice when the slots are consecutive (a plain copy; an indexed write ran
         # at a tenth of the bandwidth, 11 of a 256 x 128 prefill's 175 ms on an H200), else an index_copy_
         lo = slots[0] if slots else 0
-        dest = slice(lo, lo + len(slots)) if slots == list(range(lo, lo + len(slots))) else \
-            torch.tensor(slots, dtype=torch.long, device=self.device)
+        dest = slice(lo, lo + len(slots)) if slots == list(range(lo, lo + len(slots))) else index[0]
         h = self.model.model.embed_tokens(ids)
         cos, sin = self.model.model.rotary_emb(h, positions)
         project, finish = project_qkv, finish_layer
