@@ -90,3 +90,13 @@ def test_runner_prefill_through_the_kernel_fills_the_cache_as_torch_does(tiny_ck
     assert torch.equal(logits[0], logits[1])
     for name in ("k_cache", "v_cache"):
         assert torch.equal(getattr(runners[0], name)[:, [6, 1, 3, 4], :, :5], getattr(runners[1], name)[:, [6, 1, 3, 4], :, :5])
+
+
+def test_runner_refuses_the_kernel_where_it_cannot_run(tiny_ckpt):
+    """``prefill_kv_kernel=True`` off CUDA is a one-line ValueError at construction, not a Triton error mid-prefill;
+    left to its default the CPU runner takes torch's copies."""
+    from posttrain.plugins.engines.local.model_runner import ModelRunner
+
+    with pytest.raises(ValueError, match="prefill_kv_kernel: the Triton cache write needs CUDA"):
+        ModelRunner(tiny_ckpt, max_slots=2, context_length=16, prefill_kv_kernel=True)
+    assert not ModelRunner(tiny_ckpt, max_slots=2, context_length=16).prefill_kv_kernel

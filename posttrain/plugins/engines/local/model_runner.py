@@ -183,7 +183,7 @@ class ModelRunner:
         before it drains; an ``attention_launch`` ``pdl`` key decides for the attention alone. Off: after
         cuBLAS's matmuls the gaps grew on an H200 (bench/RESULTS.md); ``prefill_kv_kernel``: a prefill's keys and
         values go into the slot cache through one Triton launch per layer (``cache_write.write_prompt_kv``; None: where
-        it runs, CUDA with Triton), else torch's copies."""
+        it runs, CUDA with Triton; True where it cannot run: a ValueError), else torch's copies."""
         from transformers import AutoModelForCausalLM
 
         if decode_attention == "auto":  # the measured fastest on an H200 (bench/RESULTS.md)
@@ -239,11 +239,13 @@ class ModelRunner:
         self.decode_attention = decode_attention
         self.attention_writes_kv = decode_attention == "triton" and attention_writes_kv is not False
         self.attention_launch = checked_launch(attention_launch)
-        if prefill_kv_kernel is None:
-            from posttrain.plugins.engines.local.decode_kernel import triton_available
+        from posttrain.plugins.engines.local.decode_kernel import triton_available
 
-            prefill_kv_kernel = self.device.type == "cuda" and triton_available()
-        self.prefill_kv_kernel = bool(prefill_kv_kernel)
+        kernel_runs = self.device.type == "cuda" and triton_available()
+        if prefill_kv_kernel and not kernel_runs:
+            raise ValueError(f"prefill_kv_kernel: the Triton cache write needs CUDA and triton (device {self.device}"
+                             f"{'' if triton_available() else ', triton missing'})")
+        self.prefill_kv_kernel = kernel_runs if prefill_kv_kernel is None else bool(prefill_kv_kernel)
         self.pdl = bool(pdl) and inductor_pdl_supported(self.device)  # Inductor's kernels
         if pdl:
             self.attention_launch.setdefault("pdl", True)
