@@ -18,7 +18,9 @@ fraction of the bandwidth bound (the K and V bytes the call must read / 4.8 TB/s
 the same tiles and summed, no attention (``read_ceiling``), and torch's sum over the whole cache.
 
 ``--sampling``: the one-pass sampler (``sampling_kernel.fused_sample``) over the step's ``[slots, 151936]`` bf16
-logits, greedy and at temperature 1 (``--kernel-files``: copies of ``sampling_kernel.py`` beside it).
+logits, greedy and at temperature 1 (``--kernel-files``: copies of ``sampling_kernel.py`` beside it; ``--settings
+4096x8x4,2048x8x8`` also times the installed kernel at those launches, BLOCKxWARPSxPROGRAMS_PER_SM, each checked
+to draw the default launch's tokens, sampled ones up to the rounding of the sums: ``same_tokens``).
 
 ``--gemms``: the decode step's matmuls at ``M = slots`` rows, as the engine runs them (Q, K, V separately;
 gate and up separately) and fused (one ``[Q; K; V]`` matmul; one ``[gate; up]`` matmul), in microseconds
@@ -35,6 +37,7 @@ split-K; microseconds per matmul and TFLOP/s.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 
@@ -135,12 +138,21 @@ def sampling(args) -> None:
         kernels[path] = kernel_module(path)
     logits = (torch.randn(args.slots, 151936, device="cuda") * 3).to(torch.bfloat16)
     bound_us = 1e6 * logits.numel() * logits.element_size() / BANDWIDTH
-    for temperature, name in itertools.product((0.0, 1.0), kernels):
-        seed = torch.zeros(1, dtype=torch.int64, device="cuda")
-        us = bench_us(lambda: kernels[name].fused_sample(logits, temperature, seed=seed))
+    settings = [tuple(int(x) for x in s.split("x")) for s in filter(None, args.settings.split(","))]
+    runs = [(name, None) for name in kernels] + [("posttrain", s) for s in settings]
+    seed = torch.zeros(1, dtype=torch.int64, device="cuda")
+    for temperature, (name, setting) in itertools.product((0.0, 1.0), runs):
+        launch = {} if setting is None else dict(zip(("block", "num_warps", "programs_per_sm"), setting))
+        sample = functools.partial(kernels[name].fused_sample, logits, temperature, seed=seed, **launch)
+        same = None
+        if setting is not None:  # every launch draws what the default draws (sampled: up to the sums' rounding)
+            same = (sample()[0] == kernels["posttrain"].fused_sample(logits, temperature, seed=seed)[0]).float().mean()
+            same = round(float(same), 4)
+            assert same == 1.0 or (temperature > 0 and same >= 0.98), f"{setting}: other tokens ({same}) at {temperature}"
+        us = bench_us(sample)
         print(json.dumps({"bench": "fused_sample", "kernel": name, "rows": args.slots, "temperature": temperature,
-                          "us": us, "bound_us": round(bound_us, 2), "fraction_of_bound": round(bound_us / us, 3)}),
-              flush=True)
+                          "launch": launch or "default", "same_tokens": same, "us": us, "bound_us": round(bound_us, 2),
+                          "fraction_of_bound": round(bound_us / us, 3)}), flush=True)
 
 
 def kernel_module(path: str):
@@ -347,7 +359,7 @@ def main() -> None:
     ap.add_argument("--rope", action="store_true",
                     help="--attention with --write-new: the kernel also norms and rotates q and the new key (Qwen3)")
     ap.add_argument("--settings", default="", help="--attention: launch settings BLOCKxWARPSxSTAGES, comma-separated "
-                                                   "(instead of the grid)")
+                                                   "(instead of the grid); --sampling: BLOCKxWARPSxPROGRAMS_PER_SM")
     ap.add_argument("--kernel-files", default="", help="--attention / --sampling: other copies of decode_kernel.py / "
                                                        "sampling_kernel.py, comma-separated, timed beside the installed one")
     ap.add_argument("--no-ceiling", action="store_true", help="--attention: skip the read ceiling")

@@ -78,6 +78,12 @@
 #             one power state: step_io_ms, step_graph_ms)
 #   sampling17 the sampling kernel's GPU tests, the one-pass sampler alone (BASELINE_KERNEL=path: another
 #             sampling_kernel.py beside it), decode at the benchmark shape with the defaults twice
+#   sampling17b the sampling kernel's GPU tests; the one-pass sampler alone at the default launch (four uniforms a
+#             Philox call; BASELINE_KERNEL beside it) and over a grid of launches (SAMPLER_SETTINGS,
+#             BLOCKxWARPSxPROGRAMS_PER_SM); decode at the benchmark shape: the defaults, the grid's fastest greedy
+#             launch (variant word samplerBxWxP), the defaults again
+#   sampling17c the sampling kernel's GPU tests; the one-pass sampler alone (BASELINE_KERNEL: other copies beside it)
+#             at the default launch and over SAMPLER_SETTINGS; decode at the benchmark shape with the defaults twice
 #   ragged17  the decode attention over lengths spread +-128 in random slot order (mean 256 and 1024), one slot a
 #             program against four and eight
 #   autotune17 decode at the benchmark shape with inductor's max-autotune (Triton matmul templates against cuBLAS)
@@ -333,6 +339,19 @@ why = vmm_supported(0); print('vmm:', why or 'supported'); raise SystemExit(1 if
   decode17k) python3 -c "import torch._inductor.config as c; print('inductor enable_pdl:', hasattr(c.triton, 'enable_pdl'))"
              engine_tests
              bench_shape rollout_k triton+compile,triton+compile+nopdl,triton+compile+inductorpdl,triton+compile+ropeapart,triton+compile ;;
+  sampling17b) step sampling_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/rollout/test_sampling_kernel.py
+               step sampler 200 python3 bench/decode_parts.py --sampling ${BASELINE_KERNEL:+--kernel-files $BASELINE_KERNEL} \
+                 --settings ${SAMPLER_SETTINGS:-4096x8x4,4096x8x8,2048x8x4,2048x8x8,2048x4x8,1024x4x8,1024x4x16,1024x8x8,512x4x16}
+               best=$(grep -h '^{"bench": "fused_sample"' "$LOGS/sampler.log" | python3 -c "import sys, json; \
+                 rows = [json.loads(l) for l in sys.stdin]; rows = [r for r in rows if r['temperature'] == 0 and \
+                 isinstance(r['launch'], dict)]; b = min(rows, key=lambda r: r['us'])['launch'] if rows else None; \
+                 print('+sampler%dx%dx%d' % (b['block'], b['num_warps'], b['programs_per_sm']) if b else '')")
+               echo "fastest greedy launch: ${best:-none}"
+               bench_shape rollout_t triton+compile,triton+compile$best,triton+compile ;;
+  sampling17c) step sampling_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/rollout/test_sampling_kernel.py
+               step sampler 200 python3 bench/decode_parts.py --sampling ${BASELINE_KERNEL:+--kernel-files $BASELINE_KERNEL} \
+                 --settings ${SAMPLER_SETTINGS:-1024x4x16,1024x4x8,1024x4x32,2048x4x8,2048x4x16,2048x8x8,512x4x16,4096x8x4}
+               bench_shape rollout_u triton+compile,triton+compile ;;
   ragged17) for mean in 256 1024; do
                step attention_ragged_$mean 150 python3 bench/decode_parts.py --attention --quick --write-new \
                  --shuffled-lengths --mean-context $mean --slots-per-program ${ATTN_GROUPS:-1,4,8}

@@ -27,7 +27,9 @@ per program), ``block32``/``64``/``128``, ``warps1``/``2``/``4``/``8`` (its posi
 or not), ``inductorpdl`` (Inductor's only, not the attention), ``poshost``/``posdevice`` (the overlapped
 engine copies every step's positions to the device, or not where the last graph moved them on),
 ``prefillcopy``/``prefillkernel`` (a prefill's keys and values into the cache by torch's copies or by one Triton
-launch a layer, ``cache_write``), ``switch100us`` (the timed run under a GIL switch interval of 0.1 ms, not 5); unnamed
+launch a layer, ``cache_write``), ``switch100us`` (the timed run under a GIL switch interval of 0.1 ms, not 5),
+``samplerBxWxP`` (the one-pass sampler's launch: logits per iteration, warps, programs per SM, set in
+``sampling_kernel`` for this variant only, e.g. ``sampler2048x8x8``); unnamed
 levers take the engine's defaults. A variant that fails prints
 its line with ``error`` and the next one still runs. The HF baseline (unless ``--skip-hf``) runs once,
 first, and its numbers go on every line.
@@ -72,6 +74,7 @@ the first target was 25k; HF ``generate`` measured 8.6k tok/s warm there).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -256,11 +259,34 @@ def parse_variant(name: str, defaults: dict) -> dict:
     ``cuda_graphs``) over ``defaults``."""
     opts = dict(defaults)
     for word in name.split("+"):
+        launch = word.removeprefix("sampler").split("x")
+        if word.startswith("sampler") and len(launch) == 3 and all(x.isdigit() for x in launch):
+            opts["sample_launch"] = dict(zip(("BLOCK", "NUM_WARPS", "PROGRAMS_PER_SM"), map(int, launch)))
+            continue
         if word not in VARIANT_WORDS:
             raise ValueError(f"variant {name!r}: unknown word {word!r}; valid: {', '.join(VARIANT_WORDS)}")
         for key, value in VARIANT_WORDS[word].items():  # launch settings add up: group8+block128
             opts[key] = {**opts.get(key, {}), **value} if key == "attention_launch" else value
     return opts
+
+
+@contextlib.contextmanager
+def sample_launch(launch: dict | None):
+    """The one-pass sampler's launch defaults (``sampling_kernel.BLOCK``, ``NUM_WARPS``, ``PROGRAMS_PER_SM``) set
+    to ``launch`` for one variant (``samplerBxWxP``), put back afterwards."""
+    if not launch:
+        yield
+        return
+    from posttrain.plugins.engines.local import sampling_kernel
+
+    saved = {k: getattr(sampling_kernel, k) for k in launch}
+    for k, v in launch.items():
+        setattr(sampling_kernel, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(sampling_kernel, k, v)
 
 
 def time_ms(fn, device: str, iters: int = 20, warmup: int = 3) -> float:
@@ -500,7 +526,7 @@ def bench_variant(model, prompts: list[list[int]], args, name: str, opts: dict, 
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     context = args.prompt_len + args.new_tokens + 1
     position = args.prompt_len + args.new_tokens // 2  # the run's mean context, for the profile
-    runner_opts = {k: v for k, v in opts.items() if k not in ENGINE_OPTIONS and k != "switch_interval"}
+    runner_opts = {k: v for k, v in opts.items() if k not in (*ENGINE_OPTIONS, "switch_interval", "sample_launch")}
     runner_opts.setdefault("float_logits", not args.device.startswith("cuda"))  # as the engine server runs it
     runner = ModelRunner(None, device=args.device, dtype=dtype, max_slots=args.prompts, context_length=context,
                          model=model, **runner_opts)
@@ -637,7 +663,8 @@ def main() -> None:
                       compile_mode=opts["compile_mode"] if opts["compile"] else None, cuda_graphs=opts["cuda_graphs"],
                       fuse_projections=opts["fuse_projections"])
         try:
-            bench_variant(model, prompts, args, name, opts, result)
+            with sample_launch(opts.get("sample_launch")):
+                bench_variant(model, prompts, args, name, opts, result)
         except Exception as exc:  # one broken lever must not hide the others' numbers
             result["error"] = repr(exc)[:500]
         result.update(hf)

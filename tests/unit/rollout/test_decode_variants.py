@@ -326,6 +326,26 @@ def test_bench_prints_one_json_line_per_variant_with_profile():
         assert r["decode_attention"] == r["variant"]
 
 
+def test_bench_sampler_launch_words_set_the_kernel_defaults_for_one_variant_only():
+    import importlib.util
+
+    from posttrain.plugins.engines.local import sampling_kernel
+
+    spec = importlib.util.spec_from_file_location("bench_rollout", ROOT / "bench" / "rollout.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    opts = bench.parse_variant("triton+sampler2048x8x16", {})
+    assert opts["decode_attention"] == "triton"
+    assert opts["sample_launch"] == {"BLOCK": 2048, "NUM_WARPS": 8, "PROGRAMS_PER_SM": 16}
+    before = (sampling_kernel.BLOCK, sampling_kernel.NUM_WARPS, sampling_kernel.PROGRAMS_PER_SM)
+    with pytest.raises(RuntimeError, match="inside"), bench.sample_launch(opts["sample_launch"]):
+        assert (sampling_kernel.BLOCK, sampling_kernel.NUM_WARPS, sampling_kernel.PROGRAMS_PER_SM) == (2048, 8, 16)
+        raise RuntimeError("inside")  # a failing variant puts the defaults back too
+    assert (sampling_kernel.BLOCK, sampling_kernel.NUM_WARPS, sampling_kernel.PROGRAMS_PER_SM) == before
+    with pytest.raises(ValueError, match="sampler2048x8"):
+        bench.parse_variant("triton+sampler2048x8", {})
+
+
 @pytest.mark.parametrize("fuse,join", [(False, True), (True, True), (False, False)])
 def test_compiled_decode_compiles_a_few_times_for_every_batch_bucket(tiny_ckpt, monkeypatch, fuse, join):
     """Automatic dynamic shapes: the batch buckets 1, 2, 4, 8 cost at most three compiles of each compiled

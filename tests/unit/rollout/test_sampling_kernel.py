@@ -68,14 +68,15 @@ INTERPRETED = textwrap.dedent("""
         assert tokens[:3].tolist() == [100, 7000, 9999]
         ref = torch.log_softmax(x.float(), -1).gather(1, tokens[:, None])[:, 0]
         torch.testing.assert_close(logprobs, ref, atol=1e-5, rtol=1e-5)
-    # chunks of two and more blocks, loaded two at a time: ties between a program's two blocks keep the first
-    wide = torch.randn(300, 3 * sk.BLOCK + 100)  # 300 rows: two chunks a row, of two blocks each
-    wide[0, 10] = wide[0, 10 + sk.BLOCK] = 50.0  # one lane, both blocks of one iteration
-    wide[1, 5 + 2 * sk.BLOCK] = wide[1, 5 + 3 * sk.BLOCK] = 50.0  # the second chunk, its partial second block
+    # chunks of two blocks: ties between a program's two blocks keep the first
+    B = 1024
+    wide = torch.randn(300, 3 * B + 100)  # 300 rows at 4 programs an SM: two chunks a row, of two blocks each
+    wide[0, 10] = wide[0, 10 + B] = 50.0  # one lane, both blocks of one program
+    wide[1, 5 + 2 * B] = wide[1, 5 + 3 * B] = 50.0  # the second chunk, its partial second block
     wide[2, -1] = 60.0
-    assert sk._chunks(300, wide.shape[1], torch.device("cpu"))[1] == 2 * sk.BLOCK
-    tokens, logprobs = sk.fused_sample(wide, 0.0)
-    assert torch.equal(tokens, wide.argmax(-1)) and tokens[:3].tolist() == [10, 5 + 2 * sk.BLOCK, wide.shape[1] - 1]
+    assert sk._chunks(300, wide.shape[1], torch.device("cpu"), B, 4)[1] == 2 * B
+    tokens, logprobs = sk.fused_sample(wide, 0.0, block=B, programs_per_sm=4)
+    assert torch.equal(tokens, wide.argmax(-1)) and tokens[:3].tolist() == [10, 5 + 2 * B, wide.shape[1] - 1]
     torch.testing.assert_close(logprobs, torch.log_softmax(wide, -1).gather(1, tokens[:, None])[:, 0], atol=1e-5,
                                rtol=1e-5)
     # sampled at T = 0.7: the draws follow softmax(z / T); the log-prob is log_softmax(z / T) at the draw
@@ -87,11 +88,25 @@ INTERPRETED = textwrap.dedent("""
     freq = torch.bincount(tokens, minlength=7).float() / rows
     assert (freq - p).abs().max() < 0.05, (freq, p)  # 4 sigma at the largest p
     torch.testing.assert_close(logprobs, torch.log_softmax(z / 0.7, -1)[tokens], atol=1e-5, rtol=1e-5)
+    # across chunks (three of 1024 a row here), a chunk of no mass between them, -inf never drawn
+    sparse = torch.full((3000,), float("-inf"))
+    sparse[100], sparse[2900], sparse[2950] = 1.0, 1.5, 0.0  # chunk 1 (1024 .. 2047) holds only -inf
+    assert sk._chunks(1000, 3000, torch.device("cpu"), 256, 16) == (3, 1024)
+    tokens, logprobs = sk.fused_sample(sparse.expand(1000, 3000).contiguous(), 1.0, block=256, programs_per_sm=16)
+    p = torch.softmax(sparse, -1)
+    freq = torch.bincount(tokens, minlength=3000).float() / 1000
+    assert set(tokens.tolist()) <= {100, 2900, 2950} and (freq - p).abs().max() < 0.06, freq[[100, 2900, 2950]]
+    torch.testing.assert_close(logprobs, torch.log_softmax(sparse, -1)[tokens], atol=1e-5, rtol=1e-5)
     # the same seed, the same draws; another seed, other draws
     seed, few = torch.tensor([1234]), z.expand(64, 7).contiguous()
     a, b = sk.fused_sample(few, 1.0, seed=seed)[0], sk.fused_sample(few, 1.0, seed=seed)[0]
     c = sk.fused_sample(few, 1.0, seed=seed + 1)[0]
     assert torch.equal(a, b) and not torch.equal(a, c)
+    # a logit's uniform depends on (seed, row, index) only: other blocks and chunks, the same draws
+    wide_z = torch.randn(64, 300)
+    draws = [sk.fused_sample(wide_z, 1.0, seed=seed, block=b, programs_per_sm=p)[0] for b, p in ((16, 64), (512, 1))]
+    assert sk._chunks(64, 300, torch.device("cpu"), 16, 64)[0] > 1 and torch.equal(draws[0], draws[1])
+    assert len(set(draws[0].tolist())) > 20  # not one token for every row: the rows draw apart
     print("ok")
 """)
 

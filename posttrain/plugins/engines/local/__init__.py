@@ -62,7 +62,7 @@ class LocalEngine(EngineBackend):
                        "step hides behind the next one); same answers, each one step later")
         fused_sampling: bool = option(
             True, help="GPU: draw uniform batches (all greedy, or one temperature without top-p/top-k/min-p or seeds) "
-                       "with a one-pass Triton kernel (Gumbel-max: the same distribution as multinomial, other draws)")
+                       "with a one-pass Triton kernel (an inverse-CDF draw: the same distribution as multinomial, other draws)")
         prefill_tokens: int = option(0, ge=0, help="prompt tokens per prefill batch (bounds its activation memory); "
                                                    "0: 8192 on the CPU, 32768 on a GPU")
         context_length: int = option(0, ge=0, help="tokens per request; 0: the model's maximum (at most 4096)")

@@ -53,7 +53,7 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
           compile_mode: str = typer.Option("default", "--compile-mode", help="with --compile: default | max-autotune-no-cudagraphs (Triton matmul templates timed against cuBLAS; longer start)"),
           stable_memory: bool = typer.Option(False, "--stable-memory", help="GPU: weights and KV cache at fixed virtual addresses (CUDA VMM), so memory release keeps the CUDA graphs"),
           no_overlap: bool = typer.Option(False, "--no-overlap", help="GPU: wait for each decode step's tokens before launching the next (default: launch step N + 1 first)"),
-          no_fused_sampling: bool = typer.Option(False, "--no-fused-sampling", help="GPU: draw with torch (multinomial) instead of the one-pass Triton kernel (Gumbel-max, same distribution)"),
+          no_fused_sampling: bool = typer.Option(False, "--no-fused-sampling", help="GPU: draw with torch (multinomial) instead of the one-pass Triton kernel (inverse-CDF, same distribution)"),
           prefill_tokens: int = typer.Option(0, "--prefill-tokens", help="prompt tokens per prefill batch (bounds its activation memory); 0: 8192 on CPU, 32768 on GPU"),
           no_api_key: bool = typer.Option(False, "--no-api-key", help="serve without an API key: any process that reaches the port may load weights (and run code) in the engine")) -> None:
     """Serve MODEL_DIR: /generate, /health_generate, abort/pause, weight updates, /model_info, /server_info.

@@ -522,7 +522,7 @@ class ModelRunner:
         float64 tensor (token ids are exact in float64), ready for one device-to-host copy. The tokens are
         also left in ``step_tokens[:nb]``: a caller that passes ``step_tokens[:nb]`` as ``tokens`` (and
         ``step_positions[:nb]``) has the next step's input in place, with no copies. With ``cuda_graphs``
-        the sampling is part of the step's graph (one graph per temperature seen; the Gumbel noise comes
+        the sampling is part of the step's graph (one graph per temperature seen; the draw's seed comes
         from torch's CUDA generator, which a graph replay advances), so a step costs one launch and no
         separate sampler kernels. Views of a graph's static outputs: read them before the next step.
         Needs CUDA and Triton (``sampling_kernel.fused_sample_available``)."""

@@ -162,7 +162,7 @@ def sample_tokens(logits, params: list[RequestSampling], steps: list[int] | None
     :param fused: take the one-pass Triton kernel (``sampling_kernel``) for an all-greedy batch or one
         sampled at one temperature without truncation or seeds; None: wherever it can run (CUDA with
         Triton). Its greedy tokens are torch's; its sampled ones follow the same distribution through
-        other draws (Gumbel-max instead of ``multinomial``).
+        other draws (an inverse-CDF draw instead of ``multinomial``).
     :returns: ``(tokens [B] int64, logprobs [B] float32)``, on the logits' device.
 
     The path is chosen from the Python parameters, never from device values (that would be a

@@ -5,19 +5,25 @@ For a row of logits ``z`` (``[V]``, any float dtype, read once and upcast to flo
 (``s = z`` when greedy, whose log-prob is at ``T = 1``)::
 
     greedy:   token = argmax_v z_v                    (the first index among equal maxima, as torch's)
-    sampled:  token = argmax_v (s_v + g_v),  g_v = -log(-log u_v),  u_v ~ U(0, 1)
-    logprob = s_token - logsumexp(s)
+    sampled:  token = min { v : sum_{w <= v} exp(s_w - m) > u * sum_w exp(s_w - m) },  u ~ U(0, 1)
+    logprob = s_token - logsumexp(s)                  (m = max_v s_v)
 
-The sampled token is the Gumbel-max draw: it picks ``v`` with probability ``softmax(s)_v``, the same
+The sampled token is an inverse-CDF draw: it picks ``v`` with probability ``softmax(s)_v``, the same
 distribution as ``torch.multinomial(softmax(s))`` (not the same draws: ``u`` comes from Triton's Philox
 generator keyed by a seed drawn from torch's CUDA generator, so ``torch.manual_seed`` still makes a run
-repeat). The torch path writes the whole ``[B, V]`` float32 log-softmax and reads it again (about 0.2 ms
-per step at 256 x 151,936 on an H200); this kernel reads the logits once and writes ``B`` numbers.
+repeat). It needs one random number a row; the Gumbel-max draw it replaced (``argmax s_v - log(-log u_v)``)
+needed one a logit and two logs, and was bound by them: 240 us against 43 greedy at 256 x 151,936 on an
+H200. The torch path writes the whole ``[B, V]`` float32 log-softmax and reads it again (about 0.2 ms per
+step there); these kernels read the logits once (a sampled row reads one chunk twice) and write ``B``
+numbers.
 
 Grid ``(B, C)``: program ``(b, c)`` walks chunk ``c`` of row ``b`` in blocks of ``BLOCK`` and keeps per
-lane a running max and sum of ``exp`` (an online logsumexp) and the best key with its index; it writes
-one partial per (row, chunk), and :func:`_merge_kernel` combines a row's ``C`` partials and gathers
-``z_token``. ``C`` is chosen from the batch size so small batches still fill the GPU.
+lane a running max and sum of ``exp`` (an online logsumexp), and when greedy the best logit with its index;
+it writes one partial per (row, chunk). :func:`_merge_kernel` combines a row's ``C`` partials: greedy, it
+gathers ``z_token`` and is done; sampled, it draws ``u`` and finds the chunk where the running sum of the
+chunks' ``exp`` mass passes ``u * total``, and :func:`_pick_kernel` walks that one chunk of each row for the
+index where its own running sum passes the rest. ``C`` is chosen from the batch size so small batches still
+fill the GPU.
 
 :func:`fused_sample_available`: CUDA and Triton present (``sampling`` then takes this path by default).
 """
@@ -36,7 +42,12 @@ try:  # optional dependency: CPU-only installs have no triton
 except Exception:  # noqa: BLE001 - a missing or broken triton only disables the kernel
     triton = tl = None
 
-BLOCK = 4096  # logits per loop iteration of one program
+# launch defaults from a grid at 256 x 151,936 bf16 on an H200 (bench/RESULTS.md): sampled 44.5 us (54.5 at 16
+# programs an SM: one program walks a row's picked chunk, so smaller chunks win), greedy 38.9 (36.1 at 16,
+# 43.0 at the earlier 4096 x 8 x 4)
+BLOCK = 1024  # logits per loop iteration of one program
+NUM_WARPS = 4
+PROGRAMS_PER_SM = 32  # programs aimed at per SM: sets the chunks of a row
 _INT32_MAX = 2**31 - 1
 
 
@@ -49,9 +60,9 @@ def fused_sample_available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _chunk_kernel(LOGITS, SEED, PART_M, PART_L, PART_K, PART_I, stride_row, vocab, chunk, temp,
+    def _chunk_kernel(LOGITS, PART_M, PART_L, PART_K, PART_I, stride_row, vocab, chunk, temp,
                       SAMPLE: tl.constexpr, BLOCK: tl.constexpr):
-        """Row ``b``, chunk ``c``: partial ``(max s, sum exp(s - max), best key, its index)``."""
+        """Row ``b``, chunk ``c``: partial ``(max s, sum exp(s - max))``, and when greedy ``(best z, its index)``."""
         row = tl.program_id(0)
         c = tl.program_id(1)
         chunks = tl.num_programs(1)
@@ -63,8 +74,6 @@ if triton is not None:
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         best_i = tl.zeros([BLOCK], tl.int32)
         base = LOGITS + row.to(tl.int64) * stride_row
-        if SAMPLE:
-            seed = tl.load(SEED) + row
         for start in range(lo, hi, BLOCK):
             offs = start + lanes
             mask = offs < hi
@@ -77,64 +86,112 @@ if triton is not None:
             e = tl.exp(-tl.abs(d))
             l = tl.where(d > 0, l * e + 1.0, l + e)
             m = tl.maximum(m, s)
-            if SAMPLE:
-                u = tl.maximum(tl.rand(seed, offs), 1.0e-12)
-                key = s - tl.log(-tl.log(u))
-            else:
-                key = s
-            key = tl.where(mask, key, float("-inf"))
-            take = key > best  # strict: a lane keeps its earliest index among equal keys
-            best_i = tl.where(take, offs, best_i)
-            best = tl.where(take, key, best)
+            if not SAMPLE:
+                take = s > best  # strict: a lane keeps its earliest index among equal logits
+                best_i = tl.where(take, offs, best_i)
+                best = tl.where(take, s, best)
         row_m = tl.max(m, 0)
-        row_l = tl.sum(l * tl.exp(m - row_m), 0)
-        row_best = tl.max(best, 0)
-        row_i = tl.min(tl.where(best == row_best, best_i, 2147483647), 0)  # the first index of the best key
         out = row.to(tl.int64) * chunks + c
         tl.store(PART_M + out, row_m)
-        tl.store(PART_L + out, row_l)
-        tl.store(PART_K + out, row_best)
-        tl.store(PART_I + out, row_i)
+        tl.store(PART_L + out, tl.sum(l * tl.exp(m - row_m), 0))
+        if not SAMPLE:
+            row_best = tl.max(best, 0)
+            tl.store(PART_K + out, row_best)
+            tl.store(PART_I + out, tl.min(tl.where(best == row_best, best_i, 2147483647), 0))  # the first index
 
     @triton.jit
-    def _merge_kernel(LOGITS, PART_M, PART_L, PART_K, PART_I, TOKENS, LOGPROBS, stride_row, chunks, temp,
+    def _merge_kernel(LOGITS, SEED, PART_M, PART_L, PART_K, PART_I, TOKENS, LOGPROBS, stride_row, chunks, temp,
                       SAMPLE: tl.constexpr, CHUNKS_PAD: tl.constexpr):
-        """Row ``b``: combine its chunks, gather ``z_token``, write the token and ``s_token - logsumexp(s)``."""
+        """Row ``b``: combine its chunks. Greedy: gather ``z_token``, write the token and ``z_token -
+        logsumexp(z)``. Sampled: draw ``u``, and leave for :func:`_pick_kernel` the chunk ``c`` where the
+        chunks' running ``exp`` mass (relative to ``m``) passes ``u * total`` (in ``PART_I[b, 0]``), what is left
+        of ``u * total`` at its start (``PART_K[b, 0]``), ``m`` (``PART_M[b, 0]``) and ``log total``
+        (``PART_L[b, 0]``), each row's first partial being read before it is overwritten."""
         row = tl.program_id(0)
         offs = tl.arange(0, CHUNKS_PAD)
         mask = offs < chunks
         at = row.to(tl.int64) * chunks + offs
         m = tl.load(PART_M + at, mask=mask, other=-1.0e30)
         l = tl.load(PART_L + at, mask=mask, other=0.0)
-        k = tl.load(PART_K + at, mask=mask, other=float("-inf"))
-        i = tl.load(PART_I + at, mask=mask, other=2147483647)
         row_m = tl.max(m, 0)
-        total = tl.sum(l * tl.exp(m - row_m), 0)
-        best = tl.max(k, 0)
-        token = tl.min(tl.where(k == best, i, 2147483647), 0)  # chunks in order: the first index overall
-        z = tl.load(LOGITS + row.to(tl.int64) * stride_row + token).to(tl.float32)
+        w = l * tl.exp(m - row_m)  # each chunk's mass, relative to the row's max
+        total = tl.sum(w, 0)
+        first = row.to(tl.int64) * chunks
         if SAMPLE:
-            z = z / temp
+            target = tl.rand(tl.load(SEED), row) * total
+            hit = (tl.cumsum(w, 0) > target) & mask & (w > 0)
+            pick = tl.min(tl.where(hit, offs, CHUNKS_PAD), 0)
+            # rounding can leave the target past the last sum: the last chunk with any mass then
+            pick = tl.where(pick == CHUNKS_PAD, tl.max(tl.where(mask & (w > 0), offs, 0), 0), pick)
+            tl.store(PART_I + first, pick)
+            tl.store(PART_K + first, target - tl.sum(tl.where(offs < pick, w, 0.0), 0))
+            tl.store(PART_M + first, row_m)
+            tl.store(PART_L + first, tl.log(total))
+        else:
+            k = tl.load(PART_K + at, mask=mask, other=float("-inf"))
+            i = tl.load(PART_I + at, mask=mask, other=2147483647)
+            best = tl.max(k, 0)
+            token = tl.min(tl.where(k == best, i, 2147483647), 0)  # chunks in order: the first index overall
+            z = tl.load(LOGITS + row.to(tl.int64) * stride_row + token).to(tl.float32)
+            tl.store(TOKENS + row, token.to(tl.int64))
+            tl.store(LOGPROBS + row, z - row_m - tl.log(total))
+
+    @triton.jit
+    def _pick_kernel(LOGITS, PART_M, PART_L, PART_K, PART_I, TOKENS, LOGPROBS, stride_row, vocab, chunk, chunks,
+                     temp, BLOCK: tl.constexpr):
+        """Row ``b`` (sampled): walk the chunk :func:`_merge_kernel` picked for the first index where the chunk's
+        running ``exp(s - m)`` passes what is left of the target (rounding past its end: the chunk's last index
+        with any mass), write it and ``s_token - m - log total``."""
+        row = tl.program_id(0)
+        first = row.to(tl.int64) * chunks
+        c = tl.load(PART_I + first)
+        rest = tl.load(PART_K + first)
+        row_m = tl.load(PART_M + first)
+        log_total = tl.load(PART_L + first)
+        base = LOGITS + row.to(tl.int64) * stride_row
+        lanes = tl.arange(0, BLOCK)
+        lo = c * chunk
+        hi = tl.minimum(lo + chunk, vocab)
+        running = 0.0
+        token = 2147483647
+        last = lo
+        for start in range(lo, hi, BLOCK):
+            offs = start + lanes
+            mask = offs < hi
+            s = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32) / temp
+            x = tl.exp(s - row_m)  # masked lanes: 0
+            passed = ((running + tl.cumsum(x, 0)) > rest) & (x > 0)
+            token = tl.minimum(token, tl.min(tl.where(passed, offs, 2147483647), 0))
+            last = tl.maximum(last, tl.max(tl.where(x > 0, offs, 0), 0))
+            running += tl.sum(x, 0)
+        token = tl.where(token == 2147483647, last, token)
+        z = tl.load(base + token).to(tl.float32) / temp
         tl.store(TOKENS + row, token.to(tl.int64))
-        tl.store(LOGPROBS + row, z - row_m - tl.log(total))
+        tl.store(LOGPROBS + row, z - row_m - log_total)
 
 
-def _chunks(rows: int, vocab: int, device: torch.device) -> tuple[int, int]:
-    """``(chunks, chunk)`` per row: about four programs per SM in all, each at least one ``BLOCK``."""
+def _chunks(rows: int, vocab: int, device: torch.device, block: int = BLOCK,
+            programs_per_sm: int = PROGRAMS_PER_SM) -> tuple[int, int]:
+    """``(chunks, chunk)`` per row: about ``programs_per_sm`` programs per SM in all, each at least one
+    ``block``."""
     sms = sm_count(device)
-    blocks = -(-vocab // BLOCK)
-    chunks = max(1, min(-(-4 * sms // max(rows, 1)), blocks, 64))
-    chunk = -(-blocks // chunks) * BLOCK
+    blocks = -(-vocab // block)
+    chunks = max(1, min(-(-programs_per_sm * sms // max(rows, 1)), blocks, 64))
+    chunk = -(-blocks // chunks) * block
     return -(-vocab // chunk), chunk
 
 
-def fused_sample(logits: torch.Tensor, temperature: float, seed: torch.Tensor | None = None
+def fused_sample(logits: torch.Tensor, temperature: float, seed: torch.Tensor | None = None,
+                 block: int | None = None, num_warps: int | None = None, programs_per_sm: int | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits`` ``[B, V]`` (float32/bf16/fp16, unit stride along ``V``) -> ``(tokens [B] int64,
-    logprobs [B] float32)`` on the logits' device: greedy when ``temperature == 0``, else the Gumbel-max
+    logprobs [B] float32)`` on the logits' device: greedy when ``temperature == 0``, else the inverse-CDF
     draw at ``temperature`` (module docstring). ``seed``: a one-element int64 device tensor keying the
-    draw (default: drawn from torch's generator of that device, no host sync). Two launches, no sync,
-    no allocation beyond ``B x C`` partials and the outputs."""
+    draw (default: drawn from torch's generator of that device, no host sync). ``block``, ``num_warps``,
+    ``programs_per_sm``: launch tuning (logits per loop iteration, a power of two >= 16; warps a program;
+    the programs aimed at per SM, which sets the chunks a row; None: ``BLOCK``, ``NUM_WARPS``,
+    ``PROGRAMS_PER_SM``). Two launches (three when sampled), no sync, no allocation beyond ``B x C`` partials
+    and the outputs."""
     if triton is None:
         raise RuntimeError("fused_sample needs triton")
     if logits.dim() != 2 or logits.stride(1) != 1:
@@ -153,13 +210,22 @@ def fused_sample(logits: torch.Tensor, temperature: float, seed: torch.Tensor | 
     sample = temperature > 0
     if sample and seed is None:
         seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=device)
-    chunks, chunk = _chunks(rows, vocab, device)
+    block = BLOCK if block is None else int(block)
+    num_warps = NUM_WARPS if num_warps is None else int(num_warps)
+    programs_per_sm = PROGRAMS_PER_SM if programs_per_sm is None else int(programs_per_sm)
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block: expected a power of two >= 16, got {block}")
+    chunks, chunk = _chunks(rows, vocab, device, block, programs_per_sm)
     parts = [torch.empty(rows * chunks, dtype=dt, device=device)
              for dt in (torch.float32, torch.float32, torch.float32, torch.int32)]
     temp = float(temperature) if sample else 1.0
     seed_arg = seed if sample else tokens  # unread when greedy
-    _chunk_kernel[(rows, chunks)](logits, seed_arg, *parts, logits.stride(0), vocab, chunk, temp,
-                                  SAMPLE=sample, BLOCK=BLOCK, num_warps=8)
-    _merge_kernel[(rows,)](logits, *parts, tokens, logprobs, logits.stride(0), chunks, temp,
+    stride = logits.stride(0)
+    _chunk_kernel[(rows, chunks)](logits, *parts, stride, vocab, chunk, temp, SAMPLE=sample, BLOCK=block,
+                                  num_warps=num_warps)
+    _merge_kernel[(rows,)](logits, seed_arg, *parts, tokens, logprobs, stride, chunks, temp,
                            SAMPLE=sample, CHUNKS_PAD=max(2, 1 << (chunks - 1).bit_length()), num_warps=1)
+    if sample:
+        _pick_kernel[(rows,)](logits, *parts, tokens, logprobs, stride, vocab, chunk, chunks, temp, BLOCK=block,
+                              num_warps=num_warps)
     return tokens, logprobs
