@@ -28,7 +28,8 @@ or not), ``inductorpdl`` (Inductor's only, not the attention), ``poshost``/``pos
 engine copies every step's positions to the device, or not where the last graph moved them on),
 ``prefillcopy``/``prefillkernel`` (a prefill's keys and values into the cache by torch's copies or by one Triton
 launch a layer, ``cache_write``), ``switch100us`` (the timed run under a GIL switch interval of 0.1 ms, not 5),
-``samplerBxWxP`` (the one-pass sampler's launch: logits per iteration, warps, programs per SM, set in
+``warmgraphs``/``lazygraphs`` (the first step at a temperature captures every batch bucket's graph, or each
+bucket is captured at its first step), ``samplerBxWxP`` (the one-pass sampler's launch: logits per iteration, warps, programs per SM, set in
 ``sampling_kernel`` for this variant only, e.g. ``sampler2048x8x8``); unnamed
 levers take the engine's defaults. A variant that fails prints
 its line with ``error`` and the next one still runs. The HF baseline (unless ``--skip-hf``) runs once,
@@ -249,7 +250,8 @@ VARIANT_WORDS = {"sdpa": {"decode_attention": "sdpa"}, "bmm": {"decode_attention
                  "pdl": {"pdl": True}, "nopdl": {"pdl": False}, "inductorpdl": {"pdl": True, "attention_launch": {"pdl": False}},
                  "poshost": {"device_positions": False}, "posdevice": {"device_positions": True},
                  "prefillcopy": {"prefill_kv_kernel": False}, "prefillkernel": {"prefill_kv_kernel": True},
-                 "switch100us": {"switch_interval": 1e-4}}
+                 "switch100us": {"switch_interval": 1e-4},
+                 "warmgraphs": {"warm_graphs": True}, "lazygraphs": {"warm_graphs": False}}
 ENGINE_OPTIONS = ("overlap", "fused_sampling", "prefill_tokens", "sample_in_step",
                   "device_positions")  # LocalEngine's; the rest are ModelRunner's
 

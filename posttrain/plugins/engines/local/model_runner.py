@@ -155,7 +155,7 @@ class ModelRunner:
                  fuse_projections: bool | None = None, attention_writes_kv: bool | None = None,
                  float_logits: bool = True, join_layers: bool | None = None, combo_kernels: bool | None = None,
                  attention_launch: dict | None = None, rope_in_attention: bool | None = None,
-                 pdl: bool = False, prefill_kv_kernel: bool | None = None):
+                 pdl: bool = False, prefill_kv_kernel: bool | None = None, warm_graphs: bool = True):
         """``decode_attention``: ``"sdpa"``, ``"bmm"``, ``"triton"`` (see the module docstring) or ``"auto"``
         (``triton`` on CUDA when Triton imports, else ``sdpa``); ``compile``:
         ``torch.compile`` the per-layer decode parts, with Inductor ``compile_mode`` (``"default"`` or
@@ -183,7 +183,9 @@ class ModelRunner:
         before it drains; an ``attention_launch`` ``pdl`` key decides for the attention alone. Off: after
         cuBLAS's matmuls the gaps grew on an H200 (bench/RESULTS.md); ``prefill_kv_kernel``: a prefill's keys and
         values go into the slot cache through one Triton launch per layer (``cache_write.write_prompt_kv``; None: where
-        it runs, CUDA with Triton; True where it cannot run: a ValueError), else torch's copies."""
+        it runs, CUDA with Triton; True where it cannot run: a ValueError), else torch's copies; ``warm_graphs``:
+        with ``cuda_graphs``, the first step at a temperature captures every batch bucket's graph (``graphs.warm``:
+        the kernels a small batch needs compile then, not in a later step), else each bucket at its first step."""
         from transformers import AutoModelForCausalLM
 
         if decode_attention == "auto":  # the measured fastest on an H200 (bench/RESULTS.md)
@@ -234,6 +236,7 @@ class ModelRunner:
         self.step_positions = torch.zeros(self.max_slots, dtype=torch.long, device=self.device)
         # (batch bucket, span bucket, sampling temperature or None) -> (graph, its static tensors)
         self._graphs: dict[tuple[int, int, float | None], tuple[Any, dict[str, torch.Tensor]]] = {}
+        self.warm_graphs, self._warmed = bool(warm_graphs), set()  # temperatures whose buckets were all captured
         # graphs share one memory pool: they never run at the same time
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.decode_attention = decode_attention

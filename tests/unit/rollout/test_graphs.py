@@ -1,0 +1,101 @@
+"""The decode step's CUDA graph bookkeeping (``posttrain.plugins.engines.local.graphs``): which graphs a step
+captures. On CPU the capture itself is replaced by one that records its key (a CUDA graph needs CUDA); the
+keys come from the runner's own ``_bucket`` and ``_span``. The captures themselves run in the GPU tests
+(``test_sampling_kernel.py``, ``test_decode_variants.py``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from posttrain.plugins.engines.local import graphs
+from posttrain.plugins.engines.local.model_runner import ModelRunner
+
+
+class _Graph:
+    def replay(self):
+        pass
+
+
+def _runner(max_slots: int, warm: bool):
+    runner = SimpleNamespace(max_slots=max_slots, context_length=600, _graphs={}, warm_graphs=warm, _warmed=set())
+    runner._bucket = ModelRunner._bucket.__get__(runner)
+    runner._span = ModelRunner._span.__get__(runner)
+    return runner
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    keys = []
+
+    def capture(runner, bucket, span, temperature=None):
+        keys.append((bucket, span, temperature))
+        static = {"tokens": torch.zeros(bucket, dtype=torch.long), "positions": torch.zeros(bucket, dtype=torch.long),
+                  "logits": torch.zeros(bucket, 3), "routing": None}
+        if temperature is not None:
+            static.update(sampled=torch.zeros(bucket, dtype=torch.long), logprobs=torch.zeros(bucket),
+                          packed=torch.zeros(2, bucket, dtype=torch.float64))
+        runner._graphs[(bucket, span, temperature)] = (_Graph(), static)
+
+    monkeypatch.setattr(graphs, "capture", capture)
+    return keys
+
+
+def _step(runner, rows: int, need: int, temperature=None):
+    ids = torch.zeros(rows, dtype=torch.long)
+    return graphs.replay(runner, ids, ids.clone(), need, temperature)
+
+
+def test_buckets_are_the_runners_own_largest_first():
+    assert graphs.buckets(_runner(12, True)) == [12, 8, 4, 2, 1]
+    assert graphs.buckets(_runner(8, True)) == [8, 4, 2, 1]
+    assert graphs.buckets(_runner(1, True)) == [1]
+    runner = _runner(12, True)
+    assert sorted({runner._bucket(n) for n in range(1, 13)}, reverse=True) == graphs.buckets(runner)
+
+
+def test_the_first_step_at_a_temperature_captures_every_bucket(captured):
+    runner = _runner(12, True)
+    logits, _ = _step(runner, 5, 10)
+    assert logits.shape == (5, 3)
+    assert captured == [(12, 256, None), (8, 256, None), (4, 256, None), (2, 256, None), (1, 256, None)]
+    _step(runner, 3, 10)  # a smaller batch at that span: captured already
+    assert len(captured) == 5
+    _step(runner, 3, 300)  # another span: that bucket alone (its kernels compiled by then)
+    assert captured[5:] == [(4, 512, None)]
+    _step(runner, 7, 10, temperature=1.0)  # a temperature met for the first time: every bucket again
+    assert captured[6:] == [(12, 256, 1.0), (8, 256, 1.0), (4, 256, 1.0), (2, 256, 1.0), (1, 256, 1.0)]
+    assert runner._warmed == {None, 1.0}
+
+
+def test_lazy_graphs_capture_the_bucket_a_step_meets(captured):
+    runner = _runner(12, False)
+    _step(runner, 5, 10)
+    _step(runner, 5, 10)
+    _step(runner, 2, 10, temperature=0.0)
+    assert captured == [(8, 256, None), (2, 256, 0.0)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_warm_captures_leave_the_step_and_the_cache_as_they_were(tiny_ckpt):
+    """On CUDA: the first graphed step at a temperature captures every bucket (each capture's warm-up runs for
+    real over slots 0 .. bucket-1 and puts back what it overwrote), and its draws and the smaller batch's after
+    it equal those of a runner capturing each bucket at its first step."""
+    kw = dict(device="cuda", dtype="bfloat16", max_slots=8, context_length=64, decode_attention="triton",
+              cuda_graphs=True)
+    lazy, graphed = ModelRunner(tiny_ckpt, warm_graphs=False, **kw), ModelRunner(tiny_ckpt, **kw)
+    prompts = [[5 + i, 6, 7] for i in range(6)]
+    tokens, positions = torch.arange(20, 26, device="cuda"), torch.full((6,), 3, device="cuda")
+    draws = []
+    for r in (lazy, graphed):
+        r.prefill(list(range(6)), prompts)
+        first = r.decode_sampled(tokens, positions, 0.0, 3)[0].clone()
+        second = r.decode_sampled(first[:3], positions[:3] + 1, 0.0, 4)[0].clone()  # bucket 4, captured already
+        draws.append((first, second))
+    assert {k[0] for k in graphed._graphs if k[2] == 0.0} == {8, 4, 2, 1} and graphed._warmed == {0.0}
+    assert {k[0] for k in lazy._graphs} == {8, 4} and not lazy._warmed
+    for a, b in zip(*draws):
+        assert torch.equal(a, b)
