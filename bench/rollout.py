@@ -179,8 +179,7 @@ def run_engine(engine, prompts, new_tokens: int, marks: dict | None = None) -> f
 
     engine.pause(mode="in_place")
     start = time.perf_counter()
-    for p in prompts:
-        engine.submit(p, params, False, finished)
+    engine.submit_many([(p, params, finished, None, -1) for p in prompts])  # one queue item, as a /generate
     submitted = time.perf_counter()
     engine.resume()
     done.wait()
