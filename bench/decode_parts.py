@@ -40,6 +40,7 @@ import argparse
 import functools
 import itertools
 import json
+import re
 
 BANDWIDTH = 4.8e12  # bytes/s, H200 HBM3e
 
@@ -367,6 +368,9 @@ def main() -> None:
                     help="--attention: comma-separated slots per program (decode_attention(slots_per_program=)); "
                          "without 1 in the list, only grouped layouts are timed")
     args = ap.parse_args()
+    bad = [one for one in filter(None, args.settings.split(",")) if not re.fullmatch(r"\d+x\d+x\d+", one)]
+    if bad:
+        ap.error(f"--settings: expected BLOCKxWARPSxN entries such as 64x4x3, got {', '.join(bad)}")
     if args.attention:
         attention(args)
     if args.sampling:

@@ -87,10 +87,14 @@ if triton is not None:
         x = tl.load(X + row_off[:, None] + offs_d[None, :] * stride_xd, mask=mask, other=0.0)
         xp = x
         if ROPE:
-            half = HEAD_D // 2
-            partner = offs_d + half - HEAD_D * (offs_d >= half).to(tl.int32)
-            xp = tl.load(X + row_off[:, None] + partner[None, :] * stride_xd, mask=mask, other=0.0)
+            xp = tl.load(X + row_off[:, None] + _partner(offs_d, HEAD_D)[None, :] * stride_xd, mask=mask, other=0.0)
         return x, xp
+
+    @triton.jit
+    def _partner(offs_d, HEAD_D: tl.constexpr):
+        """Each lane's ``rotate_half`` partner, ``(d + D/2) % D``, written as a sum whose halves are contiguous."""
+        half = HEAD_D // 2
+        return offs_d + half - HEAD_D * (offs_d >= half).to(tl.int32)
 
     @triton.jit
     def _rotary_tables(COS, SIN, cs_off, stride_cd, offs_d, mask):
@@ -103,11 +107,9 @@ if triton is not None:
     def _norm_weights(W, offs_r, offs_d, mask, HEAD_D: tl.constexpr):
         """A norm weight ``W`` ``[D]`` at every lane and at its ``rotate_half`` partner's: ``[R, BLOCK_D]`` float32 each,
         loaded in the tile's own layout (a ``[D]`` vector would be moved into it through shared memory)."""
-        half = HEAD_D // 2
-        partner = offs_d + half - HEAD_D * (offs_d >= half).to(tl.int32)
         lanes = mask & (offs_d < HEAD_D)[None, :]
         w = tl.load(W + offs_d[None, :] + 0 * offs_r[:, None], mask=lanes, other=0.0).to(tl.float32)
-        wp = tl.load(W + partner[None, :] + 0 * offs_r[:, None], mask=lanes, other=0.0).to(tl.float32)
+        wp = tl.load(W + _partner(offs_d, HEAD_D)[None, :] + 0 * offs_r[:, None], mask=lanes, other=0.0).to(tl.float32)
         return w, wp
 
     @triton.jit
@@ -125,6 +127,21 @@ if triton is not None:
             xpf = (xpf * rstd[:, None]).to(x.dtype).to(tl.float32) * wp
         sign = tl.where(offs_d < HEAD_D // 2, -1.0, 1.0)
         return (xf * cos + sign[None, :] * xpf * sin).to(x.dtype)
+
+    @triton.jit
+    def _rope(q, q_partner, k_new, k_partner, COS, SIN, cs_off, stride_cd, QW, KW, norm_eps, offs_r, offs_d, mask,
+              HEAD_D: tl.constexpr, QK_NORM: tl.constexpr):
+        """``q`` and ``k_new`` (``[R, BLOCK_D]``, partners from :func:`_rows`) normed and rotated, the rows'
+        ``cos``/``sin`` at ``cs_off`` ``[R]``: every operand (tables, norm weights) is loaded before any math, so
+        with the program's other loads they cost one memory latency, not one per stage."""
+        cos, sin = _rotary_tables(COS, SIN, cs_off, stride_cd, offs_d, mask)
+        qw, qwp, kw, kwp = cos, cos, cos, cos  # unread without QK_NORM
+        if QK_NORM:
+            qw, qwp = _norm_weights(QW, offs_r, offs_d, mask, HEAD_D=HEAD_D)
+            kw, kwp = _norm_weights(KW, offs_r, offs_d, mask, HEAD_D=HEAD_D)
+        q = _rotated(q, q_partner, cos, sin, qw, qwp, norm_eps, offs_d, HEAD_D=HEAD_D, QK_NORM=QK_NORM)
+        k_new = _rotated(k_new, k_partner, cos, sin, kw, kwp, norm_eps, offs_d, HEAD_D=HEAD_D, QK_NORM=QK_NORM)
+        return q, k_new
 
     @triton.jit(do_not_specialize=["span", "chunk"])
     def _decode_kernel(Q, K, V, LENS, OUT, PART_ACC, PART_M, PART_L, KN, VN, COS, SIN, QW, KW, norm_eps,
@@ -174,15 +191,9 @@ if triton is not None:
                                      stride_knd, HEAD_D=HEAD_D, ROPE=ROPE)
             v_new = tl.load(VN + slot.to(tl.int64) * stride_vnb + kvh * stride_vnh + offs_d * stride_vnd,
                             mask=mask_d, other=0.0)
-        if ROPE:  # every operand loaded above and here before any math: one memory latency, not one per stage
-            cs_off = slot.to(tl.int64) * stride_cb + 0 * offs_g  # the slot's cos/sin row, for every query row
-            cos, sin = _rotary_tables(COS, SIN, cs_off, stride_cd, offs_d, tile)
-            qw, qwp, kw, kwp = cos, cos, cos, cos
-            if QK_NORM:
-                qw, qwp = _norm_weights(QW, offs_g, offs_d, tile, HEAD_D=HEAD_D)
-                kw, kwp = _norm_weights(KW, offs_g, offs_d, tile, HEAD_D=HEAD_D)
-            q = _rotated(q, q_partner, cos, sin, qw, qwp, norm_eps, offs_d, HEAD_D=HEAD_D, QK_NORM=QK_NORM)
-            k_new = _rotated(k_new, k_partner, cos, sin, kw, kwp, norm_eps, offs_d, HEAD_D=HEAD_D, QK_NORM=QK_NORM)
+        if ROPE:  # the slot's cos/sin row for every query row
+            q, k_new = _rope(q, q_partner, k_new, k_partner, COS, SIN, slot.to(tl.int64) * stride_cb + 0 * offs_g,
+                             stride_cd, QW, KW, norm_eps, offs_g, offs_d, tile, HEAD_D=HEAD_D, QK_NORM=QK_NORM)
         length = tl.minimum(tl.maximum(length, 0), span)
         lo = split * chunk
         hi_all = tl.minimum(lo + chunk, length)
@@ -281,14 +292,9 @@ if triton is not None:
                                      HEAD_D=HEAD_D, ROPE=ROPE)
             v_new = tl.load(VN + row_slot64[:, None] * stride_vnb + kvh * stride_vnh + offs_d[None, :] * stride_vnd,
                             mask=tile, other=0.0)
-        if ROPE:  # every operand loaded above and here before any math: one memory latency, not one per stage
-            cos, sin = _rotary_tables(COS, SIN, row_slot64 * stride_cb, stride_cd, offs_d, tile)
-            qw, qwp, kw, kwp = cos, cos, cos, cos
-            if QK_NORM:
-                qw, qwp = _norm_weights(QW, offs_r, offs_d, tile, HEAD_D=HEAD_D)
-                kw, kwp = _norm_weights(KW, offs_r, offs_d, tile, HEAD_D=HEAD_D)
-            q = _rotated(q, q_partner, cos, sin, qw, qwp, norm_eps, offs_d, HEAD_D=HEAD_D, QK_NORM=QK_NORM)
-            k_new = _rotated(k_new, k_partner, cos, sin, kw, kwp, norm_eps, offs_d, HEAD_D=HEAD_D, QK_NORM=QK_NORM)
+        if ROPE:
+            q, k_new = _rope(q, q_partner, k_new, k_partner, COS, SIN, row_slot64 * stride_cb, stride_cd, QW, KW,
+                             norm_eps, offs_r, offs_d, tile, HEAD_D=HEAD_D, QK_NORM=QK_NORM)
         lens = tl.minimum(tl.maximum(lens, 0), span)
         # per slot of the group: the cache positions it reads, its blocks, where its blocks start in the loop
         slot_his = tl.minimum(tl.maximum(slot_lens, 0), span)

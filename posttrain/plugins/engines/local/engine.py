@@ -294,7 +294,6 @@ class LocalEngine:
             return self._overlap.step()
         import torch
 
-        self.release_answered()
         t0 = time.perf_counter()
         slots = sorted(self._running)
         reqs = [self._running[s] for s in slots]
@@ -306,6 +305,7 @@ class LocalEngine:
         device = self.runner.device
         both = torch.tensor([tokens, positions], device=device)  # [2, nb]: one host-to-device copy
         logits = self.runner.decode(both[0], both[1], max_position=max(positions))
+        self.release_answered()  # while a device works on the step
         self._keep_routing(slots, reqs)
         if len(slots) != nb:  # idle slots below the highest busy one: keep the busy rows only
             logits = logits[torch.tensor(slots, device=device)]
