@@ -240,12 +240,11 @@ VARIANT_WORDS = {"sdpa": {"decode_attention": "sdpa"}, "bmm": {"decode_attention
                  "joined": {"join_layers": True}, "unjoined": {"join_layers": False},
                  "stepsample": {"sample_in_step": True}, "aftersample": {"sample_in_step": False},
                  "combo": {"combo_kernels": True}, "nocombo": {"combo_kernels": False},
-                 "stages2": {"attention_launch": {"num_stages": 2}}, "stages3": {"attention_launch": {"num_stages": 3}},
+                 **{f"stages{n}": {"attention_launch": {"num_stages": n}} for n in (2, 3, 4)},
                  **{f"group{p}": {"attention_launch": {"slots_per_program": p}} for p in (1, 2, 4, 8, 16)},
                  **{f"block{n}": {"attention_launch": {"block_n": n}} for n in (32, 64, 128)},
                  **{f"warps{w}": {"attention_launch": {"num_warps": w}} for w in (1, 2, 4, 8)},
                  "ropefused": {"rope_in_attention": True}, "ropeapart": {"rope_in_attention": False},
-                 "stages4": {"attention_launch": {"num_stages": 4}},
                  "pdl": {"pdl": True}, "nopdl": {"pdl": False}, "inductorpdl": {"pdl": True, "attention_launch": {"pdl": False}},
                  "poshost": {"device_positions": False}, "posdevice": {"device_positions": True},
                  "prefillcopy": {"prefill_kv_kernel": False}, "prefillkernel": {"prefill_kv_kernel": True},
@@ -265,7 +264,8 @@ def parse_variant(name: str, defaults: dict) -> dict:
             opts["sample_launch"] = dict(zip(("BLOCK", "NUM_WARPS", "PROGRAMS_PER_SM"), map(int, launch)))
             continue
         if word not in VARIANT_WORDS:
-            raise ValueError(f"variant {name!r}: unknown word {word!r}; valid: {', '.join(VARIANT_WORDS)}")
+            raise ValueError(f"variant {name!r}: unknown word {word!r}; valid: {', '.join(VARIANT_WORDS)}, "
+                             "samplerBxWxP")
         for key, value in VARIANT_WORDS[word].items():  # launch settings add up: group8+block128
             opts[key] = {**opts.get(key, {}), **value} if key == "attention_launch" else value
     return opts
