@@ -84,6 +84,9 @@
 #             launch (variant word samplerBxWxP), the defaults again
 #   sampling17c the sampling kernel's GPU tests; the one-pass sampler alone (BASELINE_KERNEL: other copies beside it)
 #             at the default launch and over SAMPLER_SETTINGS; decode at the benchmark shape with the defaults twice
+#   engine17s the graphs' and the compiled decode's GPU tests, then colocated5 with Dynamo's recompiles logged and the
+#             engine's own figures per step from its metrics (engine/prefill_s, decode_s, graph captures, ...), then
+#             decode at the benchmark shape with the defaults
 #   ragged17  the decode attention over lengths spread +-128 in random slot order (mean 256 and 1024), one slot a
 #             program against four and eight
 #   autotune17 decode at the benchmark shape with inductor's max-autotune (Triton matmul templates against cuBLAS)
@@ -364,6 +367,14 @@ why = vmm_supported(0); print('vmm:', why or 'supported'); raise SystemExit(1 if
               grep -h "^AUTOTUNE\|^  mm \|^  triton_mm" "$LOGS/rollout_autotune.log" | grep -A1 "^AUTOTUNE" | cut -c1-60 ;;
   gpuruns17) step runs_gpu_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_runs_gpu.py
              step equivalence_gpu_tests 320 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_equivalence_gpu.py ;;
+  engine17s) step graphs_gpu_tests 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/rollout/test_graphs.py \
+               tests/unit/rollout/test_decode_variants.py -k "graph or compile or warm"
+             export TORCH_LOGS=recompiles; e2e colocated5 ${COLOCATED5_S:-250} resources.colocate=true rollout.num_rollouts=5
+             unset TORCH_LOGS
+             python3 -c "import json; rows = [json.loads(l) for l in open('$LOGS/runs/colocated5-metrics.jsonl')]; \
+               keys = ['perf/time_generate'] + sorted(k for k in rows[0] if k.startswith('engine/')); \
+               print('step', *keys); [print(r['step'], *(round(r.get(k, -1), 3) for k in keys)) for r in rows]"
+             bench_shape rollout_e triton+compile ;;
   colocated_test) step colocated_test 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_runs_gpu.py -k colocated ;;
   compiled_gpu_tests) step compiled_gpu_tests 170 python3 -m pytest -q -p no:cacheprovider -m gpu \
                         tests/unit/rollout/test_decode_variants.py -k compile ;;

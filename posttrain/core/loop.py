@@ -33,7 +33,7 @@ from posttrain.core.executors import EXECUTORS
 from posttrain.core.flops import throughput_metrics
 from posttrain.core.gcutil import settle_heap
 from posttrain.core.losses import kl_penalty_rewards
-from posttrain.core.metrics import MetricsWriter, PhaseTimer, memory_metrics
+from posttrain.core.metrics import MetricsWriter, PhaseTimer, ServerMetrics
 from posttrain.core.rewards import RewardRunner, reward_metrics
 from posttrain.core.rollout.client import EngineClient
 from posttrain.core.rollout.coalesce import CoalescingEngine
@@ -152,7 +152,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
                                                          "config": cfg.to_dict(), **queued}, cfg.checkpoint.keep)
 
         last: dict[str, float] = {}
-        timer = PhaseTimer()
+        timer, server_metrics = PhaseTimer(), ServerMetrics()
         pending = None  # async mode: the next step's generation, already running
         settle_heap()  # start-up's objects leave the collector; a step's short-lived ones die unscanned
         phase("train")
@@ -236,7 +236,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
                     **reward_metrics(groups), **estimator_metrics(estimator),
                     **sampling_metrics, **step_metrics, **{f"train/{k}": v for k, v in train_metrics.items()},
                     **phases, "perf/step_time": step_time, "perf/engine_restarts": float(len(restarted)),
-                    "perf/weight_push_s": push_s, **memory_metrics(trainer, engines), **perf,
+                    "perf/weight_push_s": push_s, **server_metrics(trainer, engines), **perf,
                     "rollout/empty_steps": float(empty_steps),  # fully_async: over generation, not the wait
                     "perf/rollout_tokens_per_s": tokens / max(sampling_metrics.get("perf/generation_s", generate_s),
                                                               1e-9)}

@@ -131,10 +131,44 @@ class PhaseTimer:
         return out
 
 
-def memory_metrics(trainer: Any, engines: Any) -> dict[str, float]:
-    """Peak GPU memory of the trainer and of the busiest engine (GiB); nothing on CPU."""
-    out = {f"perf/trainer_{k}": v for k, v in trainer.memory_stats().items()}
-    peaks = [m["peak_gib"] for m in engines.memory_stats() if "peak_gib" in m]
-    if peaks:
-        out["perf/engine_peak_gib"] = max(peaks)
-    return out
+class ServerMetrics:
+    """A step's figures from the trainer and the engines' servers (``metrics(trainer, engines)`` once a step):
+
+    - ``perf/trainer_*``: the trainer's memory figures; ``perf/engine_peak_gib``: the busiest engine's peak (GiB);
+    - what the engines did since the last step, summed over engines, from the ``totals`` (counts since start)
+      that posttrain's own engine reports in ``/get_server_info`` (an engine without them adds nothing):
+      ``engine/prefill_steps``, ``engine/prefill_s`` (prefill batches and their seconds, first compiles
+      included), ``engine/decode_steps``, ``engine/decode_s``, ``engine/decode_step_ms`` (their mean),
+      ``engine/mean_batch`` (running requests per decode step), ``engine/graph_captures`` and
+      ``engine/graph_capture_s`` (CUDA graphs captured, with the compiles they waited for). A slow
+      ``perf/time_generate`` then shows whether prefills, decode steps or captures took the time.
+
+    Engines on CPU are not asked (``engines.server_states`` gives them empty), so CPU runs have neither. An
+    engine whose totals went down was restarted: its figures count from zero again."""
+
+    def __init__(self):
+        self.last: list[dict[str, float]] = []
+
+    def __call__(self, trainer: Any, engines: Any) -> dict[str, float]:
+        out = {f"perf/trainer_{k}": v for k, v in trainer.memory_stats().items()}
+        states = engines.server_states()
+        peaks = [s["memory"]["peak_gib"] for s in states if "peak_gib" in s.get("memory", {})]
+        if peaks:
+            out["perf/engine_peak_gib"] = max(peaks)
+        totals = [s.get("totals") or {} for s in states]
+        done: dict[str, float] = {}
+        for i, now in enumerate(totals):
+            before = self.last[i] if i < len(self.last) else {}
+            if any(now.get(k, 0) < v for k, v in before.items()):  # restarted since
+                before = {}
+            for k, v in now.items():
+                done[k] = done.get(k, 0.0) + v - before.get(k, 0.0)
+        self.last = totals
+        if not done:
+            return out
+        out.update({f"engine/{k}": float(v) for k, v in done.items() if k != "decode_rows"})
+        steps = done.get("decode_steps", 0)
+        if steps:
+            out["engine/decode_step_ms"] = 1e3 * done.get("decode_s", 0.0) / steps
+            out["engine/mean_batch"] = done.get("decode_rows", 0.0) / steps
+        return out

@@ -34,8 +34,8 @@ class EngineRole:
     def resume_memory(self, tags: list[str] | None = None) -> None:
         self.fleet.resume_memory(tags)
 
-    def memory_stats(self) -> list[dict[str, Any]]:
-        return self.fleet.memory_stats()
+    def server_states(self) -> list[dict[str, Any]]:
+        return self.fleet.server_states()
 
     def drop_dead(self) -> list[str]:
         return self.fleet.drop_dead()

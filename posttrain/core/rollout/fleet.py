@@ -145,9 +145,10 @@ class EngineFleet:
     def resume_memory(self, tags: list[str] | None = None) -> None:
         self._all(lambda url: self.backend.resume_memory(url, tags, api_key=self.api_key))
 
-    def memory_stats(self) -> list[dict[str, Any]]:
-        """Each engine's ``/get_server_info`` memory figures (local engines report GiB on CUDA; engines
-        elsewhere have none, so they are not asked: this runs every step)."""
+    def server_states(self) -> list[dict[str, Any]]:
+        """Each engine's ``/get_server_info`` ``internal_states[0]``: posttrain's engine reports ``memory``
+        (GiB on CUDA) and ``totals`` (its work since start, ``core.metrics.ServerMetrics``). Engines not on
+        GPUs are not asked (empty dicts): this runs every step."""
         from posttrain.core.rollout.weight_sync import post_json
 
         if not self.backend.on_gpu(self.resources):
@@ -158,7 +159,7 @@ class EngineFleet:
                 info = post_json(url + "/get_server_info", timeout=30, api_key=self.api_key, method="GET")
             except (OSError, ValueError, RuntimeError):  # a dead engine has no figures; the push restarts it
                 info = {}
-            out.append((info.get("internal_states") or [{}])[0].get("memory", {}))
+            out.append((info.get("internal_states") or [{}])[0])
         return out
 
     def _all(self, call: Any) -> None:

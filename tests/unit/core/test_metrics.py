@@ -2,7 +2,7 @@ import json
 import math
 import time
 
-from posttrain.core.metrics import MetricsWriter, read_metrics
+from posttrain.core.metrics import MetricsWriter, ServerMetrics, read_metrics
 
 
 def test_metrics_jsonl_and_tensorboard(tmp_path):
@@ -58,3 +58,59 @@ def test_wandb_logging_writes_an_offline_run(tmp_path, monkeypatch):
     assert b"rollout/reward_mean" in data and b"0.875" in data and b"0.125" in data
     assert b"train/loss" not in data  # a non-finite value is not sent
     assert b"posttrain-test" in data and b"seed" in data  # project and run config
+
+
+class _Trainer:
+    def memory_stats(self):
+        return {"peak_gib": 7.5}
+
+
+class _Engines:
+    """``server_states`` of two engines, one step's states at a time."""
+
+    def __init__(self, *steps):
+        self.steps = list(steps)
+
+    def server_states(self):
+        return self.steps.pop(0)
+
+
+def _state(peak, **totals):
+    return {"memory": {"peak_gib": peak}, "totals": totals}
+
+
+def test_server_metrics_report_what_the_engines_did_since_the_last_step():
+    first = [_state(3.0, prefill_steps=2, prefill_s=1.5, decode_steps=10, decode_rows=40, decode_s=0.5,
+                    graph_captures=3, graph_capture_s=4.0),
+             _state(5.0, prefill_steps=1, prefill_s=0.5, decode_steps=10, decode_rows=20, decode_s=0.3,
+                    graph_captures=0, graph_capture_s=0.0)]
+    second = [_state(3.0, prefill_steps=3, prefill_s=1.75, decode_steps=30, decode_rows=120, decode_s=1.5,
+                     graph_captures=3, graph_capture_s=4.0),
+              # restarted: its totals went down, so they count from zero
+              _state(4.0, prefill_steps=1, prefill_s=0.25, decode_steps=20, decode_rows=40, decode_s=0.5,
+                     graph_captures=1, graph_capture_s=0.5)]
+    metrics = ServerMetrics()
+    engines = _Engines(first, second)
+    one = metrics(_Trainer(), engines)
+    assert one["perf/trainer_peak_gib"] == 7.5 and one["perf/engine_peak_gib"] == 5.0
+    assert one["engine/prefill_steps"] == 3 and one["engine/graph_captures"] == 3
+    assert one["engine/decode_steps"] == 20 and math.isclose(one["engine/decode_step_ms"], 40.0)
+    assert one["engine/mean_batch"] == 3.0 and "engine/decode_rows" not in one
+    two = metrics(_Trainer(), engines)
+    assert two["perf/engine_peak_gib"] == 4.0
+    assert two["engine/prefill_steps"] == 1 + 1 and math.isclose(two["engine/prefill_s"], 0.25 + 0.25)
+    assert two["engine/decode_steps"] == 20 + 20 and math.isclose(two["engine/decode_s"], 1.0 + 0.5)
+    assert math.isclose(two["engine/decode_step_ms"], 1e3 * 1.5 / 40) and two["engine/mean_batch"] == 3.0
+    assert two["engine/graph_captures"] == 1 and two["engine/graph_capture_s"] == 0.5
+
+
+def test_server_metrics_without_engine_figures_report_the_trainer_only():
+    """Engines not asked (CPU) or without ``totals`` (another server): no ``engine/`` keys, no engine peak."""
+    metrics = ServerMetrics()
+    out = metrics(_Trainer(), _Engines([{}, {"memory": {}}]))
+    assert out == {"perf/trainer_peak_gib": 7.5}
+    idle = ServerMetrics()
+    engines = _Engines([_state(1.0, decode_steps=5, decode_s=0.1)], [_state(1.0, decode_steps=5, decode_s=0.1)])
+    idle(_Trainer(), engines)
+    quiet = idle(_Trainer(), engines)  # nothing ran between the two steps: zeros, and no mean of no steps
+    assert quiet["engine/decode_steps"] == 0 and "engine/decode_step_ms" not in quiet

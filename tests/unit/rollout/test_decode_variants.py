@@ -346,31 +346,41 @@ def test_bench_sampler_launch_words_set_the_kernel_defaults_for_one_variant_only
         bench.parse_variant("triton+sampler2048x8", {})
 
 
-@pytest.mark.parametrize("fuse,join", [(False, True), (True, True), (False, False)])
-def test_compiled_decode_compiles_a_few_times_for_every_batch_bucket(tiny_ckpt, monkeypatch, fuse, join):
-    """Automatic dynamic shapes: the batch buckets 1, 2, 4, 8 cost at most three compiles of each compiled
-    part (size 1, the first other size, then one symbolic version for the rest), not one per bucket, and
-    every bucket still gives the eager logits; with fused projections (their weights passed in) too. The
-    joined step has four parts (the embedding with the rotary tables, the first layer's start, each
-    layer's end with the next one's start, the last layer's end with the head); the unjoined one two."""
+@pytest.fixture
+def compile_counter(monkeypatch):
+    """``torch.compile`` through Dynamo's counting backend (fresh caches): ``.frame_count`` is the compiles so far.
+    The counting backend takes no Inductor options (combo kernels): they are Inductor's, not Dynamo's."""
     from torch._dynamo.testing import CompileCounter
 
     torch._dynamo.reset()
     counter, real = CompileCounter(), torch.compile
-    # the counting backend takes no Inductor options (combo kernels): they are Inductor's, not dynamo's
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "options": None, "backend": counter}))
     torch.set_num_threads(1)
+    return counter
+
+
+@pytest.mark.parametrize("fuse,join", [(False, True), (True, True), (False, False)])
+def test_compiled_decode_compiles_a_few_times_for_every_batch_bucket(tiny_ckpt, compile_counter, fuse, join):
+    """Automatic dynamic shapes: the batch buckets 2, 4, 8 cost at most three compiles of each compiled
+    part (one row pads to two, a size Dynamo would compile apart), not one per bucket, and
+    every bucket still gives the eager logits; with fused projections (their weights passed in) too. The
+    joined step has four parts (the embedding with the rotary tables, the first layer's start, each
+    layer's end with the next one's start, the last layer's end with the head); the unjoined one two."""
     eager = ModelRunner(tiny_ckpt, max_slots=8, context_length=64)
     compiled = ModelRunner(tiny_ckpt, max_slots=8, context_length=64, compile=True, fuse_projections=fuse,
                            join_layers=join)
-    for nb in (1, 2, 3, 5, 8, 4):  # buckets 1, 2, 4, 8, 8, 4
+    rows, step = [], compiled._decode_eager
+    compiled._decode_eager = lambda tokens, *rest: rows.append(tokens.shape[0]) or step(tokens, *rest)
+    for nb in (1, 2, 3, 5, 8, 4):  # buckets 2 (one row padded to two), 2, 4, 8, 8, 4
         for r in (eager, compiled):  # fresh slots: a padded step writes position 0 of the idle ones
             r.prefill(list(range(8)), [[5 + i, 6, 7] for i in range(8)])
         tokens, positions = torch.arange(20, 20 + nb), torch.full((nb,), 3)
         torch.testing.assert_close(compiled.decode(tokens, positions), eager.decode(tokens, positions),
                                    atol=1e-5, rtol=1e-5, msg=f"batch {nb}")
+    assert rows == [2, 2, 4, 8, 8, 4]  # never a batch of one: Dynamo would compile it apart
     parts = 4 if join else 2
-    assert parts <= counter.frame_count <= 3 * parts, f"{counter.frame_count} compiles for 4 buckets of {parts} parts"
+    frames = compile_counter.frame_count
+    assert parts <= frames <= 3 * parts, f"{frames} compiles for 3 buckets of {parts} parts"
 
 
 def test_joined_layers_run_the_same_ops_as_the_separate_parts(tiny_ckpt):
@@ -385,17 +395,10 @@ def test_joined_layers_run_the_same_ops_as_the_separate_parts(tiny_ckpt):
     assert not ModelRunner(tiny_ckpt, max_slots=4, context_length=64).join_layers
 
 
-def test_compiled_prefill_matches_eager_and_compiles_once_for_every_width(tiny_ckpt, monkeypatch):
+def test_compiled_prefill_matches_eager_and_compiles_once_for_every_width(tiny_ckpt, compile_counter):
     """With ``compile`` the prefill runs the compiled layer parts with the prompt count and width symbolic:
     prompts of new widths and counts reuse one version (no compile per width), and the logits and the
     cache entries equal the eager prefill's."""
-    from torch._dynamo.testing import CompileCounter
-
-    torch._dynamo.reset()
-    counter, real = CompileCounter(), torch.compile
-    # the counting backend takes no Inductor options (combo kernels): they are Inductor's, not dynamo's
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "options": None, "backend": counter}))
-    torch.set_num_threads(1)
     eager = ModelRunner(tiny_ckpt, max_slots=8, context_length=64)
     compiled = ModelRunner(tiny_ckpt, max_slots=8, context_length=64, compile=True)
     seen = []
@@ -404,5 +407,29 @@ def test_compiled_prefill_matches_eager_and_compiles_once_for_every_width(tiny_c
         a, b = eager.prefill(list(range(n)), prompts), compiled.prefill(list(range(n)), prompts)
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5, msg=f"{n} prompts of width {width}")
         torch.testing.assert_close(compiled.k_cache[:, :n, :, :width], eager.k_cache[:, :n, :, :width], atol=1e-5, rtol=1e-5)
-        seen.append(counter.frame_count)
+        seen.append(compile_counter.frame_count)
     assert seen[0] >= 1 and seen[-1] == seen[0], f"compiles after each prefill: {seen}"
+
+
+def test_compiled_prefill_of_one_prompt_or_one_token_compiles_nothing_more(tiny_ckpt, compile_counter):
+    """Dynamo compiles a size of one apart from its symbolic version: a compiled prefill of a lone prompt (one
+    GRPO group admitted alone, mid-run) runs beside a copy of it, and one-token prompts are padded to two
+    positions, so after the first prefill nothing compiles again; the logits and each prompt's cache rows
+    equal the eager prefill's, and no other slot is written."""
+    eager = ModelRunner(tiny_ckpt, max_slots=8, context_length=64)
+    compiled = ModelRunner(tiny_ckpt, max_slots=8, context_length=64, compile=True)
+    cases = [([0, 1], [[5, 6, 7], [8, 9, 10]]), ([2], [[11, 12, 13, 14]]), ([3, 4, 5], [[15], [16], [17]]),
+             ([6], [[18]]), ([6, 7], [[19, 20], [19, 20]])]  # the last: one distinct prompt in two slots
+    counts = []
+    for slots, prompts in cases:
+        untouched = compiled.k_cache[:, [s for s in range(8) if s not in slots]].clone()
+        a, b = eager.prefill(slots, prompts), compiled.prefill(slots, prompts)
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5, msg=f"prompts {prompts}")
+        assert b.shape[0] == len(prompts)
+        for slot, p in zip(slots, prompts):
+            for cache in ("k_cache", "v_cache"):
+                torch.testing.assert_close(getattr(compiled, cache)[:, slot, :, :len(p)],
+                                           getattr(eager, cache)[:, slot, :, :len(p)], atol=1e-5, rtol=1e-5)
+        assert torch.equal(compiled.k_cache[:, [s for s in range(8) if s not in slots]], untouched)
+        counts.append(compile_counter.frame_count)
+    assert counts[0] >= 1 and counts[-1] == counts[0], f"compiles after each prefill: {counts}"

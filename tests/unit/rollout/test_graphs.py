@@ -19,8 +19,9 @@ class _Graph:
         pass
 
 
-def _runner(max_slots: int, warm: bool):
-    runner = SimpleNamespace(max_slots=max_slots, context_length=600, _graphs={}, warm_graphs=warm, _warmed=set())
+def _runner(max_slots: int, warm: bool, compiled: bool = False):
+    runner = SimpleNamespace(max_slots=max_slots, context_length=600, _graphs={}, warm_graphs=warm, _warmed=set(),
+                             compile=compiled)
     runner._bucket = ModelRunner._bucket.__get__(runner)
     runner._span = ModelRunner._span.__get__(runner)
     return runner
@@ -52,8 +53,24 @@ def test_buckets_are_the_runners_own_largest_first():
     assert graphs.buckets(_runner(12, True)) == [12, 8, 4, 2, 1]
     assert graphs.buckets(_runner(8, True)) == [8, 4, 2, 1]
     assert graphs.buckets(_runner(1, True)) == [1]
-    runner = _runner(12, True)
-    assert sorted({runner._bucket(n) for n in range(1, 13)}, reverse=True) == graphs.buckets(runner)
+    for compiled in (False, True):
+        runner = _runner(12, True, compiled)
+        assert sorted({runner._bucket(n) for n in range(1, 13)}, reverse=True) == graphs.buckets(runner)
+
+
+def test_a_compiled_runner_has_no_bucket_of_one_row():
+    """Dynamo compiles a size-1 batch apart from every other size: a compiled runner pads one row to two."""
+    assert graphs.buckets(_runner(12, True, compiled=True)) == [12, 8, 4, 2]
+    assert graphs.buckets(_runner(1, True, compiled=True)) == [1]  # one slot: nothing to pad into
+    runner = _runner(12, True, compiled=True)
+    assert [runner._bucket(n) for n in (1, 2, 3, 9, 12)] == [2, 2, 4, 12, 12]
+
+
+def test_warm_graphs_of_a_compiled_runner_skip_the_one_row_bucket(captured):
+    runner = _runner(12, True, compiled=True)
+    (sampled, logprobs, both), _ = _step(runner, 1, 10, temperature=1.0)
+    assert captured == [(12, 256, 1.0), (8, 256, 1.0), (4, 256, 1.0), (2, 256, 1.0)]
+    assert sampled.shape == logprobs.shape == (1,) and both.shape == (2, 1)  # the one real row of bucket 2
 
 
 def test_the_first_step_at_a_temperature_captures_every_bucket(captured):
@@ -97,5 +114,23 @@ def test_warm_captures_leave_the_step_and_the_cache_as_they_were(tiny_ckpt):
         draws.append((first, second))
     assert {k[0] for k in graphed._graphs if k[2] == 0.0} == {8, 4, 2, 1} and graphed._warmed == {0.0}
     assert {k[0] for k in lazy._graphs} == {8, 4} and not lazy._warmed
+    assert graphed.graph_totals["graph_captures"] == 4 and graphed.graph_totals["graph_capture_s"] > 0
     for a, b in zip(*draws):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_compiled_graphed_step_of_one_row_runs_in_the_two_row_graph(tiny_ckpt):
+    """On CUDA, compiled: the warm captures stop at two rows, and a step of one row (padded to two) gives the
+    eager step's logits for it (the pad row writes position 0 of slot 1, idle in an engine's step)."""
+    kw = {"device": "cuda", "dtype": "float32", "max_slots": 8, "context_length": 64, "decode_attention": "triton"}
+    eager, graphed = ModelRunner(tiny_ckpt, **kw), ModelRunner(tiny_ckpt, cuda_graphs=True, compile=True, **kw)
+    for r in (eager, graphed):
+        r.prefill([0, 1], [[5, 6, 7], [8, 9]])
+    tokens, positions = torch.tensor([20, 21], device="cuda"), torch.tensor([3, 2], device="cuda")
+    torch.testing.assert_close(graphed.decode(tokens, positions, 3), eager.decode(tokens, positions), atol=1e-4,
+                               rtol=1e-4)
+    one = graphed.decode(tokens[:1], positions[:1] + 1, 4)  # slot 0 alone
+    torch.testing.assert_close(one, eager.decode(tokens[:1], positions[:1] + 1), atol=1e-4, rtol=1e-4)
+    assert one.shape[0] == 1 and {k[0] for k in graphed._graphs} == {8, 4, 2}

@@ -235,3 +235,19 @@ async def test_a_client_that_disconnects_aborts_its_request(engine_url, engine_k
             assert await in_flight() == 0, "the engine kept a request whose client left"
         finally:
             await engine.continue_generation()
+
+
+async def test_server_info_totals_count_the_engines_work_since_start(engine_url, engine_key):
+    """``internal_states[0].totals`` only grow: a batched request of three rows and 5 new tokens adds at least
+    one prefill and the decode steps that ran its rows (a run's metrics report their differences per step)."""
+    async with EngineClient(engine_url, api_key=engine_key) as engine:
+        before = (await engine.get_server_info())["internal_states"][0]["totals"]
+        await engine.generate(input_ids=PROMPTS[:3], sampling_params={**GREEDY, "max_new_tokens": 5})
+        after = (await engine.get_server_info())["internal_states"][0]["totals"]
+    assert set(after) == {"prefill_steps", "prefill_s", "decode_steps", "decode_rows", "decode_s", "graph_captures",
+                          "graph_capture_s"}
+    assert after["prefill_steps"] >= before["prefill_steps"] + 1 and after["prefill_s"] > before["prefill_s"]
+    steps = after["decode_steps"] - before["decode_steps"]
+    assert steps >= 4 and after["decode_s"] > before["decode_s"]  # the first token comes from the prefill
+    assert after["decode_rows"] - before["decode_rows"] == 3 * steps  # the three rows run every step together
+    assert after["graph_captures"] == before["graph_captures"] == 0  # no CUDA graphs on a CPU

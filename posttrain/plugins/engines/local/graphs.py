@@ -55,8 +55,8 @@ def replay(runner, tokens, positions, need: int, temperature: float | None = Non
 
 def buckets(runner) -> list[int]:
     """Every batch bucket of ``runner`` (``ModelRunner._bucket``'s values), largest first: ``max_slots``, then
-    the powers of two below it."""
-    out, b = [runner.max_slots], 1
+    the powers of two below it down to the smallest bucket (1, or 2 for a compiled runner)."""
+    out, b = [runner.max_slots], runner._bucket(1)
     while b < runner.max_slots:
         out.append(b)
         b *= 2
@@ -78,7 +78,8 @@ def warm(runner, span: int, temperature: float | None) -> None:
 def capture(runner, bucket: int, span: int, temperature: float | None = None) -> None:
     """Capture ``runner``'s decode step of ``bucket`` slots over ``span`` positions (and its fused sampling at
     ``temperature``, unless None) into ``runner._graphs`` (one line on stderr each, with its seconds: the
-    engine log then shows what a slow step captured)."""
+    engine log then shows what a slow step captured; counted in ``runner.graph_totals``, which a run's metrics
+    report per step)."""
     def step():
         logits = runner._decode_eager(static["tokens"], static["positions"], span)
         drawn = None if temperature is None else draw_into(logits, temperature, static["tokens"])
@@ -112,6 +113,9 @@ def capture(runner, bucket: int, span: int, temperature: float | None = None) ->
     if drawn is not None:
         static["sampled"], static["logprobs"], static["packed"] = drawn
     runner._graphs[(bucket, span, temperature)] = (graph, static)
+    seconds = time.perf_counter() - t0
+    runner.graph_totals["graph_captures"] += 1
+    runner.graph_totals["graph_capture_s"] += seconds
     what = "" if temperature is None else f" sampling at temperature {temperature:g}"
-    print(f"captured the decode graph of {bucket} slots x {span} positions{what} in "
-          f"{time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
+    print(f"captured the decode graph of {bucket} slots x {span} positions{what} in {seconds:.2f} s",
+          file=sys.stderr, flush=True)

@@ -237,6 +237,7 @@ class ModelRunner:
         # (batch bucket, span bucket, sampling temperature or None) -> (graph, its static tensors)
         self._graphs: dict[tuple[int, int, float | None], tuple[Any, dict[str, torch.Tensor]]] = {}
         self.warm_graphs, self._warmed = bool(warm_graphs), set()  # temperatures whose buckets were all captured
+        self.graph_totals = {"graph_captures": 0, "graph_capture_s": 0.0}  # since start (graphs.capture)
         # graphs share one memory pool: they never run at the same time
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.decode_attention = decode_attention
@@ -368,7 +369,8 @@ class ModelRunner:
 
         Never in a CUDA graph (prompt shapes vary); with ``compile`` the layer parts are the decode step's
         compiled ones, compiled once more with the prompt count and width symbolic, so a prefill's norms, rotary
-        and SwiGLU fuse as the decode step's do."""
+        and SwiGLU fuse as the decode step's do. Compiled, a prefill of one prompt or of one-token prompts pads
+        that size to two, which Dynamo would otherwise compile apart (its 0/1 specialization)."""
         return self.prefill_scored(slots, prompts, [None] * len(prompts))[0]
 
     @torch.no_grad()
@@ -386,9 +388,11 @@ class ModelRunner:
         first: dict[tuple[int, ...], int] = {}
         inverse = [first.setdefault(tuple(p), len(first)) for p in prompts]
         unique = list(first)  # in order of first appearance: unique[inverse[i]] == prompts[i]
+        if self.compile and len(unique) == 1:  # a lone prompt runs beside a copy of itself (its K/V unwritten):
+            unique *= 2  # Dynamo compiles a size of one apart from the symbolic version (3.6 s on an H200 mid-run)
         n = len(unique)
         lens_np = np.fromiter(map(len, unique), dtype=np.int64, count=n)
-        width = int(lens_np.max())
+        width = max(int(lens_np.max()), 2 if self.compile else 1)  # likewise a width of one: padded to two
         # the host's part of a prefill is latency (the device waits for it): C-level iteration over the tokens
         flat = np.fromiter(itertools.chain.from_iterable(unique), dtype=np.int64, count=int(lens_np.sum()))
         if (lens_np == width).all():
@@ -401,8 +405,8 @@ class ModelRunner:
         index = torch.tensor([slots, inverse], dtype=torch.long, device=self.device)  # one copy for both
         rows = index[1]  # [len(prompts)] -> unique row
 
-        def spread(x):  # per unique prompt -> per row (as it is when no prompt repeats)
-            return x[rows] if n < len(prompts) and x is not None else x
+        def spread(x):  # per unique prompt -> per row (as it is when no prompt repeats and none was copied)
+            return x[rows] if n != len(prompts) and x is not None else x
 
         positions = torch.arange(width, device=self.device)[None, :].expand(n, width)
         # the cache rows to fill: a slice when the slots are consecutive (a plain copy; an indexed write ran
@@ -425,7 +429,7 @@ class ModelRunner:
                 write_prompt_kv(k, v, self.k_cache[l], self.v_cache[l], index[0], rows)
             else:
                 write_prompt_kv_reference(k, v, self.k_cache[l], self.v_cache[l], dest,
-                                          rows if n < len(prompts) else None)
+                                          rows if n != len(prompts) else None)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
             if self.compile:  # [n, H, P, D]
                 torch._dynamo.maybe_mark_dynamic(o, 0)
@@ -509,7 +513,11 @@ class ModelRunner:
         return torch.stack([dense if r is None else r.to(torch.int32).reshape(*lead, -1) for r in routed], dim=-2)
 
     def _bucket(self, nb: int) -> int:
-        b = 1
+        """The batch bucket of ``nb`` rows: the power of two at or above it, at most ``max_slots``. A compiled
+        runner's smallest bucket is 2: Dynamo specializes a dimension of size 1, so a step of one row would
+        compile every part of the step once more (3.6 s on an H200 at the first capture of bucket 1,
+        bench/RESULTS.md); it pads to two rows instead, as any batch pads to its bucket."""
+        b = 2 if self.compile else 1
         while b < nb:
             b *= 2
         return min(b, self.max_slots)

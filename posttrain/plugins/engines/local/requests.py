@@ -9,6 +9,8 @@ from typing import Any
 
 from posttrain.plugins.engines.local.sampling import RequestSampling
 
+TOTALS = ("prefill_steps", "prefill_s", "decode_steps", "decode_rows", "decode_s")  # StepStats.totals' keys
+
 
 @dataclass
 class StepStats:
@@ -33,9 +35,14 @@ class StepStats:
     position_copies: int = 0  # overlapped decode steps that copied their positions to the device
     started: float = 0.0  # perf_counter at the start of the first prefill since the reset (0: none yet)
     ended: float = 0.0  # perf_counter at the end of the last prefill or decode step
+    # since the engine started, kept by reset(): what /get_server_info reports (``totals``), and a run's
+    # metrics turn into per-step figures (core.metrics.ServerMetrics)
+    totals: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TOTALS, 0.0))
 
     def reset(self) -> None:
+        totals = self.totals
         self.__init__()
+        self.totals = totals
 
     def add_prefill(self, start: float) -> None:
         """One prefill batch that began at ``start`` (``perf_counter``) and ends now."""
@@ -43,6 +50,8 @@ class StepStats:
         self.started = self.started or start
         self.prefill_steps += 1
         self.prefill_s += self.ended - start
+        self.totals["prefill_steps"] += 1
+        self.totals["prefill_s"] += self.ended - start
 
     def add_decode(self, rows: int, launch: float, sample: float, advance: float) -> None:
         """One decode step of ``rows`` requests and its phases' seconds (it ends now)."""
@@ -50,6 +59,9 @@ class StepStats:
         self.decode_steps += 1
         self.decode_rows += rows
         self.decode_s += launch + sample + advance
+        self.totals["decode_steps"] += 1
+        self.totals["decode_rows"] += rows
+        self.totals["decode_s"] += launch + sample + advance
         self.launch_s += launch
         self.sample_s += sample
         self.advance_s += advance

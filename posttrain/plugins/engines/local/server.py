@@ -349,7 +349,10 @@ class EngineServer:
                                   "weight_version": self.engine.weight_version,
                                   "internal_states": [{"num_requests": self.engine.num_requests,
                                                        "memory": self.memory.stats(),
-                                                       "steps": self.engine.steps}]})
+                                                       "steps": self.engine.steps,
+                                                       # since start: a run logs their per-step differences
+                                                       "totals": {**self.engine.stats.totals,
+                                                                  **self.runner.graph_totals}}]})
 
     async def weight_version(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.engine.weight_version})
