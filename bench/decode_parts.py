@@ -30,8 +30,9 @@ per layer and against the weight-read bound.
 down, the output layer) over as many weight copies as a step reads (28 layers; 2 of the output layer), so
 no weight is still in L2 when it is read again, as in the step: cuBLAS (``F.linear``), cuBLASLt
 (``torch.backends.cuda.preferred_blas_library``), ``addmm`` with a residual (the output projections as one
-kernel with the add), and a plain Triton matmul (``skinny_mm`` below) over a grid of tiles, warps, stages and
-split-K; microseconds per matmul and TFLOP/s.
+kernel with the add), the same product in other operand layouts (``W @ x^T``; ``x`` column-major; weights
+stored ``[K, N]``), and (unless ``--no-triton-gemms``) a plain Triton matmul (``skinny_mm`` below) over a grid
+of tiles, warps, stages and split-K; microseconds per matmul and TFLOP/s.
 """
 
 from __future__ import annotations
@@ -335,7 +336,16 @@ def gemm_backends(args) -> None:
             torch.backends.cuda.preferred_blas_library(before)
         report("addmm_residual", lambda w: torch.addmm(res, x, w.t()),
                check=lambda: torch.addmm(res, x, ws[0].t()) - res)
-        for bm, bn, bk, split, warps, stages in SKINNY_CONFIGS:
+        # the same product in other operand layouts, which cuBLAS's heuristics map to other kernels (tiles):
+        # W @ x^T, the activations column-major ([K, M] in memory), every weight copy stored [K, N]
+        x_cols, w_t = x.t().contiguous().t(), {id(w): w.t().contiguous() for w in ws}
+        layouts = {"out_transposed": lambda w, x=x: torch.mm(w, x.t()).t(),
+                   "x_column_major": lambda w, x=x_cols: F.linear(x, w),
+                   "w_k_major": lambda w, x=x, w_t=w_t: torch.mm(x, w_t[id(w)])}
+        for name, fn in layouts.items():
+            report(name, fn, check=functools.partial(fn, ws[0]))
+        w_t.clear()
+        for bm, bn, bk, split, warps, stages in () if args.no_triton_gemms else SKINNY_CONFIGS:
             cfg = dict(bm=bm, bn=bn, bk=bk, split=split, warps=warps, stages=stages)
             if k % (bk * split):
                 continue
@@ -364,6 +374,7 @@ def main() -> None:
     ap.add_argument("--kernel-files", default="", help="--attention / --sampling: other copies of decode_kernel.py / "
                                                        "sampling_kernel.py, comma-separated, timed beside the installed one")
     ap.add_argument("--no-ceiling", action="store_true", help="--attention: skip the read ceiling")
+    ap.add_argument("--no-triton-gemms", action="store_true", help="--gemm-backends: skip the Triton matmul grid")
     ap.add_argument("--slots-per-program", default="1",
                     help="--attention: comma-separated slots per program (decode_attention(slots_per_program=)); "
                          "without 1 in the list, only grouped layouts are timed")

@@ -87,6 +87,8 @@
 #   engine17s the graphs' and the compiled decode's GPU tests, then colocated5 with Dynamo's recompiles logged and the
 #             engine's own figures per step from its metrics (engine/prefill_s, decode_s, graph captures, ...), then
 #             decode at the benchmark shape with the defaults
+#   trainer17 the compiled trainer's GPU equivalence test, then colocated5 with Dynamo's recompiles logged and each
+#             step's train seconds (the first step's compiles)
 #   ragged17  the decode attention over lengths spread +-128 in random slot order (mean 256 and 1024), one slot a
 #             program against four and eight
 #   autotune17 decode at the benchmark shape with inductor's max-autotune (Triton matmul templates against cuBLAS)
@@ -375,6 +377,13 @@ why = vmm_supported(0); print('vmm:', why or 'supported'); raise SystemExit(1 if
                keys = ['perf/time_generate'] + sorted(k for k in rows[0] if k.startswith('engine/')); \
                print('step', *keys); [print(r['step'], *(round(r.get(k, -1), 3) for k in keys)) for r in rows]"
              bench_shape rollout_e triton+compile ;;
+  trainer17) step compile_equivalence 170 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_equivalence_gpu.py -k compile
+             export TORCH_LOGS=recompiles; e2e colocated5 ${COLOCATED5_S:-250} resources.colocate=true rollout.num_rollouts=5
+             unset TORCH_LOGS
+             echo "trainer recompiles: $(grep -c '\[__recompiles\] Recompiling' "$LOGS/runs/colocated5.out")"
+             python3 -c "import json; rows = [json.loads(l) for l in open('$LOGS/runs/colocated5-metrics.jsonl')]; \
+               [print(r['step'], *(round(r.get(k, -1), 2) for k in ('perf/step_time', 'perf/time_generate', \
+               'perf/time_train', 'engine/prefill_s', 'engine/graph_capture_s'))) for r in rows]" ;;
   colocated_test) step colocated_test 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_runs_gpu.py -k colocated ;;
   compiled_gpu_tests) step compiled_gpu_tests 170 python3 -m pytest -q -p no:cacheprovider -m gpu \
                         tests/unit/rollout/test_decode_variants.py -k compile ;;

@@ -50,6 +50,7 @@ from posttrain.core.losses import total_loss
 from posttrain.core.trainer_backend import lr_at
 from posttrain.plugins.trainers.megatron import checkpoint, data_parallel, dedup, grads, pipeline, rope
 from posttrain.plugins.trainers.megatron import model as M
+from posttrain.plugins.trainers.megatron.compiled import compiled_layer
 from posttrain.core.train_batch import TrainBatch, pack
 from posttrain.plugins.trainers.megatron.logprobs import vocab_parallel_log_probs
 from posttrain.plugins.trainers.megatron.moe import MoERuntime, moe_overrides
@@ -101,7 +102,7 @@ class MegatronTrainer:
             rope.install()
         if self.backend.compile:  # before DDP wrapping; graph breaks (packed cu_seqlens) are fine
             for layer in self.model.decoder.layers:
-                layer.forward = torch.compile(layer.forward)
+                layer.forward = compiled_layer(layer.forward, symbolic_tokens=self._packed)
         self.value_head = None
         if role == "critic":  # replicated over TP, fp32; initialized to zero so initial values are 0
             self.value_head = torch.nn.Linear(self.hf["hidden_size"], 1, device=self.device, dtype=torch.float32)
