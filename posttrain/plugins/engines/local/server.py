@@ -350,9 +350,21 @@ class EngineServer:
                                   "internal_states": [{"num_requests": self.engine.num_requests,
                                                        "memory": self.memory.stats(),
                                                        "steps": self.engine.steps,
-                                                       # since start: a run logs their per-step differences
-                                                       "totals": {**self.engine.stats.totals,
-                                                                  **self.runner.graph_totals}}]})
+                                                       "totals": await self._totals()}]})
+
+    async def _totals(self) -> dict[str, float]:
+        """The engine's work since start (a run logs the differences per step), read between two engine steps:
+        a step answers its requests before it is counted, so a client that just got its answer would otherwise
+        read totals one step short. A busy or dead engine thread: read as they are."""
+        def read() -> dict[str, float]:
+            return {**self.engine.stats.totals, **self.runner.graph_totals}
+
+        if self.engine.alive:
+            try:
+                return await asyncio.to_thread(self.engine.call_in_engine, read, 10.0)
+            except TimeoutError:
+                pass
+        return read()
 
     async def weight_version(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.engine.weight_version})
