@@ -15,10 +15,10 @@ def test_a_one_sample_batch_gets_the_standard_layout_as_a_view():
     embedded = torch.randn(1, 7, 16)  # [b, s, h], transposed to [s, b, h] as Megatron's embedding does
     hidden = embedded.transpose(0, 1)
     assert hidden.stride() == (16, 112, 1)  # a size-1 dimension's stride: s * h here, h out of a layer
-    std = compiled._standard(hidden, symbolic_tokens=True)
+    std = compiled._standard(hidden)
     assert std.stride() == (16, 16, 1) and std.data_ptr() == hidden.data_ptr() and torch.equal(std, hidden)
     batch = torch.randn(7, 3, 16).transpose(0, 1).transpose(0, 1)  # b = 3: its strides are kept
-    assert compiled._standard(batch, symbolic_tokens=False).stride() == batch.stride()
+    assert compiled._standard(batch).stride() == batch.stride()
 
 
 def _frames(tiny_ckpts, monkeypatch, wrap) -> int:

@@ -18,46 +18,40 @@ from typing import Any
 
 def compiled_layer(forward: Callable[..., Any], symbolic_tokens: bool) -> Callable[..., Any]:
     """``forward`` (a transformer layer's bound ``forward``) compiled, called with its ``hidden_states``
-    (keyword or first positional) ``[s, b, h]`` in the standard layout when ``b == 1``, and ``s`` marked
-    symbolic with ``symbolic_tokens``."""
+    (keyword or first positional) ``[s, b, h]`` in the standard layout when ``b == 1``, and with
+    ``symbolic_tokens`` the first dimension of its tensor inputs and the ``cu_seqlens`` symbolic."""
     import torch
 
     compiled = torch.compile(forward)
 
     def run(*args: Any, **kwargs: Any) -> Any:
         if "hidden_states" in kwargs:
-            kwargs["hidden_states"] = _standard(kwargs["hidden_states"], symbolic_tokens)
+            kwargs["hidden_states"] = _standard(kwargs["hidden_states"])
         elif args:
-            args = (_standard(args[0], symbolic_tokens), *args[1:])
+            args = (_standard(args[0]), *args[1:])
         if symbolic_tokens:
-            _symbolic_tokens(kwargs)
+            _symbolic_tokens((*args, *kwargs.values()), kwargs.get("packed_seq_params"))
         return compiled(*args, **kwargs)
 
     return run
 
 
-def _standard(hidden: Any, symbolic_tokens: bool) -> Any:
+def _standard(hidden: Any) -> Any:
+    """``hidden`` ``[s, 1, h]`` with strides ``(h, h, 1)``, whatever the size-1 dimension's was (a view)."""
     import torch
 
-    if isinstance(hidden, torch.Tensor) and hidden.dim() == 3:
-        if hidden.shape[1] == 1:  # [s, 1, h] with strides (h, h, 1), whatever the size-1 dimension's was
-            hidden = hidden.squeeze(1).unsqueeze(1)
-        if symbolic_tokens:
-            torch._dynamo.maybe_mark_dynamic(hidden, 0)
+    if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 and hidden.shape[1] == 1:
+        return hidden.squeeze(1).unsqueeze(1)
     return hidden
 
 
-def _symbolic_tokens(kwargs: dict[str, Any]) -> None:
-    """The layer's other inputs, which change with every packed micro-batch too, symbolic from the first call:
-    the first dimension of its tensors (the rotary table, ``[longest sample, 1, 1, d]``) and the packed
-    sequences' boundaries (``cu_seqlens``, one more than the micro-batch's samples)."""
+def _symbolic_tokens(inputs: tuple[Any, ...], packed: Any) -> None:
+    """The inputs that change with every packed micro-batch, symbolic from the first call: the first dimension
+    of each tensor (``hidden_states``' token count, the rotary table's ``[longest sample, 1, 1, d]``) and the
+    packed sequences' boundaries (``cu_seqlens``, one more than the micro-batch's samples)."""
     import torch
 
-    for value in kwargs.values():
+    boundaries = (getattr(packed, name, None) for name in ("cu_seqlens_q", "cu_seqlens_kv"))
+    for value in (*inputs, *boundaries):
         if isinstance(value, torch.Tensor) and value.dim():
-            torch._dynamo.maybe_mark_dynamic(value, 0)
-    packed = kwargs.get("packed_seq_params")
-    for name in ("cu_seqlens_q", "cu_seqlens_kv"):
-        value = getattr(packed, name, None)
-        if isinstance(value, torch.Tensor):
             torch._dynamo.maybe_mark_dynamic(value, 0)
