@@ -93,6 +93,10 @@ def main() -> None:
                "tokens_per_s_per_gpu_steady": _median(later, "perf/tokens_per_s_per_gpu"),
                "response_len_mean": round(statistics.mean(r["rollout/response_len_mean"] for r in rows
                                                           if "rollout/response_len_mean" in r), 1)}
+    gpu_peaks = {k.removeprefix("perf/gpu_peak_gib_"): round(max(r.get(k, 0.0) for r in rows), 1)
+                 for r in rows for k in r if k.startswith("perf/gpu_peak_gib_")}  # GPU runs (NVML): per phase
+    if gpu_peaks:
+        signals["gpu_peak_gib_by_phase"] = gpu_peaks
     if sampled:  # with filters: the reward of every sampled group, the filtered ones too
         signals["sampled_reward_last10"] = round(statistics.mean(sampled[-10:]), 3)
     signals.update({"last_" + k: v for k, v in evals.items()})  # each eval set's last

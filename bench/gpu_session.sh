@@ -89,6 +89,8 @@
 #             decode at the benchmark shape with the defaults
 #   trainer17 the compiled trainer's GPU equivalence test, then colocated5 with Dynamo's recompiles logged and each
 #             step's train seconds (the first step's compiles)
+#   memory17  the graphs' GPU tests (a warm-up out of memory puts the cache back), then colocated5 with each phase's
+#             GPU memory peak (perf/gpu_peak_gib_<phase>, NVML: trainer and engine together) printed per step
 #   ragged17  the decode attention over lengths spread +-128 in random slot order (mean 256 and 1024), one slot a
 #             program against four and eight
 #   autotune17 decode at the benchmark shape with inductor's max-autotune (Triton matmul templates against cuBLAS)
@@ -402,6 +404,19 @@ why = vmm_supported(0); print('vmm:', why or 'supported'); raise SystemExit(1 if
                  --variants triton --kernel-tables $LOGS/kernels_moe ;;
   moe_grpo) step moe_grpo 210 python3 bench/e2e.py --config $MOE_CFG --name moe_grpo --keep "$LOGS/runs" \
               model.overrides.num_hidden_layers=$MOE_LAYERS ;;
+  memory17) step graphs_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/rollout/test_graphs.py
+            e2e colocated5 ${COLOCATED5_S:-250} resources.colocate=true rollout.num_rollouts=5
+            python3 - "$LOGS/runs/colocated5-metrics.jsonl" <<'PY' || true
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+phases = [k[len("perf/time_"):] for k in rows[0] if k.startswith("perf/time_")]
+print("step | " + " | ".join(f"{p} s / GPU peak GiB" for p in phases) + " | trainer peak | engine peak")
+for r in rows:
+    print(r["step"], "|", " | ".join(f"{r.get('perf/time_' + p, 0):.2f} / {r.get('perf/gpu_peak_gib_' + p, float('nan')):.1f}"
+                                     for p in phases), "|", round(r.get("perf/trainer_peak_gib", 0), 1), "|",
+          round(r.get("perf/engine_peak_gib", 0), 1))
+PY
+            ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac; done
 tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null

@@ -23,7 +23,7 @@ import time
 from contextlib import AsyncExitStack
 from typing import Any
 
-from posttrain.core import batching
+from posttrain.core import batching, gpu_memory
 from posttrain.core.async_rollout import FullyAsyncRollout
 from posttrain.core.buffer import DataBuffer, collect_groups
 from posttrain.core.data import load_prompts
@@ -152,7 +152,10 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
                                                          "config": cfg.to_dict(), **queued}, cfg.checkpoint.keep)
 
         last: dict[str, float] = {}
-        timer, server_metrics = PhaseTimer(), ServerMetrics()
+        gpus = gpu_memory.watch()  # the devices' used memory through each phase (None without NVML: CPU)
+        if gpus is not None:
+            stack.callback(gpus.close)
+        timer, server_metrics = PhaseTimer(memory=gpus), ServerMetrics()
         pending = None  # async mode: the next step's generation, already running
         settle_heap()  # start-up's objects leave the collector; a step's short-lived ones die unscanned
         phase("train")

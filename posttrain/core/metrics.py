@@ -10,7 +10,7 @@ import json
 import math
 import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -113,21 +113,31 @@ def _number(value: Any) -> float | int | None:
 
 
 class PhaseTimer:
-    """Wall time per phase of a step: ``with timer("train"): ...``; ``pop()`` gives ``perf/time_<phase>``."""
+    """Wall time per phase of a step: ``with timer("train"): ...``; ``pop()`` gives ``perf/time_<phase>``.
+    With a ``memory`` watch (``gpu_memory.MemoryWatch``: the GPUs' used memory, every process's), also
+    ``perf/gpu_peak_gib_<phase>``: the most the devices held while the phase ran (a phase met twice in a step:
+    the higher)."""
 
-    def __init__(self):
+    def __init__(self, memory: Any = None):
         self.times: dict[str, float] = {}
+        self.peaks: dict[str, int] = {}
+        self.memory = memory
 
     @contextmanager
     def __call__(self, phase: str):
         start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
+        with self.memory.window() if self.memory is not None else nullcontext() as window:
+            try:
+                yield
+            finally:
+                self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
+        if window is not None:
+            self.peaks[phase] = max(self.peaks.get(phase, 0), window.peak)
 
     def pop(self) -> dict[str, float]:
-        out, self.times = {f"perf/time_{k}": v for k, v in self.times.items()}, {}
+        out = {f"perf/time_{k}": v for k, v in self.times.items()}
+        out.update({f"perf/gpu_peak_gib_{k}": v / 1024 ** 3 for k, v in self.peaks.items()})
+        self.times, self.peaks = {}, {}
         return out
 
 

@@ -95,6 +95,74 @@ def test_lazy_graphs_capture_the_bucket_a_step_meets(captured):
     assert captured == [(8, 256, None), (2, 256, 0.0)]
 
 
+@pytest.fixture
+def short_of_memory(monkeypatch, captured):
+    """Captures of the buckets in ``full`` run out of GPU memory (the rest record their keys, as ``captured``)."""
+    full = set()
+    record = graphs.capture
+
+    def capture(runner, bucket, span, temperature=None):
+        if bucket in full:
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory capturing {bucket} slots")
+        record(runner, bucket, span, temperature)
+
+    monkeypatch.setattr(graphs, "capture", capture)
+    return full
+
+
+def test_warm_captures_skip_other_buckets_that_run_out_of_memory(short_of_memory, captured, capsys):
+    runner = _runner(12, True)
+    short_of_memory.update({12, 8, 1})
+    logits, _ = _step(runner, 3, 10)  # bucket 4: the step runs; 12, 8 and 1 skipped with a line each
+    assert logits.shape == (3, 3)
+    assert captured == [(4, 256, None), (2, 256, None)]
+    err = capsys.readouterr().err
+    assert "skipped the warm capture of the decode graph of 12 slots x 256 positions: out of GPU memory" in err
+    assert "of 8 slots" in err and "of 1 slots" in err
+    short_of_memory.clear()  # memory freed later: a step of 7 rows captures bucket 8 then
+    _step(runner, 7, 10)
+    assert captured[2:] == [(8, 256, None)]
+
+
+def test_out_of_memory_at_the_steps_own_bucket_is_raised(short_of_memory, captured):
+    runner = _runner(12, True)
+    short_of_memory.update({12, 8, 4})
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        _step(runner, 3, 10)  # its own bucket (4) cannot be captured: the step fails, as a lazy capture would
+    assert captured == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_warm_up_that_runs_out_of_memory_puts_the_cache_and_step_buffers_back(tiny_ckpt, monkeypatch):
+    """On CUDA: a capture whose warm-up runs out of memory after it wrote K/V at position 0 of slots
+    0 .. bucket-1 (where requests in flight may live) puts those rows and the step buffers back before raising."""
+    runner = ModelRunner(tiny_ckpt, device="cuda", dtype="float32", max_slots=4, context_length=64,
+                         decode_attention="triton", cuda_graphs=True)
+    runner.prefill([0, 1], [[5, 6, 7], [8, 9]])
+    runner.step_tokens[:4] = torch.tensor([20, 21, 22, 23], device="cuda")
+    runner.step_positions[:4] = torch.tensor([3, 2, 9, 9], device="cuda")
+    before = [t.clone() for t in (runner.k_cache, runner.v_cache, runner.step_tokens, runner.step_positions)]
+    real, calls = runner._decode_eager, []
+
+    def decode_then_fail(*args):
+        calls.append(1)
+        out = real(*args)  # writes the warm-up's K/V at position 0 of slots 0..3
+        if len(calls) == 2:
+            torch.cuda.synchronize()
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+        return out
+
+    monkeypatch.setattr(runner, "_decode_eager", decode_then_fail)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        graphs.capture(runner, 4, 64, 0.0)  # greedy: the warm-up's draws also overwrite the step's tokens
+    torch.cuda.synchronize()
+    after = (runner.k_cache, runner.v_cache, runner.step_tokens, runner.step_positions)
+    for name, a, b in zip(("k_cache", "v_cache", "step_tokens", "step_positions"), before, after):
+        assert torch.equal(a, b), name
+    assert (4, 64, 0.0) not in runner._graphs
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_warm_captures_leave_the_step_and_the_cache_as_they_were(tiny_ckpt):

@@ -38,7 +38,7 @@ def replay(runner, tokens, positions, need: int, temperature: float | None = Non
     bucket = runner._bucket(nb)
     key = (bucket, runner._span(need), temperature)
     if key not in runner._graphs and runner.warm_graphs and temperature not in runner._warmed:
-        warm(runner, key[1], temperature)
+        warm(runner, key[1], temperature, needed=bucket)
     if key not in runner._graphs:
         capture(runner, *key)
     graph, static = runner._graphs[key]
@@ -63,16 +63,27 @@ def buckets(runner) -> list[int]:
     return sorted(set(out), reverse=True)
 
 
-def warm(runner, span: int, temperature: float | None) -> None:
+def warm(runner, span: int, temperature: float | None, needed: int | None = None) -> None:
     """The first step at ``temperature`` (None: the logits graphs) captures every batch bucket's graph at
     ``span``. What a smaller bucket compiles (the attention's slots per program, its sequence splits, the
     sampler's chunk count: Triton kernels of their own) is then compiled at the run's first step, not when a
     later step's tail first shrinks into that bucket: 1.1-1.3 s each on an H200 in a colocated GRPO step
-    (bench/RESULTS.md). A graph at another span, met later, reuses the compiled kernels (0.05 s)."""
+    (bench/RESULTS.md). A graph at another span, met later, reuses the compiled kernels (0.05 s).
+
+    A bucket other than ``needed`` (the bucket of the step that asked) that runs out of GPU memory is skipped
+    with a line on stderr: the step goes on, and that bucket is captured if a later step needs it (and fails
+    then as a lazy capture would). Out of memory at ``needed`` is raised: the step itself cannot run."""
     runner._warmed.add(temperature)
     for bucket in buckets(runner):
-        if (bucket, span, temperature) not in runner._graphs:
+        if (bucket, span, temperature) in runner._graphs:
+            continue
+        try:
             capture(runner, bucket, span, temperature)
+        except torch.cuda.OutOfMemoryError:
+            if needed is None or bucket == needed:
+                raise
+            print(f"skipped the warm capture of the decode graph of {bucket} slots x {span} positions: out of GPU "
+                  f"memory (captured if a step needs it)", file=sys.stderr, flush=True)
 
 
 def capture(runner, bucket: int, span: int, temperature: float | None = None) -> None:
@@ -97,15 +108,17 @@ def capture(runner, bucket: int, span: int, temperature: float | None = None) ->
              static["positions"].clone())
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):  # warm up kernels (and torch.compile) outside the graph
-            static["positions"].zero_()
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    k_cache[:, :bucket, :, 0] = saved[0]
-    v_cache[:, :bucket, :, 0] = saved[1]
-    static["tokens"].copy_(saved[2])
-    static["positions"].copy_(saved[3])
+    try:
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up kernels (and torch.compile) outside the graph
+                static["positions"].zero_()
+                step()
+    finally:  # also after a failed warm-up (out of memory): the requests in flight keep their rows
+        torch.cuda.current_stream().wait_stream(stream)
+        k_cache[:, :bucket, :, 0] = saved[0]
+        v_cache[:, :bucket, :, 0] = saved[1]
+        static["tokens"].copy_(saved[2])
+        static["positions"].copy_(saved[3])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=runner._graph_pool):
         static["logits"], drawn = step()
