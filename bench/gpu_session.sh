@@ -106,7 +106,9 @@
 #   moe_rollout local-engine decode at that shape (MOE_ROLLOUT_LAYERS, default MOE_LAYERS), 256 x 128 prompt,
 #               256 new tokens, triton decode attention
 #   moe_grpo    3-step colocated GRPO, examples/gpu/qwen3-30b-a3b-grpo.yaml (16 x 8 x 128 new), routing replay on
-# needs: .whl/ with megatron-core 0.16.1 (cp312), math-verify, latex2sympy2_extended, antlr4-python3-runtime;
+# needs: .whl/ with megatron-core 0.16.1 (cp312), math-verify, latex2sympy2_extended, antlr4-python3-runtime,
+#        orjson (cp312: sglang-router's dependency, which a pip install brings; without it the rollout protocol's
+#        JSON falls back to the standard library, slower for a batched /generate's answers, core/jsonio.py);
 #        optional .whl/extra/ with sglang-router and what its launcher imports (fastapi, uvicorn, orjson, ...),
 #        for the parts with rollout.use_router: true (sync4b, shrunk); without it they fail, the rest run
 set -u
@@ -123,6 +125,7 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-d
 export PYTHONPATH=/tmp/site:/tmp/extra PATH=/tmp/site/bin:$PATH OMP_NUM_THREADS=8 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, transformers, megatron.core; print('torch', torch.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
+python3 -c "from posttrain.core import jsonio; print('rollout JSON:', 'orjson' if jsonio.orjson else 'the standard library')"
 if python3 -c "import sglang_router.launch_router" 2>/dev/null; then echo "router importable"; else echo "router not importable"; fi
 CFG=examples/gpu/qwen3-1.7b-grpo.yaml
 MOE_CFG=examples/gpu/qwen3-30b-a3b-grpo.yaml

@@ -14,7 +14,9 @@ which runs a function in the engine thread between two steps.
 
 A decode step keeps host work and device syncs low: one host-to-device copy for tokens and positions,
 the attention span from Python ints (no ``positions.max()`` sync), a sampling path picked from the
-Python parameters, and one device-to-host copy for the sampled tokens and their log-probs.
+Python parameters, and one device-to-host copy for the sampled tokens and their log-probs. An answer's
+``output_token_logprobs`` are ``(logprob, id, None)`` tuples (JSON writes them as the protocol's arrays):
+built in this thread between two steps, at a third of the cost of lists (bench/RESULTS.md).
 :class:`StepStats` (``engine.stats``) times each phase of every step with ``perf_counter``.
 
 **Overlap** (``overlap=True``, the default on a GPU; module ``overlap``): step ``N + 1`` is launched from
@@ -416,7 +418,7 @@ class LocalEngine:
             meta["routed_experts"] = encode_routed_experts(req.routed, len(req.prompt_ids) + len(req.output_ids) - 1)
         req.routed = []
         if req.return_logprob:
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)]
+            meta["output_token_logprobs"] = list(zip(req.logprobs, req.output_ids, itertools.repeat(None)))
             meta["input_token_logprobs"] = input_logprobs(req)
         result = {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
         if req.error is not None:
