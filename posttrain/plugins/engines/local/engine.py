@@ -39,6 +39,7 @@ from typing import Any
 
 from posttrain.plugins.engines.local.overlap import OverlappedDecode
 from posttrain.plugins.engines.local.requests import Request, StepStats, check_finish, input_logprobs
+from posttrain.plugins.engines.local.texts import AnswerTexts
 
 
 class LocalEngine:
@@ -80,7 +81,7 @@ class LocalEngine:
         self.stats = StepStats()
         self._ids = itertools.count()
         self._rid_prefix = uuid.uuid4().hex[:16]
-        self._texts: dict[tuple, str] = {}  # decoded text of short outputs (a one-token answer decodes once)
+        self.texts = AnswerTexts(tokenizer) if tokenizer is not None else None  # the answers' text
         # answered requests, freed after the next step's launch or once idle (release_answered): freeing a batch's
         # token lists (256 x 512 Python numbers) holds the GIL for milliseconds, which right after the answers
         # delayed the thread waiting for them by 3-5 ms on an H200's host
@@ -387,13 +388,22 @@ class LocalEngine:
         self._complete(req)
 
     def _advance(self, reqs: list[Request], tokens: list[int], logprobs: list[float]) -> None:
-        """Append each request's new token and log-prob; complete the requests that finish."""
+        """Append each request's new token and log-prob; complete the requests that finish (their texts
+        decoded together: ``texts.AnswerTexts.decode_many``)."""
+        done = []
         for req, tok, lp in zip(reqs, tokens, logprobs):
             req.output_ids.append(tok)
             req.logprobs.append(lp)
             check_finish(req, tok, self.eos_token_ids, self.tokenizer, self.runner.context_length)
             if req.finish is not None:
-                self._complete(req)
+                done.append(req)
+        if self.texts is not None and len(done) > 1:
+            for skip in {r.sampling.skip_special_tokens for r in done}:
+                same = [r for r in done if r.sampling.skip_special_tokens == skip]
+                for req, text in zip(same, self.texts.decode_many([r.output_ids for r in same], skip)):
+                    req.text = text
+        for req in done:
+            self._complete(req)
 
     def _complete(self, req: Request) -> None:
         if req.slot >= 0:
@@ -401,7 +411,8 @@ class LocalEngine:
             self._free_slots.append(req.slot)
             req.slot = -1
         s = req.sampling
-        text = "" if self.tokenizer is None else self._decode_text(req.output_ids, s.skip_special_tokens)
+        text = req.text if req.text is not None else "" if self.texts is None else self.texts.decode(
+            req.output_ids, s.skip_special_tokens)
         if req.text_cut is not None:
             text = text[: req.text_cut]
         meta: dict[str, Any] = {
@@ -428,19 +439,6 @@ class LocalEngine:
         except Exception:  # the waiter went away (client disconnected): nothing to deliver to
             pass
         self._answered.append(req)
-
-    def _decode_text(self, ids: list[int], skip_special_tokens: bool) -> str:
-        """``tokenizer.decode(ids)``, remembered for outputs of up to 2 tokens (bounded by vocab^2 keys;
-        cleared at 65,536): the same few short answers come back thousands of times per step."""
-        if len(ids) > 2:
-            return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-        key = (skip_special_tokens, *ids)
-        text = self._texts.get(key)
-        if text is None:
-            if len(self._texts) >= 65536:
-                self._texts.clear()
-            text = self._texts[key] = self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-        return text
 
 
 def encode_routed_experts(rows: list[Any], count: int | None = None) -> str:

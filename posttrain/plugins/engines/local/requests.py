@@ -92,6 +92,7 @@ class Request:
     slot: int = -1
     finish: dict[str, Any] | None = None
     text_cut: int | None = None  # char offset of a matched stop string (trimmed unless no_stop_trim)
+    text: str | None = None  # the answer's text, when decoded with others of its step (else at completion)
     error: str | None = None  # this request alone broke a step (the server answers HTTP 400)
     created: float = field(default_factory=time.monotonic)
     return_routed_experts: bool = False
