@@ -14,6 +14,8 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
+from posttrain.core.gpu_memory import GIB
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -136,7 +138,7 @@ class PhaseTimer:
 
     def pop(self) -> dict[str, float]:
         out = {f"perf/time_{k}": v for k, v in self.times.items()}
-        out.update({f"perf/gpu_peak_gib_{k}": v / 1024 ** 3 for k, v in self.peaks.items()})
+        out.update({f"perf/gpu_peak_gib_{k}": v / GIB for k, v in self.peaks.items()})
         self.times, self.peaks = {}, {}
         return out
 

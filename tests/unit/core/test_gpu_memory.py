@@ -118,87 +118,86 @@ class MovingReader:
             time.sleep(0.001)
 
 
-def test_a_window_keeps_a_spike_that_came_and_went_inside_it():
-    reader = MovingReader([10 * GIB, 2 * GIB])
-    watch = MemoryWatch(reader, interval_s=0.001)
-    try:
-        with watch.window() as w:
-            reader.used = [10 * GIB, 60 * GIB]  # another process allocates ...
-            reader.wait_samples(3)
-            reader.used = [10 * GIB, 5 * GIB]  # ... and lets go before the phase ends
-            reader.wait_samples(2)
-        assert w.peak == 60 * GIB  # the largest over the GPUs, at its highest
-        with watch.window() as later:
-            reader.wait_samples(2)
-        assert later.peak == 10 * GIB  # a new window starts from what the devices hold now
-    finally:
+@pytest.fixture
+def watching():
+    """``watching(reader, interval_s)``: a MemoryWatch over ``reader``, closed when the test ends."""
+    made = []
+
+    def make(reader, interval_s):
+        made.append(MemoryWatch(reader, interval_s=interval_s))
+        return made[-1]
+
+    yield make
+    for watch in made:
         watch.close()
+
+
+def test_a_window_keeps_a_spike_that_came_and_went_inside_it(watching):
+    reader = MovingReader([10 * GIB, 2 * GIB])
+    watch = watching(reader, 0.001)
+    with watch.window() as w:
+        reader.used = [10 * GIB, 60 * GIB]  # another process allocates ...
+        reader.wait_samples(3)
+        reader.used = [10 * GIB, 5 * GIB]  # ... and lets go before the phase ends
+        reader.wait_samples(2)
+    assert w.peak == 60 * GIB  # the largest over the GPUs, at its highest
+    with watch.window() as later:
+        reader.wait_samples(2)
+    assert later.peak == 10 * GIB  # a new window starts from what the devices hold now
+    watch.close()
     assert not watch._thread.is_alive()
 
 
-def test_windows_nest_and_a_short_window_still_counts_its_ends():
+def test_windows_nest_and_a_short_window_still_counts_its_ends(watching):
     reader = MovingReader([1 * GIB])
-    watch = MemoryWatch(reader, interval_s=3600)  # the thread samples once per window: the ends count
-    try:
-        with watch.window() as outer:
-            reader.used = [4 * GIB]
-            with watch.window() as inner:
-                reader.used = [7 * GIB]
-            reader.used = [2 * GIB]
-        assert (inner.peak, outer.peak) == (7 * GIB, 7 * GIB)
-    finally:
-        watch.close()
+    watch = watching(reader, 3600)  # the thread samples once per window: the ends count
+    with watch.window() as outer:
+        reader.used = [4 * GIB]
+        with watch.window() as inner:
+            reader.used = [7 * GIB]
+        reader.used = [2 * GIB]
+    assert (inner.peak, outer.peak) == (7 * GIB, 7 * GIB)
 
 
-def test_a_failing_reader_ends_the_sampling_not_the_run():
+def test_a_failing_reader_ends_the_sampling_not_the_run(watching):
     reader = MovingReader([3 * GIB])
-    watch = MemoryWatch(reader, interval_s=0.001)
-    try:
-        with watch.window() as w:
-            reader.wait_samples(2)
-            reader.fail = True
-            time.sleep(0.02)
-        assert w.peak == 3 * GIB  # what it saw before the failure
-        with watch.window() as after:
-            pass
-        assert after.peak == 0
-    finally:
-        watch.close()
+    watch = watching(reader, 0.001)
+    with watch.window() as w:
+        reader.wait_samples(2)
+        reader.fail = True
+        time.sleep(0.02)
+    assert w.peak == 3 * GIB  # what it saw before the failure
+    with watch.window() as after:
+        pass
+    assert after.peak == 0
 
 
-def test_an_idle_watch_does_not_sample():
+def test_an_idle_watch_does_not_sample(watching):
     reader = MovingReader([1 * GIB])
-    watch = MemoryWatch(reader, interval_s=0.001)
-    try:
-        with watch.window():
-            reader.wait_samples(2)
-        deadline = time.monotonic() + 5.0
-        while watch._active.is_set():  # the thread finishes the sample it had started, then idles
-            assert time.monotonic() < deadline, "the sampler kept sampling with no window open"
-            time.sleep(0.001)
-        calls = reader.calls
-        time.sleep(0.05)
-        assert reader.calls == calls
-        assert any(t.name == "gpu-memory-watch" for t in threading.enumerate())
-    finally:
-        watch.close()
+    watch = watching(reader, 0.001)
+    with watch.window():
+        reader.wait_samples(2)
+    deadline = time.monotonic() + 5.0
+    while watch._active.is_set():  # the thread finishes the sample it had started, then idles
+        assert time.monotonic() < deadline, "the sampler kept sampling with no window open"
+        time.sleep(0.001)
+    calls = reader.calls
+    time.sleep(0.05)
+    assert reader.calls == calls
+    assert any(t.name == "gpu-memory-watch" for t in threading.enumerate())
 
 
-def test_phase_timer_logs_each_phase_peak_in_gib():
+def test_phase_timer_logs_each_phase_peak_in_gib(watching):
     reader = MovingReader([8 * GIB])
-    watch = MemoryWatch(reader, interval_s=3600)
-    timer = PhaseTimer(memory=watch)
-    try:
-        with timer("generate"):
-            reader.used = [40 * GIB]
-        reader.used = [20 * GIB]
-        with timer("train"):
-            pass
-        with timer("generate"):  # a phase met twice in a step: the higher peak
-            reader.used = [30 * GIB]
-        out = timer.pop()
-    finally:
-        watch.close()
+    timer = PhaseTimer(memory=watching(reader, 3600))
+    with timer("generate"):
+        reader.used = [40 * GIB]
+    reader.used = [20 * GIB]
+    with timer("train"):
+        pass
+    with timer("generate"):  # a phase met twice in a step: the higher peak
+        reader.used = [30 * GIB]
+    out = timer.pop()
     assert out["perf/gpu_peak_gib_generate"] == 40.0
     assert out["perf/gpu_peak_gib_train"] == 20.0
     assert set(out) == {"perf/time_generate", "perf/time_train", "perf/gpu_peak_gib_generate",

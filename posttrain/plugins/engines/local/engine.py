@@ -411,8 +411,9 @@ class LocalEngine:
             self._free_slots.append(req.slot)
             req.slot = -1
         s = req.sampling
-        text = req.text if req.text is not None else "" if self.texts is None else self.texts.decode(
-            req.output_ids, s.skip_special_tokens)
+        text = req.text  # decoded with the others of its step (_advance), or here
+        if text is None:
+            text = "" if self.texts is None else self.texts.decode(req.output_ids, s.skip_special_tokens)
         if req.text_cut is not None:
             text = text[: req.text_cut]
         meta: dict[str, Any] = {

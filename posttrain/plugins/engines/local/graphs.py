@@ -63,7 +63,7 @@ def buckets(runner) -> list[int]:
     return sorted(set(out), reverse=True)
 
 
-def warm(runner, span: int, temperature: float | None, needed: int | None = None) -> None:
+def warm(runner, span: int, temperature: float | None, needed: int) -> None:
     """The first step at ``temperature`` (None: the logits graphs) captures every batch bucket's graph at
     ``span``. What a smaller bucket compiles (the attention's slots per program, its sequence splits, the
     sampler's chunk count: Triton kernels of their own) is then compiled at the run's first step, not when a
@@ -80,7 +80,7 @@ def warm(runner, span: int, temperature: float | None, needed: int | None = None
         try:
             capture(runner, bucket, span, temperature)
         except torch.cuda.OutOfMemoryError:
-            if needed is None or bucket == needed:
+            if bucket == needed:
                 raise
             print(f"skipped the warm capture of the decode graph of {bucket} slots x {span} positions: out of GPU "
                   f"memory (captured if a step needs it)", file=sys.stderr, flush=True)
