@@ -31,7 +31,10 @@ down, the output layer) over as many weight copies as a step reads (28 layers; 2
 no weight is still in L2 when it is read again, as in the step: cuBLAS (``F.linear``), cuBLASLt
 (``torch.backends.cuda.preferred_blas_library``), ``addmm`` with a residual (the output projections as one
 kernel with the add), the same product in other operand layouts (``W @ x^T``; ``x`` column-major; weights
-stored ``[K, N]``), and (unless ``--no-triton-gemms``) a plain Triton matmul (``skinny_mm`` below) over a grid
+stored ``[K, N]``), split-K through cuBLAS (``--splitk 2,4``: the K range cut in S pieces, one strided batched
+matmul with float32 outputs ``[S, M, N]`` (``torch.bmm(out_dtype=)``, no copy of either operand), summed and rounded
+to bf16 after, and the batched matmul alone, since the engine would fold the sum into the next fused kernel),
+and (unless ``--no-triton-gemms``) a plain Triton matmul (``skinny_mm`` below) over a grid
 of tiles, warps, stages and split-K; microseconds per matmul and TFLOP/s.
 """
 
@@ -293,6 +296,19 @@ def skinny_mm(x, w, bm: int, bn: int, bk: int, split: int, warps: int, stages: i
     return y.to(x.dtype)
 
 
+def splitk_mm(x, w, splits: int, summed: bool = True):
+    """``x [M, K] @ w[N, K]^T`` as ``splits`` products over K ranges, one strided batched cuBLAS call with float32
+    outputs ``[S, M, N]``; ``summed``: their sum rounded to ``x``'s dtype (else the float32 partials)."""
+    import torch
+
+    m, k = x.shape
+    n = w.shape[0]
+    a = x.view(m, splits, k // splits).transpose(0, 1)  # [S, M, K/S], row-major, ld K
+    b = w.view(n, splits, k // splits).permute(1, 2, 0)  # [S, K/S, N], column-major, ld K
+    parts = torch.bmm(a, b, out_dtype=torch.float32)
+    return parts.sum(0).to(x.dtype) if summed else parts
+
+
 GEMM_SHAPES = (("qkv", 4096, 2048, 28), ("o", 2048, 2048, 28), ("gate_up", 12288, 2048, 28),
                ("down", 2048, 6144, 28), ("lm_head", 151936, 2048, 2))  # (part, N, K, weight copies)
 SKINNY_CONFIGS = ((64, 64, 64, 1, 4, 4), (64, 64, 128, 1, 4, 3), (64, 128, 64, 1, 4, 4), (128, 64, 64, 1, 4, 4),
@@ -345,6 +361,12 @@ def gemm_backends(args) -> None:
         for name, fn in layouts.items():
             report(name, fn, check=functools.partial(fn, ws[0]))
         w_t.clear()
+        for splits in (int(one) for one in filter(None, args.splitk.split(","))):
+            if k % splits or part == "lm_head":  # the output layer: 151,936 columns fill the GPU unsplit
+                continue
+            for name, fn in (("splitk", functools.partial(splitk_mm, x, splits=splits)),
+                             ("splitk_gemm_only", functools.partial(splitk_mm, x, splits=splits, summed=False))):
+                report(name, fn, check=functools.partial(splitk_mm, x, ws[0], splits=splits), splits=splits)
         for bm, bn, bk, split, warps, stages in () if args.no_triton_gemms else SKINNY_CONFIGS:
             cfg = dict(bm=bm, bn=bn, bk=bk, split=split, warps=warps, stages=stages)
             if k % (bk * split):
@@ -375,6 +397,7 @@ def main() -> None:
                                                        "sampling_kernel.py, comma-separated, timed beside the installed one")
     ap.add_argument("--no-ceiling", action="store_true", help="--attention: skip the read ceiling")
     ap.add_argument("--no-triton-gemms", action="store_true", help="--gemm-backends: skip the Triton matmul grid")
+    ap.add_argument("--splitk", default="", help="--gemm-backends: split-K counts, comma-separated (cuBLAS batched)")
     ap.add_argument("--slots-per-program", default="1",
                     help="--attention: comma-separated slots per program (decode_attention(slots_per_program=)); "
                          "without 1 in the list, only grouped layouts are timed")

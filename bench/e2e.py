@@ -97,6 +97,9 @@ def main() -> None:
                  for r in rows for k in r if k.startswith("perf/gpu_peak_gib_")}  # GPU runs (NVML): per phase
     if gpu_peaks:
         signals["gpu_peak_gib_by_phase"] = gpu_peaks
+        signals["gpu_peak_gib_generate_by_step"] = [round(r.get("perf/gpu_peak_gib_generate", 0.0), 1) for r in rows]
+    if any("perf/trainer_offloaded_gib" in r for r in rows):  # resources.offload_trainer
+        signals["trainer_offloaded_gib"] = round(max(r.get("perf/trainer_offloaded_gib", 0.0) for r in rows), 2)
     if sampled:  # with filters: the reward of every sampled group, the filtered ones too
         signals["sampled_reward_last10"] = round(statistics.mean(sampled[-10:]), 3)
     signals.update({"last_" + k: v for k, v in evals.items()})  # each eval set's last

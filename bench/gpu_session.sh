@@ -89,6 +89,9 @@
 #             decode at the benchmark shape with the defaults
 #   trainer17 the compiled trainer's GPU equivalence test, then colocated5 with Dynamo's recompiles logged and each
 #             step's train seconds (the first step's compiles)
+#   offload17 the trainer offload's GPU tests (Megatron's optimizer state round trip, a small colocated run), then
+#             colocated GRPO for 4 steps with resources.offload_trainer (the
+#             trainer's state in host memory while the engine generates) and without it, each phase's GPU memory
 #   memory17  the graphs' GPU tests (a warm-up out of memory puts the cache back), then colocated5 with each phase's
 #             GPU memory peak (perf/gpu_peak_gib_<phase>, NVML: trainer and engine together) printed per step
 #   ragged17  the decode attention over lengths spread +-128 in random slot order (mean 256 and 1024), one slot a
@@ -169,6 +172,18 @@ if busy:
           f"{max(float(r[4]) for r in busy):.0f}, throttle reasons {dict(collections.Counter(r[5] for r in busy))}")
 PY
 }
+phase_table() {  # phase_table NAME: each step's seconds and GPU peak per phase of an e2e run (perf/gpu_peak_gib_*)
+  python3 - "$LOGS/runs/$1-metrics.jsonl" <<'PY' || true
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+phases = list(dict.fromkeys(k[len("perf/time_"):] for r in rows for k in r if k.startswith("perf/time_")))
+print("step | " + " | ".join(f"{p} s / GPU peak GiB" for p in phases) + " | trainer peak | engine peak | offloaded GiB")
+for r in rows:
+    print(r["step"], "|", " | ".join(f"{r.get('perf/time_' + p, 0):.2f} / {r.get('perf/gpu_peak_gib_' + p, float('nan')):.1f}"
+                                     for p in phases), "|", round(r.get("perf/trainer_peak_gib", 0), 1), "|",
+          round(r.get("perf/engine_peak_gib", 0), 1), "|", round(r.get("perf/trainer_offloaded_gib", 0), 1))
+PY
+}
 PARTS=(); for p in "$@"; do if [ "$p" = moe ]; then PARTS+=(moe_train moe_rollout moe_grpo); else PARTS+=("$p"); fi; done
 for part in "${PARTS[@]}"; do case $part in
   tests) step tests 240 python3 -m pytest -q -p no:cacheprovider tests/unit/rollout/test_rollout_gpu.py tests/unit/rollout/test_decode_variants.py tests/gpu ;;
@@ -217,6 +232,13 @@ print('ropecheck ok: compiled THD rotary equals eager on cuda (bf16 tolerance) f
          head -30 $LOGS/kernels_gen512/*.txt
          step rollout_bench_shape 200 python3 bench/rollout.py --device cuda --shape qwen3-1.7b --prompts 256 --prompt-len 128 \
            --new-tokens 256 --skip-hf --profile --variants triton,triton+compile ;;
+  offload17)
+    step offload_gpu_test 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/train/test_offload.py \
+      tests/gpu/test_runs_gpu.py -k "offload"
+    e2e colocated4_offload ${COLOCATED4_S:-220} resources.colocate=true rollout.num_rollouts=4 resources.offload_trainer=true
+    phase_table colocated4_offload
+    e2e colocated4 ${COLOCATED4_S:-220} resources.colocate=true rollout.num_rollouts=4
+    phase_table colocated4 ;;
   colocated5) e2e colocated5 ${COLOCATED5_S:-330} resources.colocate=true rollout.num_rollouts=5
               grep -rh "stable memory off" $LOGS/runs 2>/dev/null | head -2 ;;
   colocated5c) e2e colocated5c ${COLOCATED5_S:-330} resources.colocate=true rollout.num_rollouts=5 rollout.engine.compile=true
@@ -409,17 +431,7 @@ why = vmm_supported(0); print('vmm:', why or 'supported'); raise SystemExit(1 if
               model.overrides.num_hidden_layers=$MOE_LAYERS ;;
   memory17) step graphs_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/rollout/test_graphs.py
             e2e colocated5 ${COLOCATED5_S:-250} resources.colocate=true rollout.num_rollouts=5
-            python3 - "$LOGS/runs/colocated5-metrics.jsonl" <<'PY' || true
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-phases = [k[len("perf/time_"):] for k in rows[0] if k.startswith("perf/time_")]
-print("step | " + " | ".join(f"{p} s / GPU peak GiB" for p in phases) + " | trainer peak | engine peak")
-for r in rows:
-    print(r["step"], "|", " | ".join(f"{r.get('perf/time_' + p, 0):.2f} / {r.get('perf/gpu_peak_gib_' + p, float('nan')):.1f}"
-                                     for p in phases), "|", round(r.get("perf/trainer_peak_gib", 0), 1), "|",
-          round(r.get("perf/engine_peak_gib", 0), 1))
-PY
-            ;;
+            phase_table colocated5 ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac; done
 tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null

@@ -313,6 +313,10 @@ class ResourcesConfig:
     gpus_per_engine: int = option(1, ge=1, help="GPUs per engine server (its tensor parallelism)")
     num_engines: int = option(1, ge=1, help="engine servers behind the router")
     colocate: bool = option(False, help="trainer and engines share GPUs (engine memory released while training)")
+    offload_trainer: bool = option(
+        False, help="colocated: the trainer's weights, optimizer state and reference weights wait in pinned host "
+                    "memory while the engines generate, its gradients freed (room for larger models and KV "
+                    "caches; a copy each way per step)")
 
     @property
     def procs_per_node(self) -> int:
@@ -434,6 +438,12 @@ class RunConfig:
         if colocate and r.mode in ("async", "fully_async"):
             errors.append(f"rollout.mode: {r.mode} overlaps generation with training, which needs their own GPUs "
                           "(resources.colocate: false)")
+        if self.resources.offload_trainer and not colocate:
+            errors.append("resources.offload_trainer: only colocated runs offload the trainer (resources.colocate: "
+                          "true); on GPUs of its own it keeps its state")
+        if self.resources.offload_trainer and not getattr(self.trainer.backend.cls, "offloads", False):
+            errors.append(f"resources.offload_trainer: trainer backend {self.trainer.backend.name!r} cannot offload "
+                          f"its models (its class does not set offloads = True)")
         engine = r.engine.create() if r.engine is not None else None
         if colocate and r.weight_sync == "distributed" and engine is not None and engine.on_gpu(self.resources):
             errors.append("rollout.weight_sync: distributed (NCCL) cannot join two processes on one GPU; "

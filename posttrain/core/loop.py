@@ -10,7 +10,8 @@ staleness 1: the engines keep step N-1's weights until both are done, then get s
 ``rollout.mode: fully_async`` never stops generating (``core.async_rollout``: a background producer, a
 bounded queue of finished groups, the staleness bound; pushes pause the engines, ``core.rollout.preempt``).
 ``resources.colocate`` shares the GPUs: the engines release their memory after generating and take it
-back (weights, the update, then the KV cache) before the next generation.
+back (weights, the update, then the KV cache) before the next generation; with ``resources.offload_trainer``
+the trainer's state waits in host memory meanwhile (checkpoints are saved before it goes).
 
     rl-cli run examples/quickstart.yaml
 """
@@ -92,7 +93,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         filters = [f.create(plugins) for f in cfg.filters]
         sampling = cfg.rollout.sampling_params(seed=cfg.seed, return_routed_experts=cfg.trainer.backend.create(
             plugins).needs_routed_experts)
-        colocate = cfg.resources.colocate
+        colocate, offload = cfg.resources.colocate, cfg.resources.offload_trainer
         metrics_out = MetricsWriter(run.path, cfg.logging.tensorboard, cfg.logging.wandb,
                                     cfg.logging.wandb_project, cfg.to_dict())  # secrets redacted there
         stack.callback(metrics_out.close)
@@ -138,12 +139,16 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
                 return push_weights(trainer, engines, version, str(run.path / "hf-latest"))
             return await (feeder.push(sync, version) if feeder else asyncio.to_thread(sync))
 
-        def end_step(step: int, last: dict[str, float], groups: list, samples: list) -> None:
+        def end_step(step: int, last: dict[str, float], groups: list, samples: list, checkpoint: bool = True) -> None:
             metrics_out.log(step, last)
             run.log_rollouts(step, groups, batching.sample_log(samples))
             plugins.pm.hook.posttrain_on_step_end(step=step, metrics=last)
             if on_step is not None and ((step + 1) % cfg.logging.interval == 0 or step + 1 == cfg.rollout.num_rollouts):
                 on_step(step, last, samples)
+            if checkpoint:
+                save_checkpoint(step)
+
+        def save_checkpoint(step: int) -> None:
             if cfg.checkpoint.interval and ((step + 1) % cfg.checkpoint.interval == 0
                                             or step + 1 == cfg.rollout.num_rollouts):
                 queued = {"fully_async": feeder.state_dict()} if feeder else {}  # same instant as the buffer's
@@ -182,6 +187,9 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
             if colocate:  # the trainer's turn on the shared GPUs
                 with timer("release"):
                     await asyncio.to_thread(engines.release_memory)
+                if offload:  # the trainer's state back from host memory
+                    with timer("onload"):
+                        await asyncio.to_thread(trainer.onload)
             batch, reward, group_index, rollout_lp = batching.to_batch(samples)
 
             # 5. log-probs: the sampling policy as the trainer sees it, the reference, critic values
@@ -226,7 +234,12 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
                     await asyncio.to_thread(engines.resume_memory, ["weights"])
                 if feeder is None or feeder.push_due(step, step + 1 == cfg.rollout.num_rollouts, eval_due):
                     restarted, push_s = await push(version)
-                if colocate:
+            if offload:  # the trainer's state to host memory while the engines generate
+                save_checkpoint(step)
+                with timer("offload"):
+                    offloaded_gib = await asyncio.to_thread(trainer.offload)
+            if colocate:
+                with timer("sync"):  # the engines' KV cache last, in the room the trainer left
                     await asyncio.to_thread(engines.resume_memory, ["kv_cache"])
 
             # log, checkpoint, eval
@@ -240,13 +253,16 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
                     **sampling_metrics, **step_metrics, **{f"train/{k}": v for k, v in train_metrics.items()},
                     **phases, "perf/step_time": step_time, "perf/engine_restarts": float(len(restarted)),
                     "perf/weight_push_s": push_s, **server_metrics(trainer, engines), **perf,
+                    **({"perf/trainer_offloaded_gib": offloaded_gib} if offload else {}),
                     "rollout/empty_steps": float(empty_steps),  # fully_async: over generation, not the wait
                     "perf/rollout_tokens_per_s": tokens / max(sampling_metrics.get("perf/generation_s", generate_s),
                                                               1e-9)}
             if eval_due:
                 last.update(await evaluate(cfg, engine, generator, rewards, run.base_dir, tokenizer))
-            end_step(step, last, groups, samples)
+            end_step(step, last, groups, samples, checkpoint=not offload)  # offload: saved before the trainer's state left
         if pending is not None:
             pending.cancel()
+        if offload:  # the engines are done: their memory for the trainer's state, back for the export
+            await asyncio.to_thread(engines.release_memory)
         trainer.save_hf(str(run.path / "hf-final"))  # the final policy: transformers loads it, engines serve it
         return last

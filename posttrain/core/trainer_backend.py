@@ -38,7 +38,10 @@ The model ``build`` returns implements (shapes: ``[B, T]`` tensors aligned with 
   ``grad_norm``, ``lr`` and the loss's own (prefixed ``pg/``);
 - ``export_hf(bucket_bytes) -> iterator of [(hf_name, tensor)]`` buckets of the current weights under
   HF names, and ``save_hf(out_dir)``: an HF checkpoint (``config.json`` + safetensors);
-- ``save(dir)`` / ``load(dir)``: the whole training state (weights, optimizer, step), for resume.
+- ``save(dir)`` / ``load(dir)``: the whole training state (weights, optimizer, step), for resume;
+- with ``offloads = True`` on the backend class (``resources.offload_trainer``), ``offload() -> bytes`` and
+  ``onload()``: the model's device state to host memory while colocated engines generate, and back in place
+  (the model is not used in between; the loop saves checkpoints before it offloads).
 
 ``posttrain.testing.TrainerContract`` checks all of it on the tiny model.
 """
@@ -54,6 +57,7 @@ class TrainerBackend:
     """Base of every trainer backend. Subclasses set ``name`` and ``Config`` and implement ``build``."""
 
     name = ""
+    offloads = False  # whether its models implement offload()/onload() (resources.offload_trainer)
 
     @dataclass
     class Config:

@@ -62,6 +62,19 @@ def test_colocated_on_one_gpu_releases_engine_memory(tmp_path):
     assert rows[0]["perf/engine_peak_gib"] > 0 and rows[0]["perf/trainer_peak_gib"] > 0
 
 
+def test_colocated_with_the_trainer_offloaded_generates_beside_less_of_it(tmp_path):
+    """``resources.offload_trainer``: from the second step on, the GPU holds less while the engine generates than
+    the trainer's whole state (it waits in host memory), and the weights pushed after each round trip are the
+    trained ones (the log-prob gap)."""
+    rows = run(tmp_path, "resources.colocate=true", "resources.trainer_gpus_per_node=1", "rollout.num_rollouts=3",
+               "resources.offload_trainer=true", "checkpoint.interval=2")
+    check_signals(rows)
+    assert all(r["perf/trainer_offloaded_gib"] > 1.0 for r in rows)  # qwen3-0.6B: weights, masters, Adam, reference
+    held = [r["perf/gpu_peak_gib_generate"] for r in rows]
+    assert max(held[1:]) < held[0] + 1.0, held  # step 0 generates before the optimizer state exists
+    assert (tmp_path / "run" / "checkpoints" / "step_000001").is_dir()
+
+
 @two_gpus
 def test_disaggregated_on_two_gpus_syncs_over_nccl(tmp_path):
     rows = run(tmp_path, "rollout.num_rollouts=3")

@@ -226,16 +226,29 @@ def test_async_mode_trains_one_step_off_policy(tmp_path):
 
 def test_colocated_run_releases_engine_memory_and_syncs_by_tensor(tmp_path):
     """``resources.colocate``: the engine releases its memory for the trainer's turn, takes it back for
-    the next generation, and the weights travel by ``/update_weights_from_tensor`` (by value on a CPU)."""
-    run = tmp_path / "colocated"
-    out = rl_cli(QUICKSTART, "--run-dir", run, *SMALL, "rollout.num_rollouts=3", "resources.colocate=true")
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    rows = jsonl(run / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    assert all("perf/time_release" in r for r in rows)
-    # the pushed weights reached the engine: what it sampled with agrees with the trainer at every step
-    assert max(r["train_rollout_logprob_abs_diff"] for r in rows) < 1e-3
-    assert [r["rollout/staleness_max"] for r in rows] == [0.0, 0.0, 0.0]
+    the next generation, and the weights travel by ``/update_weights_from_tensor`` (by value on a CPU).
+    ``resources.offload_trainer`` (the second run): the trainer's state waits in host memory while the engine
+    generates (on a CPU it is copied into other host memory, its storages freed all the same) and the seeded run
+    is the same step for step; the checkpoint is saved before the offload, the final export after it."""
+    runs = {}
+    for name, extra in (("colocated", []), ("offloaded", ["resources.offload_trainer=true", "checkpoint.interval=2"])):
+        run = tmp_path / name
+        out = rl_cli(QUICKSTART, "--run-dir", run, *SMALL, "rollout.num_rollouts=3", "resources.colocate=true", *extra)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+        runs[name] = rows = jsonl(run / "metrics.jsonl")
+        assert [r["step"] for r in rows] == [0, 1, 2]
+        assert all("perf/time_release" in r for r in rows)
+        # the pushed weights reached the engine: what it sampled with agrees with the trainer at every step
+        assert max(r["train_rollout_logprob_abs_diff"] for r in rows) < 1e-3
+        assert [r["rollout/staleness_max"] for r in rows] == [0.0, 0.0, 0.0]
+    plain, offloaded = runs["colocated"], runs["offloaded"]
+    assert [r["train/loss"] for r in offloaded] == [r["train/loss"] for r in plain]
+    assert [r["rollout/reward_mean"] for r in offloaded] == [r["rollout/reward_mean"] for r in plain]
+    assert all(r["perf/trainer_offloaded_gib"] > 0 and "perf/time_onload" in r for r in offloaded)
+    assert not any("perf/trainer_offloaded_gib" in r or "perf/time_onload" in r for r in plain)
+    assert sorted(p.name for p in (tmp_path / "offloaded" / "checkpoints").glob("step_*")) == ["step_000001",
+                                                                                          "step_000002"]
+    assert (tmp_path / "offloaded" / "hf-final" / "config.json").exists()
 
 
 def test_kl_as_loss_term_and_in_the_reward(tmp_path, write):

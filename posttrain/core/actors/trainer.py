@@ -6,6 +6,7 @@ actor (ray executor) when the trainer is one rank; in each rank of a
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -45,16 +46,19 @@ class TrainerRole:
 
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.replica = getattr(self.policy, "dp_rank", 0)  # data-parallel replica: replicas hold the same weights
+        self.offloaded = False  # the models' state in host memory (offload), until a call needs it (onload)
 
     # ---------------------------------------------------------------- forward passes
     def log_probs(self, batch: Any, weights: str | None = None, with_entropy: bool = False) -> Any:
         """``[B, T]`` log-probs of ``batch.tokens`` under the current (or a snapshot's) weights;
         with ``with_entropy``, ``(log_probs, entropy [B, T])``."""
+        self.onload()
         log_probs, entropy = self.policy.log_probs(batch, weights=weights, with_entropy=with_entropy)
         return (log_probs, entropy) if with_entropy else log_probs
 
     def values(self, batch: Any) -> Any:
         """``[B, T]`` critic values."""
+        self.onload()
         return self.critic.values(batch)
 
     def importance_weights(self, batch: Any, rollout_log_probs: Any) -> tuple[Any, dict[str, float]]:
@@ -69,6 +73,7 @@ class TrainerRole:
         ``keep_log_probs`` (one step only): ``(metrics, log_probs [B, T], entropy [B, T])``, the policy's
         before the step, from its training forward where the backend's model offers that
         (``trains_with_log_probs``), else from a :meth:`log_probs` pass first."""
+        self.onload()
         steps = self.cfg.trainer.steps_per_rollout
         if keep_log_probs and steps != 1:
             raise ValueError("train(keep_log_probs=True) needs trainer.steps_per_rollout 1")
@@ -109,7 +114,8 @@ class TrainerRole:
         data-parallel replica 0 gathers the shards (a collective over its ranks) and rank 0 writes."""
         if self.replica != 0:  # the other replicas hold the same weights
             return str(out_dir)
-        self.policy.save_hf(out_dir)
+        with self._on_device():
+            self.policy.save_hf(out_dir)
         if self.rank != 0:
             return str(out_dir)
         tokenizer = self.spec.config.tokenizer
@@ -160,6 +166,7 @@ class TrainerRole:
         import time
 
         start = time.perf_counter()
+        self.onload()
         if self.replica != 0:
             return 0.0
         bucket = int(self.cfg.rollout.weight_bucket_mb * (1 << 20))
@@ -207,6 +214,35 @@ class TrainerRole:
         if error is not None:
             raise error
 
+    def offload(self) -> float:
+        """The models' weights, optimizer state and snapshots to host memory, their gradients freed
+        (``resources.offload_trainer``: colocated engines generate in the room). GiB freed on the device. Every
+        later call that needs the models brings them back first (:meth:`onload`)."""
+        if self.offloaded:
+            return 0.0
+        freed = sum(model.offload() for model in (self.policy, self.critic) if model is not None)
+        self.offloaded = True
+        return freed / 2**30
+
+    def onload(self) -> None:
+        """Back on the device after :meth:`offload` (else nothing to do)."""
+        if self.offloaded:
+            for model in (self.policy, self.critic):
+                if model is not None:
+                    model.onload()
+            self.offloaded = False
+
+    @contextmanager
+    def _on_device(self):
+        """The models on the device inside, and back in host memory after if they were there before."""
+        was = self.offloaded
+        self.onload()
+        try:
+            yield
+        finally:
+            if was:
+                self.offload()
+
     def release_memory(self) -> None:
         """Return cached, unused GPU memory to the driver (colocated engines resume into it)."""
         import torch
@@ -225,11 +261,13 @@ class TrainerRole:
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, ckpt_dir: str) -> None:
-        self.policy.save(Path(ckpt_dir) / "policy")
-        if self.critic is not None:
-            self.critic.save(Path(ckpt_dir) / "critic")
+        with self._on_device():
+            self.policy.save(Path(ckpt_dir) / "policy")
+            if self.critic is not None:
+                self.critic.save(Path(ckpt_dir) / "critic")
 
     def load(self, ckpt_dir: str) -> None:
+        self.onload()
         self.policy.load(Path(ckpt_dir) / "policy")
         if self.critic is not None:
             self.critic.load(Path(ckpt_dir) / "critic")

@@ -59,6 +59,12 @@ class TrainerGroup:
     def release_memory(self) -> None:
         self.ranks.call("release_memory")
 
+    def offload(self) -> float:
+        return self.ranks.call("offload")
+
+    def onload(self) -> None:
+        self.ranks.call("onload")
+
     def memory_stats(self) -> dict[str, float]:
         """The busiest rank's figures (max over ranks, per key)."""
         out: dict[str, float] = {}

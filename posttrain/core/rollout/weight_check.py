@@ -22,7 +22,9 @@ def tensor_digest(tensor: Any, dtype: str) -> str:
     """SHA-256 of ``tensor``'s bytes in ``dtype`` (``"bfloat16"``, ...), as the local engine computes it."""
     import torch
 
-    data = tensor.detach().to(getattr(torch, dtype)).contiguous().cpu().reshape(-1).view(torch.uint8)
+    # a copy: numpy() marks the storage it reads as not resizable, and a CPU tensor's view would be the
+    # trainer's own parameter (whose storage an offload frees: offload.HostOffload)
+    data = tensor.detach().to(getattr(torch, dtype)).to("cpu", copy=True).reshape(-1).view(torch.uint8)
     return hashlib.sha256(data.numpy().tobytes()).hexdigest()
 
 

@@ -14,6 +14,8 @@ and a fixed batch of 4 samples of different lengths, and checks (``[B, T]`` as i
   the weights move; micro-batch size changes neither the loss nor the gradient norm;
 - ``save``/``load``: a fresh model that loads a checkpoint has the same weights, reference and optimizer
   state (the next step gives the same metrics and weights);
+- ``offload``/``onload`` (backends with ``offloads = True``): a model offloaded and brought back between two
+  steps ends them exactly where a model that stayed ends them;
 - ``export_hf``: exactly the HF checkpoint's tensor names and shapes, in buckets of at most
   ``bucket_bytes``; ``save_hf`` writes the same tensors with a ``config.json`` transformers loads;
 - ``role="critic"`` (skipped for a backend whose ``build`` raises ``NotImplementedError`` for it):
@@ -192,6 +194,22 @@ class TrainerContract(ComponentContract):
         after_a, after_b = hf_weights(policy), hf_weights(fresh)
         worst = max(float((after_a[n] - after_b[n]).abs().max()) for n in after_a)
         assert worst < 1e-6, f"the optimizer state is restored: the next step differs by {worst:.2e}"
+
+    def test_offload_round_trip_changes_nothing(self, trainer_backend, spec, run, policy, batch, loss_fn):
+        import torch
+
+        if not getattr(type(trainer_backend), "offloads", False):
+            pytest.skip(f"{type(trainer_backend).__name__} does not offload (offloads = False)")
+        stayed = trainer_backend.build(spec, run, role="actor", seed=0)
+        for model in (policy, stayed):
+            model.train_step(batch, loss_fn)
+        assert policy.offload() > 0, "offload() returns the bytes it freed on the device"
+        policy.onload()
+        a, b = policy.train_step(batch, loss_fn), stayed.train_step(batch, loss_fn)
+        assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"], "the step after the round trip is the same"
+        after, want = hf_weights(policy), hf_weights(stayed)
+        assert all(torch.equal(after[n], want[n]) for n in want), "weights and optimizer state came back exactly"
+        assert torch.equal(policy.log_probs(batch, weights="ref")[0], stayed.log_probs(batch, weights="ref")[0])
 
     # ------------------------------------------------------------------ weights out
     def test_export_hf_covers_the_hf_checkpoint(self, policy, spec, tmp_path):

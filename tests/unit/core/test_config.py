@@ -138,6 +138,34 @@ def test_colocated_runs_refuse_async_and_nccl_on_one_gpu(write, plugins):
     assert [e.split(":")[0] for e in info.value.errors] == ["rollout.mode", "rollout.weight_sync"]
 
 
+def test_offloading_the_trainer_needs_colocation_and_a_backend_that_offloads(write, plugins):
+    path = write("c.yaml", GOOD)
+    assert load_config(path, ["resources.colocate=true", "resources.offload_trainer=true"], plugins=plugins)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["resources.offload_trainer=true"], plugins=plugins)
+    assert [e.split(":")[0] for e in info.value.errors] == ["resources.offload_trainer"]
+    assert "only colocated runs offload the trainer" in info.value.errors[0]
+    backend = write("plain_trainer.py", '''
+from dataclasses import dataclass
+from posttrain import hookimpl
+from posttrain.core.trainer_backend import TrainerBackend
+
+class PlainTrainer(TrainerBackend):
+    name = "plain"
+    @dataclass
+    class Config:
+        pass
+
+@hookimpl
+def posttrain_register_trainers(registry):
+    registry.add(PlainTrainer)
+''')
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["resources.colocate=true", "resources.offload_trainer=true", "trainer.backend.name=plain"],
+                    plugins=load_plugins([backend]))
+    assert any("resources.offload_trainer: trainer backend 'plain' cannot offload" in e for e in info.value.errors)
+
+
 @pytest.mark.parametrize("colocate, given, mode", [(True, "auto", "tensor"), (False, "auto", "distributed"),
                                                    (True, "disk", "disk"), (False, "tensor", "tensor")])
 def test_weight_sync_auto_follows_colocation(write, plugins, colocate, given, mode):

@@ -74,6 +74,8 @@ class MegatronBackend(TrainerBackend):
                 return [str(exc).removeprefix("trainer.backend.")]
             return []
 
+    offloads = True  # MegatronTrainer.offload/onload (offload.HostOffload)
+
     @property
     def needs_routed_experts(self) -> bool:
         return self.config.routing_replay

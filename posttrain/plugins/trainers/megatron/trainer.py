@@ -27,7 +27,9 @@ only); ``trainer.backend.routing_replay`` routes with ``batch.routed_experts``; 
 On CPU: a torch AdamW (fp32 master weights for bf16/fp16 parameters) and our own grad clipping. On GPU: Megatron's DDP and
 (distributed) optimizer. The reference policy is a copy of the initial weights (:mod:`.snapshots`: on the
 device when it fits, ``trainer.backend.ref_offload``), swapped in for ``log_probs(..., weights="ref")``
-without copying the policy's weights (slime keeps such backups in the same actor too).
+without copying the policy's weights (slime keeps such backups in the same actor too). ``offload()``/``onload()``
+(:mod:`.offload`, ``resources.offload_trainer``) move all of that state to host memory and back while a colocated
+engine generates.
 
 Micro-batches: ``trainer.micro_batch_size`` samples each, or with ``trainer.max_tokens_per_micro_batch``
 consecutive samples up to that many tokens (:func:`micro_batch_bounds`). Losses are normalized by the
@@ -48,7 +50,7 @@ import torch
 from posttrain.core.errors import UsageError
 from posttrain.core.losses import total_loss
 from posttrain.core.trainer_backend import lr_at
-from posttrain.plugins.trainers.megatron import checkpoint, data_parallel, dedup, grads, pipeline, rope
+from posttrain.plugins.trainers.megatron import checkpoint, data_parallel, dedup, grads, offload, pipeline, rope
 from posttrain.plugins.trainers.megatron import model as M
 from posttrain.plugins.trainers.megatron.compiled import compiled_layer
 from posttrain.core.train_batch import TrainBatch, pack
@@ -110,6 +112,7 @@ class MegatronTrainer:
             torch.nn.init.zeros_(self.value_head.bias)
         self.step = 0
         self._build_optimizer(overrides)
+        self._host = offload.HostOffload(self.device)
         self._snapshots = Snapshots(lambda: M.megatron_params(self.model), self.device, self.backend.ref_offload)
         if role == "actor":
             self.snapshot("ref")
@@ -420,6 +423,16 @@ class MegatronTrainer:
             for master, p in zip(self._masters, params):
                 p.copy_(master)
         return norm
+
+    # ------------------------------------------------------------------ colocated memory
+    def offload(self) -> int:
+        """Weights, optimizer state and snapshots to host memory, gradients freed (``offload.HostOffload``);
+        the bytes freed. Nothing may use the model until :meth:`onload`."""
+        return self._host.offload(*offload.state_tensors(self))
+
+    def onload(self) -> int:
+        """Everything :meth:`offload` moved back in place (zeroed gradients); the bytes."""
+        return self._host.onload()
 
     # ------------------------------------------------------------------ weights out
     def export_hf(self, bucket_bytes: int = 1 << 30) -> Iterator[list[tuple[str, torch.Tensor]]]:

@@ -1,0 +1,132 @@
+"""The trainer's state in host memory and back (``resources.offload_trainer``): storages freed and restored in
+place, and a Megatron trainer that trains on after the round trip exactly as one that never left."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from posttrain.core.config import TrainerConfig
+from posttrain.core.train_batch import TrainBatch
+from posttrain.plugins.trainers.megatron.offload import HostOffload, torch_optimizers, state_tensors
+from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
+from train_helpers import local_loss, spec_for
+
+pytestmark = pytest.mark.usefixtures("megatron_tp1")
+
+
+def test_storages_are_freed_and_come_back_in_place():
+    buffer = torch.arange(12, dtype=torch.float32)
+    first, second = buffer[:6], buffer[6:].view(2, 3)  # two views of one storage: moved once
+    weight = torch.nn.Parameter(torch.randn(3, 4))
+    grad = torch.ones(5)
+    before = weight.detach().clone()
+    host = HostOffload(torch.device("cpu"))
+    freed = host.offload([first, second, weight], drop=[grad, first])  # in both: kept
+    assert freed == 12 * 4 + 12 * 4 + 5 * 4
+    assert [t.untyped_storage().nbytes() for t in (buffer, weight, grad)] == [0, 0, 0]
+    assert host.offloaded
+    with pytest.raises(RuntimeError, match="already offloaded"):
+        host.offload([weight])
+    assert host.onload() == freed and not host.offloaded
+    assert torch.equal(buffer, torch.arange(12, dtype=torch.float32)) and torch.equal(second[1], buffer[9:])
+    assert torch.equal(weight.detach(), before) and weight.requires_grad
+    assert torch.equal(grad, torch.zeros(5))  # dropped: zeros, not its old values
+    buffer_at = host._host.data_ptr()
+    host.offload([first, weight])
+    host.onload()
+    assert host._host.data_ptr() == buffer_at and host._host.numel() == 12 * 4 + 12 * 4  # host memory reused
+
+
+def test_tensors_on_other_devices_and_empty_storages_are_left_alone():
+    host = HostOffload(torch.device("meta"))
+    cpu = torch.ones(3)
+    assert host.offload([cpu, torch.empty(0, device="meta")]) == 0
+    assert cpu.untyped_storage().nbytes() == 12 and not host.offloaded
+
+
+def _batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lists = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (9, 12, 7, 10)]
+    batch = TrainBatch.from_lists(lists, [3, 4, 2, 5])
+    batch.advantages = torch.randn(len(lists), 1, generator=g) * batch.response_mask
+    return batch
+
+
+def _bf16_trainer(tiny_ckpts):
+    """bf16 weights with fp32 masters, Adam's moments and the reference snapshot: every kind of state."""
+    spec = spec_for("qwen3", tiny_ckpts("qwen3"), dtype="bfloat16")
+    return MegatronTrainer(spec, TrainerConfig(lr=1e-3, micro_batch_size=2, global_batch_size=4))
+
+
+def test_a_trainer_offloaded_between_steps_trains_on_bit_for_bit(tiny_ckpts):
+    if torch.cuda.is_available():
+        pytest.skip("the CPU path's state (torch AdamW, fp32 masters); tests/gpu covers Megatron's optimizer")
+    batch = _batch()
+    moved, twin = _bf16_trainer(tiny_ckpts), _bf16_trainer(tiny_ckpts)
+    for trainer in (moved, twin):
+        batch.old_log_probs = trainer.log_probs(batch)[0]
+        trainer.train_step(batch, local_loss)
+    keep, drop = state_tensors(moved)
+    kinds = {"weights": list(moved.model.parameters()), "masters": moved._masters,
+             "adam": [v for s in moved.optimizer.state.values() for v in s.values() if v.dim()],
+             "reference": list(moved._snapshots.saved["ref"].values()), "grads": [p.grad for p in moved._params()]}
+    assert all(kinds.values()) and all(g is not None for g in kinds["grads"])
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in keep + drop if t is not None}
+    assert moved.offload() == sum(storages.values())  # each storage once, however many views it has
+    for kind, tensors in kinds.items():  # every kind of state left the device (here: its CPU storage)
+        assert all(t.untyped_storage().nbytes() == 0 for t in tensors), kind
+    moved.onload()
+    for trainer in (moved, twin):
+        trainer.train_step(batch, local_loss)
+    assert all(torch.equal(a, b) for a, b in zip(moved._masters, twin._masters))
+    assert all(torch.equal(a, b) for a, b in zip(moved.model.parameters(), twin.model.parameters()))
+    assert torch.equal(moved.log_probs(batch, weights="ref")[0], twin.log_probs(batch, weights="ref")[0])
+
+
+def test_a_storage_that_cannot_be_resized_stays_where_it_is(caplog):
+    shared = torch.ones(4)
+    shared.numpy()  # numpy() marks the storage it reads as not resizable
+    other = torch.ones(2)
+    host = HostOffload(torch.device("cpu"))
+    with caplog.at_level("WARNING", logger="posttrain.trainer"):
+        assert host.offload([shared, other]) == 8
+    assert "1 storages (0.0 MiB) cannot be freed in place and stay on cpu" in caplog.text
+    assert shared.untyped_storage().nbytes() == 16 and other.untyped_storage().nbytes() == 0
+    host.onload()
+    assert torch.equal(shared, torch.ones(4)) and torch.equal(other, torch.ones(2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_megatrons_optimizer_state_leaves_the_gpu_and_training_goes_on_unchanged(tiny_ckpts):
+    """On a GPU the state is Megatron's: DDP's contiguous parameter and gradient buffers, the distributed
+    optimizer's fp32 shards, fused Adam's moments and step counters. All of it leaves the device (the allocator's
+    count drops by at least those bytes) and the next steps equal those of a trainer that never offloaded."""
+    def trainer():
+        spec = spec_for("qwen3", tiny_ckpts("qwen3"), dtype="bfloat16")
+        return MegatronTrainer(spec, TrainerConfig(lr=1e-3, micro_batch_size=2, global_batch_size=4,
+                                                   deterministic=True))
+
+    batch = _batch()
+    moved, twin = trainer(), trainer()
+    assert moved.megatron_optimizer
+    for t in (moved, twin):
+        batch.old_log_probs = t.log_probs(batch)[0]
+        t.train_step(batch, local_loss)
+    adam = [v for opt in torch_optimizers(moved.optimizer) for state in opt.state.values() for v in state.values()
+            if torch.is_tensor(v) and v.is_cuda]
+    assert adam
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    freed = moved.offload()
+    assert before - torch.cuda.memory_allocated() >= freed > 0
+    assert all(p.untyped_storage().nbytes() == 0 for p in moved.model.parameters())
+    assert all(p.main_grad.untyped_storage().nbytes() == 0 for p in moved.model.parameters())
+    assert all(v.untyped_storage().nbytes() == 0 for v in adam)
+    moved.onload()
+    for t in (moved, twin):
+        t.train_step(batch, local_loss)
+    got = {k: v.clone() for b in moved.export_hf(1 << 20) for k, v in b}
+    want = {k: v.clone() for b in twin.export_hf(1 << 20) for k, v in b}
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
