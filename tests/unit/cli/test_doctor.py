@@ -47,3 +47,35 @@ def test_engines_get_a_weight_round_trip():
     assert "weight round trip by distributed: 25 tensors pushed" in out.stdout and "read back equal" in out.stdout
     disk = doctor("--engines", "rollout.weight_sync=disk", "rollout.use_router=false")
     assert disk.returncode == 0 and "weight round trip by disk" in disk.stdout, disk.stdout + disk.stderr
+
+
+@pytest.mark.parametrize("offload, gpu_gib, host_gib", [(False, 27.0, 100.0), (True, 27.0, 100.0), (True, 27.0, 1.0)])
+def test_an_offloaded_colocated_trainer_needs_the_larger_side_of_the_gpu_and_host_memory(monkeypatch, offload,
+                                                                                     gpu_gib, host_gib):
+    """Colocated on one GPU: without the offload the trainer's state and the engine's weights share it; with it,
+    the GPU needs the larger of the two and the host holds the trainer's state (a 1.7B model: 25.3 GiB of
+    training state, 3.2 GiB of engine weights). The GPU and host are stand-ins: CI has no GPU."""
+    import types
+
+    import psutil
+    import torch
+
+    from posttrain.cli.doctor import GIB, check_placement
+    from posttrain.core.config import load_config
+    from posttrain.core.plugins import load_plugins
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda gpu: (int(gpu_gib * GIB), int(141 * GIB)))
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=int(host_gib * GIB)))
+    plugins = load_plugins()
+    cfg = load_config(QUICKSTART, ["resources.colocate=true", f"resources.offload_trainer={str(offload).lower()}",
+                                   "resources.trainer_gpus_per_node=1", "rollout.engine.device=cuda"], plugins=plugins)
+    found = {f.area: f for f in check_placement(cfg, plugins, 1_700_000_000)}
+    gpu = found["gpu 0 memory"]
+    assert gpu.ok is offload and gpu.message.endswith(f"needs at least {25.3 if offload else 28.5} GiB")
+    if offload:
+        assert found["host memory"].ok is (host_gib == 100.0)
+        assert found["host memory"].message.endswith("the offloaded trainer state needs at least 25.3 GiB")
+    else:
+        assert "host memory" not in found

@@ -130,3 +130,24 @@ def test_megatrons_optimizer_state_leaves_the_gpu_and_training_goes_on_unchanged
     got = {k: v.clone() for b in moved.export_hf(1 << 20) for k, v in b}
     want = {k: v.clone() for b in twin.export_hf(1 << 20) for k, v in b}
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+
+
+def test_the_trainer_role_brings_its_models_back_for_a_call_and_a_save_leaves_them_away(tmp_path):
+    """``TrainerRole``: the loop offloads it after the push; any call that needs the models brings them back, and
+    a checkpoint saved while they are away (a step with nothing to train) sends them back after."""
+    from pathlib import Path
+
+    from posttrain.core.actors.trainer import TrainerRole
+    from posttrain.core.config import load_config
+
+    quickstart = Path(__file__).resolve().parents[3] / "examples" / "quickstart.yaml"
+    role = TrainerRole(load_config(quickstart, ["resources.colocate=true", "resources.offload_trainer=true"]).to_dict())
+    lists = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    batch = TrainBatch.from_lists(lists, [2, 1])
+    before = role.log_probs(batch)
+    params = list(role.policy.model.parameters())
+    assert role.offload() > 0 and role.offloaded and role.offload() == 0.0  # a second offload: nothing left
+    role.save(str(tmp_path / "ckpt"))
+    assert (tmp_path / "ckpt" / "policy").exists()
+    assert role.offloaded and all(p.untyped_storage().nbytes() == 0 for p in params)
+    assert torch.equal(role.log_probs(batch), before) and not role.offloaded
