@@ -15,7 +15,8 @@ and a fixed batch of 4 samples of different lengths, and checks (``[B, T]`` as i
 - ``save``/``load``: a fresh model that loads a checkpoint has the same weights, reference and optimizer
   state (the next step gives the same metrics and weights);
 - ``offload``/``onload`` (backends with ``offloads = True``): a model offloaded and brought back between two
-  steps ends them exactly where a model that stayed ends them;
+  steps ends them exactly where a model that stayed ends them (other backends: a run that asks them to
+  offload is refused at validation);
 - ``export_hf``: exactly the HF checkpoint's tensor names and shapes, in buckets of at most
   ``bucket_bytes``; ``save_hf`` writes the same tensors with a ``config.json`` transformers loads;
 - ``role="critic"`` (skipped for a backend whose ``build`` raises ``NotImplementedError`` for it):
@@ -198,8 +199,11 @@ class TrainerContract(ComponentContract):
     def test_offload_round_trip_changes_nothing(self, trainer_backend, spec, run, policy, batch, loss_fn):
         import torch
 
-        if not getattr(type(trainer_backend), "offloads", False):
-            pytest.skip(f"{type(trainer_backend).__name__} does not offload (offloads = False)")
+        if not getattr(type(trainer_backend), "offloads", False):  # then the loop never asks it to
+            run.resources.colocate = run.resources.offload_trainer = True
+            assert any(e.startswith(f"resources.offload_trainer: trainer backend {trainer_backend.name!r}")
+                       for e in run.validate()), "a run asking it to offload is refused before anything starts"
+            return
         stayed = trainer_backend.build(spec, run, role="actor", seed=0)
         for model in (policy, stayed):
             model.train_step(batch, loss_fn)
