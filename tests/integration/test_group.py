@@ -48,12 +48,17 @@ def assert_same_steps(run, reference):
 @pytest.mark.parametrize("layout", [
     ["resources.trainer_procs_per_node=2", "trainer.backend.pp=2"],  # PP=2: one layer per stage, 1F1B
     ["resources.trainer_procs_per_node=4", "trainer.backend.tp=2"],  # DP=2 x TP=2
-], ids=["pp2", "dp2xtp2"])
+    # colocated, every rank's state to host memory and back each step (resources.offload_trainer)
+    ["resources.trainer_procs_per_node=2", "trainer.backend.pp=2", "resources.colocate=true",
+     "resources.offload_trainer=true"],
+], ids=["pp2", "dp2xtp2", "pp2_colocated_offloaded"])
 def test_layouts_take_the_one_rank_steps(tmp_path, one_rank, layout):
     run = tmp_path / "run"
     out = rl_cli(QUICKSTART, *STEPS, *layout, "--run-dir", run)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert_same_steps(run, one_rank)
+    if "resources.offload_trainer=true" in layout:  # rank 0's share left its device after every push
+        assert all(r["perf/trainer_offloaded_gib"] > 0 for r in jsonl(run / "metrics.jsonl"))
     assert sorted(p.name for p in (run / "logs").glob("trainer-rank*.log")) == \
         [f"trainer-rank{r}.log" for r in range(int(layout[0][-1]))]
     assert not leftovers(run)
