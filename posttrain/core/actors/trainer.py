@@ -220,9 +220,11 @@ class TrainerRole:
         later call that needs the models brings them back first (:meth:`onload`)."""
         if self.offloaded:
             return 0.0
+        from posttrain.core.gpu_memory import GIB
+
         freed = sum(model.offload() for model in (self.policy, self.critic) if model is not None)
         self.offloaded = True
-        return freed / 2**30
+        return freed / GIB
 
     def onload(self) -> None:
         """Back on the device after :meth:`offload` (else nothing to do)."""

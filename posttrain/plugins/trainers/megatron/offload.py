@@ -123,8 +123,8 @@ def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
 def state_tensors(trainer) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
     """``(keep, drop)`` of a :class:`~posttrain.plugins.trainers.megatron.trainer.MegatronTrainer` for
     :meth:`HostOffload.offload`: the model's (and a critic's value head's) parameters and buffers, the
-    optimizers' parameters (fp32 masters or their shards) and state, the CPU path's master copies and the
-    snapshots kept on the device are kept; every gradient (``grad``, Megatron's ``main_grad`` views of its
+    optimizers' parameters (fp32 masters or their shards: the CPU path's AdamW steps its master copies) and state,
+    and the snapshots kept on the device are kept; every gradient (``grad``, Megatron's ``main_grad`` views of its
     gradient buffers) is dropped, since each train step zeroes them before its first backward."""
     modules = [m for m in (trainer.model, trainer.value_head) if m is not None]
     keep: list[torch.Tensor] = [t for m in modules for t in (*m.parameters(), *m.buffers())]
@@ -134,6 +134,5 @@ def state_tensors(trainer) -> tuple[list[torch.Tensor], list[torch.Tensor | None
             keep += group["params"]
             drop += [p.grad for p in group["params"]]
         keep += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    keep += trainer._masters or []
     keep += [t for saved in trainer._snapshots.saved.values() for t in saved.values()]
     return keep, drop
