@@ -134,7 +134,9 @@ def model_params(cfg: Any, plugins: Any, findings: list[Finding]) -> int | None:
 def check_placement(cfg: Any, plugins: Any, params: int | None) -> list[Finding]:
     """GPUs the placement needs (trainer first, engines after it unless colocated) and their memory;
     host memory when the trainer runs on the CPU, or holds the trainer's state while colocated engines generate
-    (``resources.offload_trainer``: a GPU then needs the larger of the two sides, not their sum)."""
+    (``resources.offload_trainer``). A colocated GPU needs both sides' weights even then: the trainer's state is back
+    on it when the engine's weights return for each update; the offload makes room for the KV cache, which this
+    floor leaves out."""
     import psutil
     import torch
 
@@ -162,14 +164,12 @@ def check_placement(cfg: Any, plugins: Any, params: int | None) -> list[Finding]
     out.append(Finding(True, "gpus", f"{need} needed, {have} present"))
     per_trainer = weights * TRAIN_BYTES / max(1, r.trainer_gpus_per_node)
     per_engine = weights * 2 / max(1, r.gpus_per_engine)
-    offload = r.colocate and r.offload_trainer  # the trainer's state leaves the GPUs while the engines generate
     for gpu in range(need):
         free, _ = torch.cuda.mem_get_info(gpu)
-        sides = (per_trainer if gpu < r.trainer_gpus_per_node else 0, per_engine if gpu in engine_gpus else 0)
-        want = max(sides) if offload else sum(sides)
+        want = (per_trainer if gpu < r.trainer_gpus_per_node else 0) + (per_engine if gpu in engine_gpus else 0)
         out.append(Finding(free >= want, f"gpu {gpu} memory", f"{free / GIB:.1f} GiB free; needs at least "
                                                              f"{want / GIB:.1f} GiB"))
-    if offload:  # this node's ranks' state, pinned (no gradients; the reference's copy instead)
+    if r.colocate and r.offload_trainer:  # this node's ranks' state, pinned (no gradients; the reference's copy instead)
         free, want = psutil.virtual_memory().available, weights * TRAIN_BYTES / r.trainer_nodes
         out.append(Finding(free >= want, "host memory", f"{free / GIB:.1f} GiB free; the offloaded trainer state "
                                                         f"needs at least {want / GIB:.1f} GiB"))

@@ -11,7 +11,8 @@ staleness 1: the engines keep step N-1's weights until both are done, then get s
 bounded queue of finished groups, the staleness bound; pushes pause the engines, ``core.rollout.preempt``).
 ``resources.colocate`` shares the GPUs: the engines release their memory after generating and take it
 back (weights, the update, then the KV cache) before the next generation; with ``resources.offload_trainer``
-the trainer's state waits in host memory meanwhile (checkpoints are saved before it goes).
+the trainer's state waits in host memory meanwhile, from before the engines start (they size themselves in its
+room): it is on the device only while their KV cache is released (its turn, the first push, a checkpoint).
 
     rl-cli run examples/quickstart.yaml
 """
@@ -62,6 +63,9 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         ckpt = run.latest_checkpoint() if resume else None
         if ckpt is not None:  # another model's checkpoint is refused before any engine starts
             run.check_resume(ckpt, cfg.to_dict(), init_dir)
+        colocate, offload = cfg.resources.colocate, cfg.resources.offload_trainer
+        if offload:  # the engines start in the room the trainer's state leaves, as they will generate in it
+            trainer.offload()
         phase("engines")
         engines = executor.engines(init_dir, run.logs)
         stack.callback(engines.close)
@@ -93,13 +97,14 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         filters = [f.create(plugins) for f in cfg.filters]
         sampling = cfg.rollout.sampling_params(seed=cfg.seed, return_routed_experts=cfg.trainer.backend.create(
             plugins).needs_routed_experts)
-        colocate, offload = cfg.resources.colocate, cfg.resources.offload_trainer
         metrics_out = MetricsWriter(run.path, cfg.logging.tensorboard, cfg.logging.wandb,
                                     cfg.logging.wandb_project, cfg.to_dict())  # secrets redacted there
         stack.callback(metrics_out.close)
 
         # -- resume: trainer state, data position, RNG; metrics of later steps are dropped
         start, empty_steps, state = 0, 0, {}
+        if offload:  # the trainer's state comes back (for the load and the first push) beside the engines'
+            engines.release_memory(["kv_cache"])  # weights, in the room of their KV cache
         if resume:
             done = -1  # killed before its first checkpoint: start over
             if ckpt is not None:
@@ -114,6 +119,9 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         version = start
         phase("weights")
         trainer.push_weights(version, str(run.path / "hf-latest"))
+        if offload:
+            trainer.offload()
+            engines.resume_memory(["kv_cache"])
 
         async def rollout_group(group):
             group = await generator(group, engine, sampling)
@@ -139,22 +147,22 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
                 return push_weights(trainer, engines, version, str(run.path / "hf-latest"))
             return await (feeder.push(sync, version) if feeder else asyncio.to_thread(sync))
 
-        def end_step(step: int, last: dict[str, float], groups: list, samples: list, checkpoint: bool = True) -> None:
+        def end_step(step: int, last: dict[str, float], groups: list, samples: list) -> None:
             metrics_out.log(step, last)
             run.log_rollouts(step, groups, batching.sample_log(samples))
             plugins.pm.hook.posttrain_on_step_end(step=step, metrics=last)
             if on_step is not None and ((step + 1) % cfg.logging.interval == 0 or step + 1 == cfg.rollout.num_rollouts):
                 on_step(step, last, samples)
-            if checkpoint:
-                save_checkpoint(step)
-
-        def save_checkpoint(step: int) -> None:
             if cfg.checkpoint.interval and ((step + 1) % cfg.checkpoint.interval == 0
                                             or step + 1 == cfg.rollout.num_rollouts):
                 queued = {"fully_async": feeder.state_dict()} if feeder else {}  # same instant as the buffer's
                 metrics_out.sync()
+                if offload:  # the save brings the trainer's state back beside the engines' weights, not their KV cache
+                    engines.release_memory(["kv_cache"])
                 run.save_checkpoint(step, trainer.save, {"buffer": buffer.state_dict(), "empty_steps": empty_steps,
                                                          "config": cfg.to_dict(), **queued}, cfg.checkpoint.keep)
+                if offload:
+                    engines.resume_memory(["kv_cache"])
 
         last: dict[str, float] = {}
         gpus = gpu_memory.watch()  # the devices' used memory through each phase (None without NVML: CPU)
@@ -235,7 +243,6 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
                 if feeder is None or feeder.push_due(step, step + 1 == cfg.rollout.num_rollouts, eval_due):
                     restarted, push_s = await push(version)
             if offload:  # the trainer's state to host memory while the engines generate
-                save_checkpoint(step)
                 with timer("offload"):
                     offloaded_gib = await asyncio.to_thread(trainer.offload)
             if colocate:
@@ -259,7 +266,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
                                                               1e-9)}
             if eval_due:
                 last.update(await evaluate(cfg, engine, generator, rewards, run.base_dir, tokenizer))
-            end_step(step, last, groups, samples, checkpoint=not offload)  # offload: saved before the trainer's state left
+            end_step(step, last, groups, samples)
         if pending is not None:
             pending.cancel()
         if offload:  # the engines are done: their memory for the trainer's state, back for the export

@@ -63,15 +63,17 @@ def test_colocated_on_one_gpu_releases_engine_memory(tmp_path):
 
 
 def test_colocated_with_the_trainer_offloaded_generates_beside_less_of_it(tmp_path):
-    """``resources.offload_trainer``: from the second step on, the GPU holds less while the engine generates than
-    the trainer's whole state (it waits in host memory), and the weights pushed after each round trip are the
-    trained ones (the log-prob gap)."""
+    """``resources.offload_trainer``: the trainer's state waits in host memory from before the engine starts, so
+    every step's generation (the first too) runs beside what little the trainer keeps on the device, and the weights
+    pushed after each round trip are the trained ones (the log-prob gap)."""
     rows = run(tmp_path, "resources.colocate=true", "resources.trainer_gpus_per_node=1", "rollout.num_rollouts=3",
                "resources.offload_trainer=true", "checkpoint.interval=2")
     check_signals(rows)
     assert all(r["perf/trainer_offloaded_gib"] > 1.0 for r in rows)  # qwen3-0.6B: weights, masters, Adam, reference
+    # what the trainer still holds as the engine takes its KV cache back: a small part of what went
+    assert all(r["perf/trainer_allocated_gib"] < 0.25 * r["perf/trainer_offloaded_gib"] for r in rows), rows
     held = [r["perf/gpu_peak_gib_generate"] for r in rows]
-    assert max(held[1:]) < held[0] + 1.0, held  # step 0 generates before the optimizer state exists
+    assert max(held[1:]) < held[0] + 1.0, held  # step 0 generates beside the offloaded trainer too
     assert (tmp_path / "run" / "checkpoints" / "step_000001").is_dir()
 
 

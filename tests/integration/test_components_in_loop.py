@@ -47,10 +47,18 @@ def engine_url(tmp_path_factory):
 
 
 def _run(tmp_path, engine_url, **sections):
-    from posttrain.core.config import load_config
     from posttrain.core.loop import train
-    from posttrain.core.plugins import load_plugins
     from posttrain.core.run_dir import RunDirectory
+
+    cfg, plugins = _config(engine_url, **sections)
+    run = RunDirectory.create(tmp_path / "run", "smoke")
+    asyncio.run(train(cfg, plugins, run))
+    return [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
+
+
+def _config(engine_url, **sections):
+    from posttrain.core.config import load_config
+    from posttrain.core.plugins import load_plugins
 
     data = {
         "seed": 0, "model": {"name": "qwen3", "preset": "tiny", "dtype": "float32", "tokenizer": "char"},
@@ -63,10 +71,7 @@ def _run(tmp_path, engine_url, **sections):
                     "entropy_coef": 0.01, "backend": {"name": "megatron", "sequence_packing": False}},
         "logging": {"tensorboard": False}, **sections}
     plugins = load_plugins(autoload=False)
-    cfg = load_config(None, data=data, plugins=plugins)
-    run = RunDirectory.create(tmp_path / "run", "smoke")
-    asyncio.run(train(cfg, plugins, run))
-    return [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
+    return load_config(None, data=data, plugins=plugins), plugins
 
 
 def _check(rows):
@@ -122,3 +127,77 @@ def test_old_log_probs_from_the_train_step_skip_the_pass_and_change_no_number(tm
                     "rollout/reward_mean", "train/pg/clipfrac", "train/pg/ratio_mean"):
             assert abs(a[key] - b[key]) <= 1e-6, (key, a[key], b[key])
     assert rows[True][0]["perf/tokens_per_s_per_gpu"] > 0
+
+
+def test_an_offloaded_trainer_is_on_the_device_only_while_the_engines_kv_cache_is_away(tmp_path, engine_url,
+                                                                                        monkeypatch):
+    """``resources.offload_trainer``: the engines start after the trainer's state left (so they size themselves,
+    and step 0 generates, in its room); every time it comes back (the first push, each step's turn, each
+    checkpoint, the final export, a resume's load) the engines' KV cache is released, and the cache comes back
+    only once the trainer's state is away again. Checkpoints are saved after the step's metrics, as without the
+    offload."""
+    from posttrain.core.actors.engines import EngineRole
+    from posttrain.core.actors.trainer import TrainerRole
+    from posttrain.core.loop import train
+    from posttrain.core.run_dir import RunDirectory
+
+    events, state = [], {"kv_away": False, "trainer_away": False, "engines": False}
+
+    def record(cls, name, before):
+        real = getattr(cls, name)
+
+        def wrapped(self, *args, **kwargs):
+            before(self, *args, **kwargs)
+            return real(self, *args, **kwargs)
+        monkeypatch.setattr(cls, name, wrapped)
+
+    def onload(self):
+        if self.offloaded:
+            assert state["kv_away"], f"the trainer came back beside the engines' KV cache after {events}"
+            events.append("onload")
+            state["trainer_away"] = False
+
+    def offload(self):
+        if not self.offloaded:
+            events.append("offload")
+            state["trainer_away"] = True
+
+    def tagged(name, away):
+        def note(self, tags=None):
+            events.append(f"{name} {','.join(tags or ['all'])}")
+            if tags is None or "kv_cache" in tags:
+                assert away or state["trainer_away"], f"the KV cache came back beside the trainer after {events}"
+                state["kv_away"] = away
+        return note
+
+    record(TrainerRole, "onload", onload)
+    record(TrainerRole, "offload", offload)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    record(TrainerRole, "save", lambda self, path: events.append(f"save {len(metrics.read_text().splitlines())}"))
+    record(EngineRole, "release_memory", tagged("release", True))
+    record(EngineRole, "resume_memory", tagged("resume", False))
+    record(EngineRole, "__init__", lambda self, *a, **k: (
+        events.append("engines"), state.update(engines=True),
+        None if state["trainer_away"] else pytest.fail("the engines started beside the trainer's state")))
+    rollout = {"rollout_batch_size": 4, "n_samples_per_prompt": 4, "num_rollouts": 2, "max_new_tokens": 2,
+               "seed_sampling": True, "use_router": False, "weight_sync": "disk",
+               "engine": {"name": "local", "device": "cpu", "context_length": 64, "max_running_requests": 16}}
+    sections = {"rollout": rollout, "resources": {"colocate": True, "offload_trainer": True},
+                "checkpoint": {"interval": 1}}
+    rows = _run(tmp_path, engine_url, **sections)  # an engine of the run's own: external ones cannot be colocated
+    _check(rows)
+    assert events[:2] == ["offload", "engines"]
+    # back for the first push, each step, each checkpoint and the final export; away after each
+    assert events.count("onload") == events.count("offload") - 1 == 6, events
+    # a step's metrics are on disk before its checkpoint: a kill between them cannot lose the row on resume
+    assert [e for e in events if e.startswith("save")] == ["save 1", "save 2"], events
+    assert all(r["perf/trainer_offloaded_gib"] > 0 for r in rows)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")) == ["step_000000",
+                                                                                         "step_000001"]
+
+    events.clear()  # resumed from its last checkpoint: the load and the first push, then the final export
+    state.update(kv_away=False, trainer_away=False)
+    cfg, plugins = _config(engine_url, **sections)
+    asyncio.run(train(cfg, plugins, RunDirectory(tmp_path / "run"), resume=True))  # _run holds its lock
+    assert events[:2] == ["offload", "engines"] and "release kv_cache" in events, events
+    assert events.count("onload") == events.count("offload") - 1 == 2, events
