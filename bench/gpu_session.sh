@@ -87,8 +87,8 @@
 #   engine17s the graphs' and the compiled decode's GPU tests, then colocated5 with Dynamo's recompiles logged and the
 #             engine's own figures per step from its metrics (engine/prefill_s, decode_s, graph captures, ...), then
 #             decode at the benchmark shape with the defaults
-#   trainer17 the compiled trainer's GPU equivalence test, then colocated5 with Dynamo's recompiles logged and each
-#             step's train seconds (the first step's compiles)
+#   trainer17 the compiled trainer's GPU equivalence test, then colocated5 with Dynamo's recompiles and graph breaks
+#             logged (counted, the breaks' places listed) and each step's train seconds (the first step's compiles)
 #   offload17 the trainer offload's GPU tests (Megatron's optimizer state round trip, a small colocated run), then
 #             colocated GRPO for 4 steps with resources.offload_trainer (the
 #             trainer's state in host memory while the engine generates) and without it, each phase's GPU memory
@@ -405,9 +405,12 @@ why = vmm_supported(0); print('vmm:', why or 'supported'); raise SystemExit(1 if
                print('step', *keys); [print(r['step'], *(round(r.get(k, -1), 3) for k in keys)) for r in rows]"
              bench_shape rollout_e triton+compile ;;
   trainer17) step compile_equivalence 170 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_equivalence_gpu.py -k compile
-             export TORCH_LOGS=recompiles; e2e colocated5 ${COLOCATED5_S:-250} resources.colocate=true rollout.num_rollouts=5
+             export TORCH_LOGS=recompiles,graph_breaks; e2e colocated5 ${COLOCATED5_S:-250} resources.colocate=true rollout.num_rollouts=5
              unset TORCH_LOGS
-             echo "trainer recompiles: $(grep -c '\[__recompiles\] Recompiling' "$LOGS/runs/colocated5.out")"
+             echo "trainer recompiles: $(grep -c '\[__recompiles\] Recompiling' "$LOGS/runs/colocated5.out")," \
+               "graph breaks: $(grep -c '\[__graph_breaks\] Graph break' "$LOGS/runs/colocated5.out")"
+             grep -h '\[__graph_breaks\] Graph break in user code' "$LOGS/runs/colocated5.out" | sed 's/.*user code at //' \
+               | sort | uniq -c | head -8
              python3 -c "import json; rows = [json.loads(l) for l in open('$LOGS/runs/colocated5-metrics.jsonl')]; \
                [print(r['step'], *(round(r.get(k, -1), 2) for k in ('perf/step_time', 'perf/time_generate', \
                'perf/time_train', 'engine/prefill_s', 'engine/graph_capture_s'))) for r in rows]" ;;

@@ -1,8 +1,13 @@
-"""``trainers/megatron/compiled.py``: compiled transformer layers get their input in one layout, and the packed
-token count symbolic from the first call, so Dynamo compiles fewer versions of each frame."""
+"""``trainers/megatron/compiled.py``: compiled transformer layers get their input in one layout, the packed
+token count symbolic from the first call, and Megatron's group lookups without their graph-breaking warning,
+so Dynamo compiles fewer frames and fewer versions of each."""
 
 from __future__ import annotations
 
+import sys
+import warnings
+
+import pytest
 import torch
 
 from posttrain.plugins.trainers.megatron import compiled
@@ -21,11 +26,33 @@ def test_a_one_sample_batch_gets_the_standard_layout_as_a_view():
     assert compiled._standard(batch).stride() == batch.stride()
 
 
-def _frames(tiny_ckpts, monkeypatch, wrap) -> int:
+@pytest.fixture
+def megatron_lookups(monkeypatch):
+    """Megatron's modules get their own ``get_tensor_model_parallel_group_if_none`` back after the test, and
+    ``restore()`` gives it back at once (so a count starts from Megatron as installed, whatever ran before)."""
+    from megatron.core import utils
+
+    import posttrain.plugins.trainers.megatron.trainer  # noqa: F401 - every module the trainer uses is loaded
+
+    now = utils.get_tensor_model_parallel_group_if_none
+    original = getattr(now, "original", now)  # an earlier compiled trainer's quiet version
+    holders = [m for n, m in list(sys.modules.items()) if n.startswith("megatron.")
+               and getattr(m, "get_tensor_model_parallel_group_if_none", None) in (now, original)]
+    for module in holders:
+        monkeypatch.setattr(module, "get_tensor_model_parallel_group_if_none", original)
+
+    def restore():
+        for module in holders:
+            module.get_tensor_model_parallel_group_if_none = original
+    return restore
+
+
+def _frames(tiny_ckpts, monkeypatch, wrap, restore) -> int:
     """Compiles (Dynamo's counting backend) for three packed batches through a compiled trainer's layers, each
     layer compiled by ``wrap(forward, symbolic_tokens)``; checks the log-probs against the uncompiled trainer."""
     from torch._dynamo.testing import CompileCounter
 
+    restore()
     torch._dynamo.reset()
     counter = CompileCounter()
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: REAL_COMPILE(fn, **{**kw, "backend": counter}))
@@ -38,10 +65,27 @@ def _frames(tiny_ckpts, monkeypatch, wrap) -> int:
     return counter.frame_count
 
 
-def test_compiled_layers_compile_fewer_versions_than_plain_torch_compile(tiny_ckpts, monkeypatch):
+def test_compiled_layers_compile_fewer_versions_than_plain_torch_compile(tiny_ckpts, monkeypatch, megatron_lookups):
     """The first layer's input (the embedding's transposed view) and every later layer's differ only in the stride
     of the size-1 batch dimension, and each packed micro-batch has another token count: plain ``torch.compile``
     compiled each frame for both layouts, static and then symbolic."""
-    ours = _frames(tiny_ckpts, monkeypatch, compiled.compiled_layer)
-    plain = _frames(tiny_ckpts, monkeypatch, lambda forward, symbolic_tokens: torch.compile(forward))
+    monkeypatch.setattr(compiled, "quiet_group_lookups", lambda: 0)  # this lever alone (the next test: the other)
+    ours = _frames(tiny_ckpts, monkeypatch, compiled.compiled_layer, megatron_lookups)
+    plain = _frames(tiny_ckpts, monkeypatch, lambda forward, symbolic_tokens: torch.compile(forward), megatron_lookups)
     assert 0 < ours < plain, (ours, plain)
+
+
+def test_megatron_group_lookups_break_no_compiled_layer(tiny_ckpts, monkeypatch, megatron_lookups):
+    """Megatron's row-parallel projections ask for the default tensor-parallel group at every call, and the
+    deprecation warning it raises on rank 0 is a graph break (twice a layer): without it each layer compiles
+    fewer frames, and the trainer computes the same log-probs (checked in ``_frames``) and warns no more."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet = _frames(tiny_ckpts, monkeypatch, compiled.compiled_layer, megatron_lookups)
+    assert not [w for w in caught if "tp_group is None" in str(w.message)]
+    monkeypatch.setattr(compiled, "quiet_group_lookups", lambda: 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loud = _frames(tiny_ckpts, monkeypatch, compiled.compiled_layer, megatron_lookups)
+    assert [w for w in caught if "tp_group is None" in str(w.message)], "the lever has nothing left to remove"
+    assert 0 < quiet < loud, (quiet, loud)

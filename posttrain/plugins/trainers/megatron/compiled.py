@@ -8,6 +8,12 @@ after its graph breaks) compiled once for each layout, and again for each once t
 wrapper hands every layer the ``(h, h, 1)`` layout (a view: no copy), and, where the token count changes with
 every micro-batch (packed sequences), marks it symbolic from the first call, so each frame compiles once
 instead of static first and symbolic after (bench/RESULTS.md: a colocated run's first train step).
+
+Megatron-core 0.16's ``RowParallelLinear.forward`` (the attention's output projection, the MLP's down projection)
+hands its matmul ``tp_group=None``, so every call asks ``get_tensor_model_parallel_group_if_none`` for the default
+group, which on rank 0 issues a ``DeprecationWarning`` first: ``warnings.warn`` is a graph break, twice a layer, and
+each projection's frame then compiled once for each weight shape. :func:`quiet_group_lookups` gives Megatron's
+modules the same lookup without the warning (rank 0 then compiles the graphs every other rank already does).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ def compiled_layer(forward: Callable[..., Any], symbolic_tokens: bool) -> Callab
     ``symbolic_tokens`` the first dimension of its tensor inputs and the ``cu_seqlens`` symbolic."""
     import torch
 
+    quiet_group_lookups()
     compiled = torch.compile(forward)
 
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -55,3 +62,35 @@ def _symbolic_tokens(inputs: tuple[Any, ...], packed: Any) -> None:
     for value in (*inputs, *boundaries):
         if isinstance(value, torch.Tensor) and value.dim():
             torch._dynamo.maybe_mark_dynamic(value, 0)
+
+
+def quiet_group_lookups() -> int:
+    """Replace ``get_tensor_model_parallel_group_if_none`` in every loaded ``megatron`` module that imported it by
+    the same lookup without its deprecation warning (the module docstring says why); returns how many modules
+    were changed (0 once done, or with a Megatron that has no such function)."""
+    import sys
+
+    import torch
+
+    from megatron.core import parallel_state, utils
+
+    original = getattr(utils, "get_tensor_model_parallel_group_if_none", None)
+    if original is None or getattr(original, "quiet", False):
+        return 0
+
+    def group_if_none(tp_group, is_expert=False, check_initialized=True):
+        """Megatron's ``get_tensor_model_parallel_group_if_none``: ``tp_group``, else the default (expert)
+        tensor-parallel group once ``torch.distributed`` and Megatron's groups exist."""
+        if tp_group is None and torch.distributed.is_initialized() and parallel_state.is_initialized():
+            if is_expert:
+                return parallel_state.get_expert_tensor_parallel_group(check_initialized=check_initialized)
+            return parallel_state.get_tensor_model_parallel_group(check_initialized=check_initialized)
+        return original(tp_group, is_expert=is_expert, check_initialized=check_initialized)
+
+    group_if_none.quiet, group_if_none.original = True, original
+    changed = 0
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.") and getattr(module, "get_tensor_model_parallel_group_if_none", None) is original:
+            module.get_tensor_model_parallel_group_if_none = group_if_none
+            changed += 1
+    return changed
