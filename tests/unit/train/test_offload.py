@@ -132,6 +132,30 @@ def test_megatrons_optimizer_state_leaves_the_gpu_and_training_goes_on_unchanged
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_grown_state_replaces_its_pinned_buffer_instead_of_pinning_another_beside_it(tiny_ckpts):
+    """The loop offloads the trainer before its first step (no Adam state yet) and after each later one: the second
+    offload needs a larger host buffer, and the first one's pinned block goes back to the system, not to PyTorch's
+    pinned cache beside the new one (the allocator rounds each block up to a power of two)."""
+    spec = spec_for("qwen3", tiny_ckpts("qwen3"), dtype="bfloat16")
+    trainer = MegatronTrainer(spec, TrainerConfig(lr=1e-3, micro_batch_size=2, global_batch_size=4))
+    pinned = lambda: torch.cuda.host_memory_stats()["allocated_bytes.current"]
+    block = lambda n: 1 << (n - 1).bit_length()
+    base = pinned()
+    trainer.offload()
+    first = trainer._host._host.numel()
+    trainer.onload()
+    batch = _batch()
+    batch.old_log_probs = trainer.log_probs(batch)[0]
+    trainer.train_step(batch, local_loss)  # Adam's moments now exist
+    trainer.offload()
+    second = trainer._host._host.numel()
+    trainer.onload()
+    assert second > first
+    assert pinned() - base < block(first) + block(second), (pinned() - base, first, second)
+
+
 def test_the_trainer_role_brings_its_models_back_for_a_call_and_a_save_leaves_them_away(tmp_path):
     """``TrainerRole``: the loop offloads it after the push; any call that needs the models brings them back, and
     a checkpoint saved while they are away (a step with nothing to train) sends them back after."""

@@ -34,6 +34,15 @@ def _bytes_view(storage: torch.UntypedStorage, device: torch.device) -> torch.Te
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
 
+def _empty_host_cache() -> None:
+    """Give PyTorch's cached pinned blocks back to the system (``torch.accelerator.empty_host_cache``, or the older
+    private call); without either, a replaced host buffer stays pinned beside its successor."""
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or getattr(
+        torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
+
+
 class HostOffload:
     """Moves the storages of given tensors off ``device`` and back (module docstring). One instance per
     model: one pinned host buffer holds every kept storage back to back, reused by every later :meth:`offload`
@@ -72,7 +81,10 @@ class HostOffload:
         pin = self.device.type == "cuda"
         total = sum(s.nbytes() for s in kept.values())
         if self._host is None or self._host.numel() != total:  # the first offload, or other storages
-            self._host = None  # the old buffer goes before the new one is pinned
+            if self._host is not None:  # (the first offload precedes the optimizer's first step: no Adam state yet)
+                self._host = None  # the old buffer goes before the new one is pinned, and leaves the pinned cache
+                if pin:
+                    _empty_host_cache()
             self._host = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
         at = 0
         for storage in kept.values():
