@@ -41,7 +41,7 @@ The model ``build`` returns implements (shapes: ``[B, T]`` tensors aligned with 
 - ``save(dir)`` / ``load(dir)``: the whole training state (weights, optimizer, step), for resume;
 - with ``offloads = True`` on the backend class (``resources.offload_trainer``), ``offload() -> bytes`` and
   ``onload()``: the model's device state to host memory while colocated engines generate, and back in place
-  (the model is not used in between; the loop saves checkpoints before it offloads).
+  (the model is not used in between: the trainer role brings it back first for any call, a save included).
 
 ``posttrain.testing.TrainerContract`` checks all of it on the tiny model.
 """
