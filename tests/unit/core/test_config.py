@@ -166,6 +166,22 @@ def posttrain_register_trainers(registry):
     assert any("resources.offload_trainer: trainer backend 'plain' cannot offload" in e for e in info.value.errors)
 
 
+def test_offload_parts_are_checked_and_need_the_offload(write, plugins):
+    path = write("c.yaml", GOOD)
+    on = ["resources.colocate=true", "resources.offload_trainer=true"]
+    cfg = load_config(path, [*on, "trainer.backend.offload_parts=[optimizer, grads]"], plugins=plugins)
+    assert cfg.trainer.backend.config.offload_parts == ["optimizer", "grads"]
+    with pytest.raises(ConfigError) as info:  # every mistake at once, each naming its key
+        load_config(path, ["trainer.backend.offload_parts=[optimizer]"], plugins=plugins)
+    assert info.value.errors == [("trainer.backend.offload_parts: ['optimizer'] is read only with "
+                                  "resources.offload_trainer: true")]
+    for parts, says in (("[]", "trainer.backend.offload_parts: empty"),
+                        ("[adam]", "trainer.backend.offload_parts.0: 'adam' is not one of")):
+        with pytest.raises(ConfigError) as info:
+            load_config(path, [*on, f"trainer.backend.offload_parts={parts}"], plugins=plugins)
+        assert len(info.value.errors) == 1 and info.value.errors[0].startswith(says), info.value.errors
+
+
 @pytest.mark.parametrize("colocate, given, mode", [(True, "auto", "tensor"), (False, "auto", "distributed"),
                                                    (True, "disk", "disk"), (False, "tensor", "tensor")])
 def test_weight_sync_auto_follows_colocation(write, plugins, colocate, given, mode):

@@ -68,9 +68,7 @@ def test_a_trainer_offloaded_between_steps_trains_on_bit_for_bit(tiny_ckpts):
         batch.old_log_probs = trainer.log_probs(batch)[0]
         trainer.train_step(batch, local_loss)
     keep, drop = state_tensors(moved)
-    kinds = {"weights": list(moved.model.parameters()), "masters": moved._masters,
-             "adam": [v for s in moved.optimizer.state.values() for v in s.values() if v.dim()],
-             "reference": list(moved._snapshots.saved["ref"].values()), "grads": [p.grad for p in moved._params()]}
+    kinds = _kinds(moved)
     assert all(kinds.values()) and all(g is not None for g in kinds["grads"])
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in keep + drop if t is not None}
     assert moved.offload() == sum(storages.values())  # each storage once, however many views it has
@@ -82,6 +80,56 @@ def test_a_trainer_offloaded_between_steps_trains_on_bit_for_bit(tiny_ckpts):
     assert all(torch.equal(a, b) for a, b in zip(moved._masters, twin._masters))
     assert all(torch.equal(a, b) for a, b in zip(moved.model.parameters(), twin.model.parameters()))
     assert torch.equal(moved.log_probs(batch, weights="ref")[0], twin.log_probs(batch, weights="ref")[0])
+
+
+def _kinds(trainer) -> dict[str, list[torch.Tensor]]:
+    """Each part of ``trainer.backend.offload_parts`` -> the tensors it moves (on the CPU path: masters and AdamW)."""
+    return {"weights": list(trainer.model.parameters()), "reference": list(trainer._snapshots.saved["ref"].values()),
+            "optimizer": trainer._masters + [v for s in trainer.optimizer.state.values() for v in s.values()],
+            "grads": [p.grad for p in trainer._params()] + [m.grad for m in trainer._masters]}
+
+
+def test_offload_parts_move_only_their_own_state_and_training_goes_on_bit_for_bit(tiny_ckpts):
+    if torch.cuda.is_available():
+        pytest.skip("the CPU path's state (torch AdamW, fp32 masters)")
+    batch = _batch()
+    moved, twin = _bf16_trainer(tiny_ckpts), _bf16_trainer(tiny_ckpts)
+    for trainer in (moved, twin):
+        batch.old_log_probs = trainer.log_probs(batch)[0]
+        trainer.train_step(batch, local_loss)
+    for parts in (["weights"], ["reference"], ["optimizer"], ["grads"], ["optimizer", "grads"]):
+        moved.backend.offload_parts = parts
+        kinds = _kinds(moved)
+        assert all(kinds.values()) and all(g is not None for g in kinds["grads"])
+        want = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for p in parts for t in kinds[p]}.values())
+        assert moved.offload() == want
+        for kind, tensors in kinds.items():
+            assert all((t.untyped_storage().nbytes() == 0) == (kind in parts) for t in tensors), (parts, kind)
+        moved.onload()
+        for trainer in (moved, twin):
+            trainer.train_step(batch, local_loss)
+        assert all(torch.equal(a, b) for a, b in zip(moved._masters, twin._masters)), parts
+        assert all(torch.equal(a, b) for a, b in zip(moved.model.parameters(), twin.model.parameters())), parts
+    assert torch.equal(moved.log_probs(batch, weights="ref")[0], twin.log_probs(batch, weights="ref")[0])
+
+
+def test_an_optimizer_that_steps_the_weights_themselves_leaves_them_with_the_weights(tiny_ckpts):
+    """fp32 weights have no master copies: AdamW's parameters are the model's own, so ``optimizer`` moves only
+    Adam's moments, and the weights stay on the device unless ``weights`` is asked too."""
+    spec = spec_for("qwen3", tiny_ckpts("qwen3"), dtype="float32")
+    trainer = MegatronTrainer(spec, TrainerConfig(lr=1e-3, micro_batch_size=2, global_batch_size=4))
+    if trainer._masters is not None or trainer.megatron_optimizer:
+        pytest.skip("the CPU path at fp32 (torch AdamW over the model's own parameters)")
+    batch = _batch()
+    batch.old_log_probs = trainer.log_probs(batch)[0]
+    trainer.train_step(batch, local_loss)
+    adam = [v for s in trainer.optimizer.state.values() for v in s.values()]  # step counters too
+    trainer.backend.offload_parts = ["optimizer"]
+    want = sum(v.untyped_storage().nbytes() for v in adam)
+    assert trainer.offload() == want > 0
+    assert all(p.untyped_storage().nbytes() > 0 for p in trainer.model.parameters())
+    assert all(v.untyped_storage().nbytes() == 0 for v in adam)
+    trainer.onload()
 
 
 def test_a_storage_that_cannot_be_resized_stays_where_it_is(caplog):
@@ -99,10 +147,12 @@ def test_a_storage_that_cannot_be_resized_stays_where_it_is(caplog):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_megatrons_optimizer_state_leaves_the_gpu_and_training_goes_on_unchanged(tiny_ckpts):
+@pytest.mark.parametrize("parts", [["weights", "reference", "optimizer", "grads"], ["optimizer", "grads"]])
+def test_megatrons_optimizer_state_leaves_the_gpu_and_training_goes_on_unchanged(tiny_ckpts, parts):
     """On a GPU the state is Megatron's: DDP's contiguous parameter and gradient buffers, the distributed
-    optimizer's fp32 shards, fused Adam's moments and step counters. All of it leaves the device (the allocator's
-    count drops by at least those bytes) and the next steps equal those of a trainer that never offloaded."""
+    optimizer's fp32 shards, fused Adam's moments and step counters. What ``parts`` names leaves the device (the
+    allocator's count drops by at least those bytes; the weights stay unless named) and the next steps equal those
+    of a trainer that never offloaded."""
     def trainer():
         spec = spec_for("qwen3", tiny_ckpts("qwen3"), dtype="bfloat16")
         return MegatronTrainer(spec, TrainerConfig(lr=1e-3, micro_batch_size=2, global_batch_size=4,
@@ -119,9 +169,10 @@ def test_megatrons_optimizer_state_leaves_the_gpu_and_training_goes_on_unchanged
     assert adam
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
+    moved.backend.offload_parts = parts
     freed = moved.offload()
     assert before - torch.cuda.memory_allocated() >= freed > 0
-    assert all(p.untyped_storage().nbytes() == 0 for p in moved.model.parameters())
+    assert all((p.untyped_storage().nbytes() == 0) == ("weights" in parts) for p in moved.model.parameters())
     assert all(p.main_grad.untyped_storage().nbytes() == 0 for p in moved.model.parameters())
     assert all(v.untyped_storage().nbytes() == 0 for v in adam)
     moved.onload()

@@ -23,6 +23,8 @@ from posttrain import hookimpl
 from posttrain.core.schema import option
 from posttrain.core.trainer_backend import TrainerBackend
 
+OFFLOAD_PARTS = ("weights", "reference", "optimizer", "grads")  # offload.state_tensors
+
 
 class MegatronBackend(TrainerBackend):
     """Megatron-core GPTModel with TP, PP and (MoE) EP, Megatron's DDP and (distributed) optimizer on GPUs.
@@ -56,6 +58,12 @@ class MegatronBackend(TrainerBackend):
             "auto", help="where the reference weights live: never = on the device (no copy per reference pass), "
                          "always = pinned host memory copied in per pass, auto = on the device when they take "
                          "at most 10% of its memory")
+        offload_parts: list[Literal["weights", "reference", "optimizer", "grads"]] = option(
+            default_factory=lambda: list(OFFLOAD_PARTS),
+            help="what resources.offload_trainer moves off the GPU while the engines generate: weights (the model's "
+                 "parameters), reference (the reference weights kept on the GPU), optimizer (fp32 master weights and "
+                 "Adam's moments), grads (gradient buffers: freed, not copied). What stays costs no copy; "
+                 "[optimizer, grads] is verl's optimizer_offload + grad_offload")
         use_distributed_optimizer: bool = option(True, help="Megatron's distributed optimizer (GPU only; CPU uses "
                                                             "torch AdamW)")
         fused_adam: bool = option(True, help="GPU without TE/Apex: torch's fused AdamW inside Megatron's optimizer")
@@ -63,6 +71,9 @@ class MegatronBackend(TrainerBackend):
                                           help="Megatron TransformerConfig/DDP/optimizer fields by name")
 
         def validate(self) -> list[str]:
+            if not self.offload_parts:
+                return ["offload_parts: empty (name at least one of " + ", ".join(OFFLOAD_PARTS) + ", or set "
+                        "resources.offload_trainer: false)"]
             if not self.megatron:
                 return []
             from posttrain.core.errors import UsageError
@@ -105,6 +116,9 @@ class MegatronBackend(TrainerBackend):
         elif run.trainer.global_batch_size < world // model_parallel:
             errors.append(f"trainer.global_batch_size: {run.trainer.global_batch_size} samples cannot be split "
                           f"over {world // model_parallel} data-parallel ranks")
+        if set(c.offload_parts) != set(OFFLOAD_PARTS) and not r.offload_trainer:
+            errors.append(f"trainer.backend.offload_parts: {c.offload_parts} is read only with "
+                          f"resources.offload_trainer: true")
         if c.pp > 1 and not c.sequence_packing:
             errors.append(f"trainer.backend.pp: pipeline parallelism ({c.pp} stages) needs "
                           f"trainer.backend.sequence_packing: true")

@@ -12,6 +12,11 @@ Megatron workers move parameters, gradients and optimizer state by flags. Here i
 - a storage whose values need not survive (gradient buffers: every train step zeroes them first) is freed and
   comes back zeroed, never copied.
 
+``trainer.backend.offload_parts`` picks which of them move (:func:`state_tensors`); what stays costs no copy. A bf16
+model on Megatron's optimizer holds 20 bytes a parameter: weights 2, resident reference 2, fp32 gradients 4, fp32
+masters 4, Adam's moments 8. Every part frees all 20 and copies 16 each way; ``[optimizer, grads]`` frees 16 and copies
+12, the weights and the reference staying on the device.
+
 Every tensor keeps its identity: a parameter that is a view into Megatron's contiguous parameter buffer, a
 ``main_grad`` into its gradient buffer, an optimizer's state, all see their storage come back in place (Megatron's
 own ``_ParamAndGradBuffer.offload_to_cpu`` frees its buffers the same way). Between :meth:`offload` and
@@ -25,6 +30,8 @@ import logging
 from collections.abc import Iterable
 
 import torch
+
+from posttrain.plugins.trainers.megatron import OFFLOAD_PARTS
 
 log = logging.getLogger("posttrain.trainer")
 
@@ -132,19 +139,32 @@ def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
     return [inner for one in chained for inner in torch_optimizers(getattr(one, "optimizer", None))]
 
 
-def state_tensors(trainer) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+def state_tensors(trainer, parts: Iterable[str] = OFFLOAD_PARTS) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
     """``(keep, drop)`` of a :class:`~posttrain.plugins.trainers.megatron.trainer.MegatronTrainer` for
-    :meth:`HostOffload.offload`: the model's (and a critic's value head's) parameters and buffers, the
-    optimizers' parameters (fp32 masters or their shards: the CPU path's AdamW steps its master copies) and state,
-    and the snapshots kept on the device are kept; every gradient (``grad``, Megatron's ``main_grad`` views of its
-    gradient buffers) is dropped, since each train step zeroes them before its first backward."""
+    :meth:`HostOffload.offload`, of the ``parts`` asked (``trainer.backend.offload_parts``):
+
+    - ``weights``: the model's (and a critic's value head's) parameters and buffers, kept;
+    - ``reference``: the snapshots kept on the device (the reference policy's weights), kept;
+    - ``optimizer``: the optimizers' parameters (fp32 masters or their shards: the CPU path's AdamW steps its master
+      copies) and state (Adam's moments, step counters), kept;
+    - ``grads``: every gradient (``grad``, Megatron's ``main_grad`` views of its gradient buffers), dropped: each train
+      step zeroes them before its first backward.
+
+    A storage is one part's only: an optimizer's parameter that shares the model's storage (no master copies: fp32
+    weights) is a weight, and moves only with ``weights``."""
+    parts = set(parts)
     modules = [m for m in (trainer.model, trainer.value_head) if m is not None]
-    keep: list[torch.Tensor] = [t for m in modules for t in (*m.parameters(), *m.buffers())]
-    drop = [g for m in modules for p in m.parameters() for g in (p.grad, getattr(p, "main_grad", None))]
+    weights = [t for m in modules for t in (*m.parameters(), *m.buffers())]
+    grads = [g for m in modules for p in m.parameters() for g in (p.grad, getattr(p, "main_grad", None))]
+    optimizer: list[torch.Tensor] = []
     for opt in torch_optimizers(trainer.optimizer) + torch_optimizers(getattr(trainer, "head_optimizer", None)):
         for group in opt.param_groups:
-            keep += group["params"]
-            drop += [p.grad for p in group["params"]]
-        keep += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    keep += [t for saved in trainer._snapshots.saved.values() for t in saved.values()]
-    return keep, drop
+            optimizer += group["params"]
+            grads += [p.grad for p in group["params"]]
+        optimizer += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    weight_storages = {t.untyped_storage().data_ptr() for t in weights}
+    optimizer = [t for t in optimizer if t.untyped_storage().data_ptr() not in weight_storages]
+    reference = [t for saved in trainer._snapshots.saved.values() for t in saved.values()]
+    keep = [t for part, tensors in (("weights", weights), ("reference", reference), ("optimizer", optimizer))
+            if part in parts for t in tensors]
+    return keep, grads if "grads" in parts else []

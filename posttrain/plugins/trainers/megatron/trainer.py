@@ -28,8 +28,8 @@ On CPU: a torch AdamW (fp32 master weights for bf16/fp16 parameters) and our own
 (distributed) optimizer. The reference policy is a copy of the initial weights (:mod:`.snapshots`: on the
 device when it fits, ``trainer.backend.ref_offload``), swapped in for ``log_probs(..., weights="ref")``
 without copying the policy's weights (slime keeps such backups in the same actor too). ``offload()``/``onload()``
-(:mod:`.offload`, ``resources.offload_trainer``) move all of that state to host memory and back while a colocated
-engine generates.
+(:mod:`.offload`, ``resources.offload_trainer``) move that state (all of it, or the ``trainer.backend.offload_parts``
+named) to host memory and back while a colocated engine generates.
 
 Micro-batches: ``trainer.micro_batch_size`` samples each, or with ``trainer.max_tokens_per_micro_batch``
 consecutive samples up to that many tokens (:func:`micro_batch_bounds`). Losses are normalized by the
@@ -426,9 +426,9 @@ class MegatronTrainer:
 
     # ------------------------------------------------------------------ colocated memory
     def offload(self) -> int:
-        """Weights, optimizer state and snapshots to host memory, gradients freed (``offload.HostOffload``);
-        the bytes freed. Nothing may use the model until :meth:`onload`."""
-        return self._host.offload(*offload.state_tensors(self))
+        """Weights, optimizer state and snapshots to host memory, gradients freed (``offload.HostOffload``), each
+        as ``trainer.backend.offload_parts`` asks; the bytes freed. Nothing may use the model until :meth:`onload`."""
+        return self._host.offload(*offload.state_tensors(self, self.backend.offload_parts))
 
     def onload(self) -> int:
         """Everything :meth:`offload` moved back in place (zeroed gradients); the bytes."""
