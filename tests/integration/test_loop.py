@@ -125,15 +125,17 @@ def test_kill_9_then_resume_loses_and_repeats_no_step(tmp_path):
 
 def test_ray_executor_runs_the_same_loop(tmp_path):
     """Same config, seeded sampling: the Ray executor draws the same responses and gets the same rewards
-    and losses as the local one."""
+    and losses as the local one. The Ray run is colocated with its trainer offloaded (the trainer actor's state
+    leaves and comes back through the actor handle), which changes none of it."""
     runs = {}
-    for executor in ("ray", "local"):
+    for executor, more in (("ray", ["resources.colocate=true", "resources.offload_trainer=true"]), ("local", [])):
         run = tmp_path / executor
-        out = rl_cli(QUICKSTART, "--smoke", "--run-dir", run, *SMALL, f"resources.executor={executor}")
+        out = rl_cli(QUICKSTART, "--smoke", "--run-dir", run, *SMALL, f"resources.executor={executor}", *more)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
         runs[executor] = (jsonl(run / "metrics.jsonl"), jsonl(run / "rollouts.jsonl"))
     (ray_rows, ray_rollouts), (local_rows, local_rollouts) = runs["ray"], runs["local"]
     assert [r["step"] for r in ray_rows] == [0, 1] and ray_rows[-1]["train_rollout_logprob_abs_diff"] < 1e-3
+    assert all(r["perf/trainer_offloaded_gib"] > 0 for r in ray_rows)
     assert ray_rollouts == local_rollouts  # prompts and sampled responses
     for a, b in zip(ray_rows, local_rows):
         assert a["rollout/reward_mean"] == b["rollout/reward_mean"]
