@@ -132,6 +132,34 @@ def test_an_optimizer_that_steps_the_weights_themselves_leaves_them_with_the_wei
     trainer.onload()
 
 
+def test_a_save_or_a_load_right_after_an_onload_waits_for_the_optimizer_state(tiny_ckpts, tmp_path):
+    """The optimizer's state comes back in the background (``offload_prefetch``; off CUDA its copies run when awaited):
+    a save awaits it (it writes that state), and so does a load (the late copies would overwrite what it loads)."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU path's state; tests/gpu covers Megatron's optimizer")
+    batch = _batch()
+    trainer = _bf16_trainer(tiny_ckpts)
+    batch.old_log_probs = trainer.log_probs(batch)[0]
+    trainer.train_step(batch, local_loss)
+    trainer.save(tmp_path / "stayed")
+    trainer.offload()
+    trainer.onload()
+    trainer.save(tmp_path / "came_back")
+    trainer.train_step(batch, local_loss)  # the state moves on ...
+    trainer.offload()
+    trainer.onload()
+    trainer.load(tmp_path / "stayed")  # ... and a load takes it back
+    loaded = []
+    for ckpt in ("stayed", "came_back"):
+        loaded.append(_bf16_trainer(tiny_ckpts))
+        loaded[-1].load(tmp_path / ckpt)
+    for t in (trainer, *loaded):
+        t.train_step(batch, local_loss)
+    for other in loaded:
+        assert all(torch.equal(a, b) for a, b in zip(trainer._masters, other._masters))
+        assert all(torch.equal(a, b) for a, b in zip(trainer.model.parameters(), other.model.parameters()))
+
+
 def test_a_storage_that_cannot_be_resized_stays_where_it_is(caplog):
     shared = torch.ones(4)
     shared.numpy()  # numpy() marks the storage it reads as not resizable
@@ -145,6 +173,12 @@ def test_a_storage_that_cannot_be_resized_stays_where_it_is(caplog):
     assert torch.equal(shared, torch.ones(4)) and torch.equal(other, torch.ones(2))
 
 
+def _deterministic_trainer(tiny_ckpts):
+    """bf16 on a GPU: Megatron's DDP buffers and distributed optimizer, deterministic kernels (steps compared exactly)."""
+    spec = spec_for("qwen3", tiny_ckpts("qwen3"), dtype="bfloat16")
+    return MegatronTrainer(spec, TrainerConfig(lr=1e-3, micro_batch_size=2, global_batch_size=4, deterministic=True))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("parts", [["weights", "reference", "optimizer", "grads"], ["optimizer", "grads"]])
@@ -153,13 +187,8 @@ def test_megatrons_optimizer_state_leaves_the_gpu_and_training_goes_on_unchanged
     optimizer's fp32 shards, fused Adam's moments and step counters. What ``parts`` names leaves the device (the
     allocator's count drops by at least those bytes; the weights stay unless named) and the next steps equal those
     of a trainer that never offloaded."""
-    def trainer():
-        spec = spec_for("qwen3", tiny_ckpts("qwen3"), dtype="bfloat16")
-        return MegatronTrainer(spec, TrainerConfig(lr=1e-3, micro_batch_size=2, global_batch_size=4,
-                                                   deterministic=True))
-
     batch = _batch()
-    moved, twin = trainer(), trainer()
+    moved, twin = _deterministic_trainer(tiny_ckpts), _deterministic_trainer(tiny_ckpts)
     assert moved.megatron_optimizer
     for t in (moved, twin):
         batch.old_log_probs = t.log_probs(batch)[0]
@@ -185,6 +214,40 @@ def test_megatrons_optimizer_state_leaves_the_gpu_and_training_goes_on_unchanged
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_optimizer_state_copied_back_behind_the_passes_is_awaited_by_the_step(tiny_ckpts, monkeypatch):
+    """``offload_prefetch``: the optimizer's state comes back on a side stream, here held back ~0.5 s (a sleep queued
+    before its copies). ``onload`` returns with the copies still queued, the passes run meanwhile, and the optimizer
+    step waits for them: the step equals that of a trainer that never offloaded."""
+    batch = _batch()
+    moved, twin = _deterministic_trainer(tiny_ckpts), _deterministic_trainer(tiny_ckpts)
+    for t in (moved, twin):
+        batch.old_log_probs = t.log_probs(batch)[0]
+        t.train_step(batch, local_loss)
+    copy_back = HostOffload._copy_back
+
+    def held_back(self, copies):
+        if torch.cuda.current_stream(self.device) != torch.cuda.default_stream(self.device):
+            torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU cycles on the side stream, before its copies
+        copy_back(self, copies)
+
+    monkeypatch.setattr(HostOffload, "_copy_back", held_back)
+    assert moved.backend.offload_prefetch
+    freed = moved.offload()
+    # the freed memory scribbled over (NaNs): the storages come back in these cached blocks, so a step that read the
+    # optimizer's state before its copies landed would read NaNs, not the old values still lying there
+    junk = torch.full((freed,), 255, dtype=torch.uint8, device=moved.device)
+    del junk
+    moved.onload()
+    assert moved._offload.optimizer._copied is not None and not moved._offload.optimizer._copied.query()
+    for t in (moved, twin):
+        t.train_step(batch, local_loss)
+    got = {k: v.clone() for b in moved.export_hf(1 << 20) for k, v in b}
+    want = {k: v.clone() for b in twin.export_hf(1 << 20) for k, v in b}
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_grown_state_replaces_its_pinned_buffer_instead_of_pinning_another_beside_it(tiny_ckpts):
     """The loop offloads the trainer before its first step (no Adam state yet) and after each later one: the second
     offload needs a larger host buffer, and the first one's pinned block goes back to the system, not to PyTorch's
@@ -195,16 +258,16 @@ def test_a_grown_state_replaces_its_pinned_buffer_instead_of_pinning_another_bes
     block = lambda n: 1 << (n - 1).bit_length()
     base = pinned()
     trainer.offload()
-    first = trainer._host._host.numel()
+    rest, first = trainer._offload.rest._host.numel(), trainer._offload.optimizer._host.numel()
     trainer.onload()
     batch = _batch()
     batch.old_log_probs = trainer.log_probs(batch)[0]
     trainer.train_step(batch, local_loss)  # Adam's moments now exist
     trainer.offload()
-    second = trainer._host._host.numel()
+    second = trainer._offload.optimizer._host.numel()
     trainer.onload()
-    assert second > first
-    assert pinned() - base < block(first) + block(second), (pinned() - base, first, second)
+    assert second > first and trainer._offload.rest._host.numel() == rest
+    assert pinned() - base < block(rest) + block(first) + block(second), (pinned() - base, rest, first, second)
 
 
 def test_the_trainer_role_brings_its_models_back_for_a_call_and_a_save_leaves_them_away(tmp_path):

@@ -112,7 +112,7 @@ class MegatronTrainer:
             torch.nn.init.zeros_(self.value_head.bias)
         self.step = 0
         self._build_optimizer(overrides)
-        self._host = offload.HostOffload(self.device)
+        self._offload = offload.TrainerOffload(self, self.device)
         self._snapshots = Snapshots(lambda: M.megatron_params(self.model), self.device, self.backend.ref_offload)
         if role == "actor":
             self.snapshot("ref")
@@ -394,6 +394,7 @@ class MegatronTrainer:
         return loss, metrics
 
     def _optimizer_step(self) -> float:
+        self._offload.ready()
         if self.megatron_optimizer:
             from megatron.core.distributed import finalize_model_grads
 
@@ -428,11 +429,12 @@ class MegatronTrainer:
     def offload(self) -> int:
         """Weights, optimizer state and snapshots to host memory, gradients freed (``offload.HostOffload``), each
         as ``trainer.backend.offload_parts`` asks; the bytes freed. Nothing may use the model until :meth:`onload`."""
-        return self._host.offload(*offload.state_tensors(self, self.backend.offload_parts))
+        return self._offload.offload(self.backend.offload_parts)
 
     def onload(self) -> int:
-        """Everything :meth:`offload` moved back in place (zeroed gradients); the bytes."""
-        return self._host.onload()
+        """Everything :meth:`offload` moved back in place (zeroed gradients); the bytes. The optimizer's state may
+        still be arriving (``offload_prefetch``): what reads it first calls ``self._offload.ready()``."""
+        return self._offload.onload(self.backend.offload_prefetch)
 
     # ------------------------------------------------------------------ weights out
     def export_hf(self, bucket_bytes: int = 1 << 30) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -447,10 +449,12 @@ class MegatronTrainer:
     # ------------------------------------------------------------------ checkpoints (dist-checkpointing)
     def save(self, ckpt_dir: str | Path) -> None:
         """Model + optimizer + step with Megatron dist-checkpointing (torch_dist); collective."""
+        self._offload.ready()
         checkpoint.save(self, ckpt_dir)
 
     def load(self, ckpt_dir: str | Path) -> None:
         """Restore what :meth:`save` wrote (same spec; TP may differ for the model weights)."""
+        self._offload.ready()
         checkpoint.load(self, ckpt_dir)
 
 
