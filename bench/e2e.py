@@ -100,6 +100,8 @@ def main() -> None:
         signals["gpu_peak_gib_generate_by_step"] = [round(r.get("perf/gpu_peak_gib_generate", 0.0), 1) for r in rows]
     if any("perf/trainer_offloaded_gib" in r for r in rows):  # resources.offload_trainer
         signals["trainer_offloaded_gib"] = round(max(r.get("perf/trainer_offloaded_gib", 0.0) for r in rows), 2)
+        signals["offload_wait_s_by_step"] = [round(r["train/offload_wait_s"], 3) for r in rows
+                                             if "train/offload_wait_s" in r]  # what the passes did not hide
     if sampled:  # with filters: the reward of every sampled group, the filtered ones too
         signals["sampled_reward_last10"] = round(statistics.mean(sampled[-10:]), 3)
     signals.update({"last_" + k: v for k, v in evals.items()})  # each eval set's last

@@ -106,8 +106,8 @@ def test_offload_parts_move_only_their_own_state_and_training_goes_on_bit_for_bi
         for kind, tensors in kinds.items():
             assert all((t.untyped_storage().nbytes() == 0) == (kind in parts) for t in tensors), (parts, kind)
         moved.onload()
-        for trainer in (moved, twin):
-            trainer.train_step(batch, local_loss)
+        metrics = [trainer.train_step(batch, local_loss) for trainer in (moved, twin)]
+        assert ("offload_wait_s" in metrics[0]) == ("optimizer" in parts) and "offload_wait_s" not in metrics[1]
         assert all(torch.equal(a, b) for a, b in zip(moved._masters, twin._masters)), parts
         assert all(torch.equal(a, b) for a, b in zip(moved.model.parameters(), twin.model.parameters())), parts
     assert torch.equal(moved.log_probs(batch, weights="ref")[0], twin.log_probs(batch, weights="ref")[0])
@@ -239,8 +239,8 @@ def test_the_optimizer_state_copied_back_behind_the_passes_is_awaited_by_the_ste
     del junk
     moved.onload()
     assert moved._offload.optimizer._copied is not None and not moved._offload.optimizer._copied.query()
-    for t in (moved, twin):
-        t.train_step(batch, local_loss)
+    metrics = [t.train_step(batch, local_loss) for t in (moved, twin)]
+    assert metrics[0]["offload_wait_s"] > 0.1, metrics[0]  # the step waited for the held-back copies
     got = {k: v.clone() for b in moved.export_hf(1 << 20) for k, v in b}
     want = {k: v.clone() for b in twin.export_hf(1 << 20) for k, v in b}
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)

@@ -12,7 +12,7 @@ Megatron workers move parameters, gradients and optimizer state by flags. Here i
 - a storage whose values need not survive (gradient buffers: every train step zeroes them first) is freed and
   comes back zeroed, never copied.
 
-``trainer.backend.offload_parts`` picks which of them move (:func:`state_tensors`); what stays costs no copy. A bf16
+``trainer.backend.offload_parts`` picks which of them move (:func:`state_parts`); what stays costs no copy. A bf16
 model on Megatron's optimizer holds 20 bytes a parameter: weights 2, resident reference 2, fp32 gradients 4, fp32
 masters 4, Adam's moments 8. Every part frees all 20 and copies 16 each way; ``[optimizer, grads]`` frees 16 and copies
 12, the weights and the reference staying on the device.
@@ -32,6 +32,7 @@ keep one (the trainer captures no CUDA graphs).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 
 import torch
@@ -68,6 +69,8 @@ class HostOffload:
         self._copied: torch.cuda.Event | None = None  # ... recorded after them, until the next offload
         self._waited = False  # the current stream already waits for that event
         self._deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # a background onload's copies off CUDA
+        self._asked: torch.cuda.Event | None = None  # recorded where the current stream started waiting for them
+        self._stall_s: float | None = None  # off CUDA: how long the awaited copies took
 
     @property
     def offloaded(self) -> bool:
@@ -133,6 +136,7 @@ class HostOffload:
         (the CPU tests see it). The freed-only storages are zeroed at once either way."""
         pin = self.device.type == "cuda"
         total, copies = 0, []
+        self._asked = self._stall_s = None  # an earlier wait's, already reported or not
         for storage, nbytes, host in self.moved:
             storage.resize_(nbytes)
             view = _bytes_view(storage, self.device)
@@ -156,7 +160,7 @@ class HostOffload:
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             self._copy_back(copies)
-            self._copied, self._waited = torch.cuda.Event(), False
+            self._copied, self._waited = torch.cuda.Event(enable_timing=True), False
             self._copied.record(self._stream)
         return total
 
@@ -169,10 +173,28 @@ class HostOffload:
         """The current stream waits for a background :meth:`onload`'s copies (no host sync; off CUDA: they run
         now); else nothing."""
         copies, self._deferred = self._deferred, []
-        self._copy_back(copies)
+        if copies:
+            start = time.perf_counter()
+            self._copy_back(copies)
+            self._stall_s = time.perf_counter() - start
         if self._copied is not None and not self._waited:
-            torch.cuda.current_stream(self.device).wait_event(self._copied)
+            stream = torch.cuda.current_stream(self.device)
+            self._asked = torch.cuda.Event(enable_timing=True)
+            self._asked.record(stream)
+            stream.wait_event(self._copied)
             self._waited = True
+
+    def stall_s(self) -> float | None:
+        """Seconds the last awaited background :meth:`onload` held up its reader (CUDA: from when the current stream
+        started waiting to when the copies ended, 0 when they ended first; off CUDA: the copies' own time), once;
+        None when there is none to report, or its copies are still running (no host sync here)."""
+        if self._stall_s is not None:
+            stall, self._stall_s = self._stall_s, None
+            return stall
+        if self._asked is None or self._copied is None or not self._copied.query() or not self._asked.query():
+            return None
+        stall, self._asked = max(0.0, self._asked.elapsed_time(self._copied)) / 1000, None
+        return stall
 
 
 def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
@@ -246,3 +268,9 @@ class TrainerOffload:
     def ready(self) -> None:
         """Before anything reads the optimizer's state: the current stream waits for its copies."""
         self.optimizer.wait()
+
+    def stats(self) -> dict[str, float]:
+        """``offload_wait_s``: how long the last optimizer step waited for the optimizer's state (``train/``
+        in the metrics; what the passes did not hide), once after each background onload; else nothing."""
+        stall = self.optimizer.stall_s()
+        return {} if stall is None else {"offload_wait_s": stall}

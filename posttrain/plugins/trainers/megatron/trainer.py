@@ -354,7 +354,7 @@ class MegatronTrainer:
         grad_norm = self._optimizer_step()
         self.step += 1
         totals = data_parallel.reduce_metrics(totals, len(batch), global_seqs, SUMMED)
-        totals.update(grad_norm=grad_norm, lr=lr, **self.moe.stats())
+        totals.update(grad_norm=grad_norm, lr=lr, **self.moe.stats(), **self._offload.stats())
         if kept is None:
             return totals
         width = batch.tokens.shape[1]
