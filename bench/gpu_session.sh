@@ -94,8 +94,9 @@
 #             trainer's state in host memory while the engine generates) and without it, each phase's GPU memory
 #   offloadparts17 colocated GRPO for 4 steps offloading only the optimizer state and gradients
 #             (trainer.backend.offload_parts=[optimizer,grads]: the weights and the reference stay), then offloading
-#             everything with the optimizer's state copied back before the passes (offload_prefetch=false): both
-#             against offload17's run (everything offloaded, the optimizer's state copied back behind the passes)
+#             everything with the optimizer's state moved with the rest (offload_overlap=false): both against
+#             offload17's run (everything offloaded, the optimizer's state back behind the passes and out behind the
+#             weight push)
 #   memory17  the graphs' GPU tests (a warm-up out of memory puts the cache back), then colocated5 with each phase's
 #             GPU memory peak (perf/gpu_peak_gib_<phase>, NVML: trainer and engine together) printed per step
 #   ragged17  the decode attention over lengths spread +-128 in random slot order (mean 256 and 1024), one slot a
@@ -250,7 +251,7 @@ print('ropecheck ok: compiled THD rotary equals eager on cuda (bf16 tolerance) f
       resources.offload_trainer=true "trainer.backend.offload_parts=[optimizer,grads]"
     phase_table colocated4_offload_opt
     e2e colocated4_offload_noprefetch ${COLOCATED4_S:-220} resources.colocate=true rollout.num_rollouts=4 \
-      resources.offload_trainer=true trainer.backend.offload_prefetch=false
+      resources.offload_trainer=true trainer.backend.offload_overlap=false
     phase_table colocated4_offload_noprefetch ;;
   colocated5) e2e colocated5 ${COLOCATED5_S:-330} resources.colocate=true rollout.num_rollouts=5
               grep -rh "stable memory off" $LOGS/runs 2>/dev/null | head -2 ;;

@@ -38,6 +38,25 @@ def test_storages_are_freed_and_come_back_in_place():
     assert host._host.data_ptr() == buffer_at and host._host.numel() == 12 * 4 + 12 * 4  # host memory reused
 
 
+def test_a_copy_out_ahead_of_the_offload_is_used_until_a_write_drops_it():
+    state = torch.arange(6, dtype=torch.float32)
+    host = HostOffload(torch.device("cpu"))
+    assert not host.copy_out([state])  # never offloaded: no buffer to copy into
+    host.offload([state])
+    host.onload()
+    assert host.copy_out([state]) and not host.copy_out([state, torch.ones(1)])  # other storages: not ahead
+    state.add_(100)  # a write the copy does not see, announced by no wait(writes=True): the offload keeps the copy
+    host.offload([state])
+    host.onload()
+    assert torch.equal(state, torch.arange(6, dtype=torch.float32))
+    assert host.copy_out([state])
+    host.wait(writes=True)  # what a load or an optimizer step calls first: the copy is dropped
+    state.add_(100)
+    host.offload([state])
+    host.onload()
+    assert torch.equal(state, torch.arange(6, dtype=torch.float32) + 100)
+
+
 def test_tensors_on_other_devices_and_empty_storages_are_left_alone():
     host = HostOffload(torch.device("meta"))
     cpu = torch.ones(3)
@@ -101,7 +120,8 @@ def test_offload_parts_move_only_their_own_state_and_training_goes_on_bit_for_bi
         moved.backend.offload_parts = parts
         kinds = _kinds(moved)
         assert all(kinds.values()) and all(g is not None for g in kinds["grads"])
-        want = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for p in parts for t in kinds[p]}.values())
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for p in parts for t in kinds[p]}
+        want = sum(storages.values())
         assert moved.offload() == want
         for kind, tensors in kinds.items():
             assert all((t.untyped_storage().nbytes() == 0) == (kind in parts) for t in tensors), (parts, kind)
@@ -133,7 +153,7 @@ def test_an_optimizer_that_steps_the_weights_themselves_leaves_them_with_the_wei
 
 
 def test_a_save_or_a_load_right_after_an_onload_waits_for_the_optimizer_state(tiny_ckpts, tmp_path):
-    """The optimizer's state comes back in the background (``offload_prefetch``; off CUDA its copies run when awaited):
+    """The optimizer's state comes back in the background (``offload_overlap``; off CUDA its copies run when awaited):
     a save awaits it (it writes that state), and so does a load (the late copies would overwrite what it loads)."""
     if torch.cuda.is_available():
         pytest.skip("the CPU path's state; tests/gpu covers Megatron's optimizer")
@@ -160,6 +180,46 @@ def test_a_save_or_a_load_right_after_an_onload_waits_for_the_optimizer_state(ti
         assert all(torch.equal(a, b) for a, b in zip(trainer.model.parameters(), other.model.parameters()))
 
 
+def test_the_optimizer_state_leaves_right_after_the_step_and_a_load_takes_that_copy_back(tiny_ckpts, tmp_path,
+                                                                                          monkeypatch):
+    """``offload_overlap``: once offloaded, each optimizer step copies its state out at once (off CUDA: then and
+    there), so the offload after it copies only the rest. A load in between changes that state: the copy is dropped
+    and the offload copies what was loaded."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU path's state; tests/gpu covers Megatron's optimizer")
+    copies = []
+    copy_out = HostOffload._copy_out
+    monkeypatch.setattr(HostOffload, "_copy_out", lambda self, kept: (copies.append(self), copy_out(self, kept))[1])
+    batch = _batch()
+    moved, twin = _bf16_trainer(tiny_ckpts), _bf16_trainer(tiny_ckpts)
+    for t in (moved, twin):
+        batch.old_log_probs = t.log_probs(batch)[0]
+        t.train_step(batch, local_loss)
+    moved.save(tmp_path / "ckpt")
+    moved.offload()
+    moved.onload()
+    rest, optimizer = moved._offload.rest, moved._offload.optimizer
+    copies.clear()
+    for t in (moved, twin):
+        t.train_step(batch, local_loss)
+    assert copies == [optimizer]  # the optimizer's state, right after the step
+    moved.offload()
+    assert copies == [optimizer, rest]  # the offload copied only the rest
+    moved.onload()
+    for t in (moved, twin):
+        t.train_step(batch, local_loss)
+    assert all(torch.equal(a, b) for a, b in zip(moved._masters, twin._masters))
+    moved.load(tmp_path / "ckpt")  # after the step's copy: the offload must copy the loaded state
+    moved.offload()
+    moved.onload()
+    loaded = _bf16_trainer(tiny_ckpts)
+    loaded.load(tmp_path / "ckpt")
+    for t in (moved, loaded):
+        t.train_step(batch, local_loss)
+    assert all(torch.equal(a, b) for a, b in zip(moved._masters, loaded._masters))
+    assert all(torch.equal(a, b) for a, b in zip(moved.model.parameters(), loaded.model.parameters()))
+
+
 def test_a_storage_that_cannot_be_resized_stays_where_it_is(caplog):
     shared = torch.ones(4)
     shared.numpy()  # numpy() marks the storage it reads as not resizable
@@ -174,7 +234,8 @@ def test_a_storage_that_cannot_be_resized_stays_where_it_is(caplog):
 
 
 def _deterministic_trainer(tiny_ckpts):
-    """bf16 on a GPU: Megatron's DDP buffers and distributed optimizer, deterministic kernels (steps compared exactly)."""
+    """bf16 on a GPU: Megatron's DDP buffers and distributed optimizer, deterministic kernels (steps compared
+    exactly)."""
     spec = spec_for("qwen3", tiny_ckpts("qwen3"), dtype="bfloat16")
     return MegatronTrainer(spec, TrainerConfig(lr=1e-3, micro_batch_size=2, global_batch_size=4, deterministic=True))
 
@@ -214,36 +275,53 @@ def test_megatrons_optimizer_state_leaves_the_gpu_and_training_goes_on_unchanged
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_the_optimizer_state_copied_back_behind_the_passes_is_awaited_by_the_step(tiny_ckpts, monkeypatch):
-    """``offload_prefetch``: the optimizer's state comes back on a side stream, here held back ~0.5 s (a sleep queued
-    before its copies). ``onload`` returns with the copies still queued, the passes run meanwhile, and the optimizer
-    step waits for them: the step equals that of a trainer that never offloaded."""
+def test_the_optimizer_state_moves_behind_other_work_and_is_awaited_where_it_is_needed(tiny_ckpts, monkeypatch):
+    """``offload_overlap``, with the side stream held back ~1 s before each of its copies (a sleep queued there), and
+    the freed memory scribbled over with NaNs after each offload (the storages come back in those cached blocks, so
+    whatever read them before their copies landed would read NaNs, not old values still lying there):
+
+    - the state comes back behind the passes: ``onload`` returns with its copies queued, and the optimizer step
+      waits for them (``offload_wait_s``);
+    - it leaves right after the step: the step returns with that copy queued, and the offload waits for it before it
+      frees the storages;
+
+    and every step equals that of a trainer that never offloaded."""
     batch = _batch()
     moved, twin = _deterministic_trainer(tiny_ckpts), _deterministic_trainer(tiny_ckpts)
     for t in (moved, twin):
         batch.old_log_probs = t.log_probs(batch)[0]
         t.train_step(batch, local_loss)
-    copy_back = HostOffload._copy_back
 
-    def held_back(self, copies):
-        if torch.cuda.current_stream(self.device) != torch.cuda.default_stream(self.device):
-            torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU cycles on the side stream, before its copies
-        copy_back(self, copies)
+    def held_back(copy):
+        def copy_held_back(self, *args):
+            if torch.cuda.current_stream(self.device) != torch.cuda.default_stream(self.device):
+                torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU cycles on the side stream, before its copies
+            copy(self, *args)
+        return copy_held_back
 
-    monkeypatch.setattr(HostOffload, "_copy_back", held_back)
-    assert moved.backend.offload_prefetch
-    freed = moved.offload()
-    # the freed memory scribbled over (NaNs): the storages come back in these cached blocks, so a step that read the
-    # optimizer's state before its copies landed would read NaNs, not the old values still lying there
-    junk = torch.full((freed,), 255, dtype=torch.uint8, device=moved.device)
-    del junk
-    moved.onload()
-    assert moved._offload.optimizer._copied is not None and not moved._offload.optimizer._copied.query()
-    metrics = [t.train_step(batch, local_loss) for t in (moved, twin)]
-    assert metrics[0]["offload_wait_s"] > 0.1, metrics[0]  # the step waited for the held-back copies
-    got = {k: v.clone() for b in moved.export_hf(1 << 20) for k, v in b}
-    want = {k: v.clone() for b in twin.export_hf(1 << 20) for k, v in b}
-    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    for name in ("_copy_back", "_copy_out"):
+        monkeypatch.setattr(HostOffload, name, held_back(getattr(HostOffload, name)))
+
+    def offload_and_scribble():
+        freed = moved.offload()
+        junk = torch.full((freed,), 255, dtype=torch.uint8, device=moved.device)
+        del junk
+
+    def same_weights():
+        got = {k: v.clone() for b in moved.export_hf(1 << 20) for k, v in b}
+        want = {k: v.clone() for b in twin.export_hf(1 << 20) for k, v in b}
+        return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+
+    state = moved._offload.optimizer
+    assert moved.backend.offload_overlap
+    for step in range(2):
+        offload_and_scribble()  # step 1: after the step's own copy, still queued
+        moved.onload()
+        assert state._copied is not None and not state._copied.query()
+        metrics = [t.train_step(batch, local_loss) for t in (moved, twin)]
+        assert metrics[0]["offload_wait_s"] > 0.1, metrics[0]  # the step waited for the held-back copies
+        assert state._early is not None and not state._early[1].query(), step  # the step's copy out, queued
+        assert same_weights(), step
 
 
 @pytest.mark.gpu

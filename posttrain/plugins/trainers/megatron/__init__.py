@@ -64,10 +64,10 @@ class MegatronBackend(TrainerBackend):
                  "parameters), reference (the reference weights kept on the GPU), optimizer (fp32 master weights and "
                  "Adam's moments), grads (gradient buffers: freed, not copied). What stays costs no copy; "
                  "[optimizer, grads] is verl's optimizer_offload + grad_offload")
-        offload_prefetch: bool = option(
-            True, help="offloaded (GPU): the optimizer's state comes back on a side stream behind the log-prob and "
-                       "forward/backward passes, awaited only by the optimizer step (and a checkpoint); false copies "
-                       "it back before the step's first pass, with the rest")
+        offload_overlap: bool = option(
+            True, help="offloaded (GPU): the optimizer's state moves on a side stream, back behind the log-prob and "
+                       "forward/backward passes (awaited only by the optimizer step and a checkpoint) and out right "
+                       "after the optimizer step, behind the weight push; false moves it with the rest")
         use_distributed_optimizer: bool = option(True, help="Megatron's distributed optimizer (GPU only; CPU uses "
                                                             "torch AdamW)")
         fused_adam: bool = option(True, help="GPU without TE/Apex: torch's fused AdamW inside Megatron's optimizer")

@@ -17,10 +17,11 @@ model on Megatron's optimizer holds 20 bytes a parameter: weights 2, resident re
 masters 4, Adam's moments 8. Every part frees all 20 and copies 16 each way; ``[optimizer, grads]`` frees 16 and copies
 12, the weights and the reference staying on the device.
 
-The optimizer's state is copied back in the background (``trainer.backend.offload_prefetch``,
-:class:`TrainerOffload`): on a side stream, behind the step's log-prob and forward/backward passes, which never read it;
-the optimizer step (and a checkpoint's save or load) waits for it. With Adam that is 12 of the 16 bytes a parameter
-copied back.
+The optimizer's state moves in the background (``trainer.backend.offload_overlap``, :class:`TrainerOffload`), on a
+side stream: back behind the step's log-prob and forward/backward passes, which never read it (the optimizer step, and
+a checkpoint's save or load, wait for it), and out right after the optimizer step, behind the weight push
+(:meth:`HostOffload.copy_out`; the offload then waits for that copy and frees). With Adam that is 12 of the 16 bytes a
+parameter copied each way.
 
 Every tensor keeps its identity: a parameter that is a view into Megatron's contiguous parameter buffer, a
 ``main_grad`` into its gradient buffer, an optimizer's state, all see their storage come back in place (Megatron's
@@ -71,10 +72,17 @@ class HostOffload:
         self._deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # a background onload's copies off CUDA
         self._asked: torch.cuda.Event | None = None  # recorded where the current stream started waiting for them
         self._stall_s: float | None = None  # off CUDA: how long the awaited copies took
+        # copy_out's storages ((pointer, bytes) in host-buffer order) and its event (CUDA), until offload or a write
+        self._early: tuple[list[tuple[int, int]], torch.cuda.Event | None] | None = None
 
     @property
     def offloaded(self) -> bool:
         return bool(self.moved)
+
+    @property
+    def has_host_buffer(self) -> bool:
+        """Whether an :meth:`offload` ran before (its pinned buffer is kept for the next)."""
+        return self._host is not None
 
     def _storages(self, tensors: Iterable[torch.Tensor | None]) -> dict[int, torch.UntypedStorage]:
         out: dict[int, torch.UntypedStorage] = {}
@@ -95,7 +103,7 @@ class HostOffload:
         lost: zeros after :meth:`onload`); a storage in both is kept. Returns the bytes freed on the device."""
         if self.moved:
             raise RuntimeError("HostOffload.offload: already offloaded (onload first)")
-        self.wait()  # a background onload's copies read the host buffer and write the storages: done first
+        self.wait(writes=False)  # a background onload's copies read the host buffer and write the storages: done first
         if self._copied is not None:
             self._copied.synchronize()
             self._copied = None
@@ -103,18 +111,21 @@ class HostOffload:
         dropped = {ptr: s for ptr, s in self._storages(drop).items() if ptr not in kept}
         pin = self.device.type == "cuda"
         total = sum(s.nbytes() for s in kept.values())
-        if self._host is None or self._host.numel() != total:  # the first offload, or other storages
-            if self._host is not None:  # (the first offload precedes the optimizer's first step: no Adam state yet)
-                self._host = None  # the old buffer goes before the new one is pinned, and leaves the pinned cache
-                if pin:
-                    _empty_host_cache()
-            self._host = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+        early, self._early = self._early, None
+        if early is not None and early[1] is not None:  # its reads of the storages, its writes to the host buffer
+            early[1].synchronize()
+        if early is None or early[0] != [(ptr, s.nbytes()) for ptr, s in kept.items()]:  # else: already copied
+            if self._host is None or self._host.numel() != total:  # the first offload, or other storages
+                if self._host is not None:  # (the first offload precedes the optimizer's first step: no Adam state)
+                    self._host = None  # the old buffer goes before the new one is pinned, and leaves the pinned cache
+                    if pin:
+                        _empty_host_cache()
+                self._host = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+            self._copy_out(kept)
         at = 0
         for storage in kept.values():
             nbytes = storage.nbytes()
-            host = self._host[at: at + nbytes]
-            host.copy_(_bytes_view(storage, self.device), non_blocking=pin)
-            self.moved.append((storage, nbytes, host))
+            self.moved.append((storage, nbytes, self._host[at: at + nbytes]))
             at += nbytes
         self.moved += [(storage, storage.nbytes(), None) for storage in dropped.values()]
         if pin:  # the copies read the device memory about to be freed
@@ -154,8 +165,7 @@ class HostOffload:
             if pin:  # the host buffers are overwritten by the next offload
                 torch.cuda.synchronize(self.device)
             return total
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
+        self._stream = self._stream or torch.cuda.Stream(self.device)
         # the blocks just allocated may be ones the current stream's queued kernels still use: start after them
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
@@ -164,14 +174,49 @@ class HostOffload:
             self._copied.record(self._stream)
         return total
 
+    def copy_out(self, keep: Iterable[torch.Tensor | None]) -> bool:
+        """Copy ``keep``'s storages into the host buffer ahead of the :meth:`offload` that will free them: on CUDA
+        on the side stream, after the current stream's queued work, so it overlaps whatever comes next; that offload
+        then waits for the copies and frees without copying. Only for the storages of the last offload, at the same
+        sizes (else False, and nothing is done). A :meth:`wait` before a write to them drops the copy."""
+        kept = self._storages(keep)
+        layout = [(ptr, s.nbytes()) for ptr, s in kept.items()]
+        if self.moved or self._host is None or sum(n for _, n in layout) != self._host.numel():
+            return False
+        event = None
+        if self.device.type == "cuda":  # (the side stream: after an earlier copy_out or background onload on it)
+            self._stream = self._stream or torch.cuda.Stream(self.device)
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                self._copy_out(kept)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+        else:
+            self._copy_out(kept)
+        self._early = (layout, event)
+        return True
+
+    def _copy_out(self, kept: dict[int, torch.UntypedStorage]) -> None:
+        """The storages into the host buffer, back to back in ``kept``'s order, on the current stream."""
+        at, pin = 0, self.device.type == "cuda"
+        for storage in kept.values():
+            nbytes = storage.nbytes()
+            self._host[at: at + nbytes].copy_(_bytes_view(storage, self.device), non_blocking=pin)
+            at += nbytes
+
     def _copy_back(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Host copies into their device storages (``[nbytes]`` uint8 views), on the current stream."""
         for view, host in copies:
             view.copy_(host, non_blocking=self.device.type == "cuda")
 
-    def wait(self) -> None:
+    def wait(self, writes: bool = True) -> None:
         """The current stream waits for a background :meth:`onload`'s copies (no host sync; off CUDA: they run
-        now); else nothing."""
+        now). ``writes``: what comes next may change the storages, so a :meth:`copy_out` is dropped (the current
+        stream first waits for its reads)."""
+        if writes and self._early is not None:
+            if self._early[1] is not None:
+                torch.cuda.current_stream(self.device).wait_event(self._early[1])
+            self._early = None
         copies, self._deferred = self._deferred, []
         if copies:
             start = time.perf_counter()
@@ -235,7 +280,8 @@ def state_parts(trainer) -> dict[str, list[torch.Tensor | None]]:
     return {"weights": weights, "reference": reference, "optimizer": optimizer, "grads": grads}
 
 
-def state_tensors(trainer, parts: Iterable[str] = OFFLOAD_PARTS) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+def state_tensors(trainer, parts: Iterable[str] = OFFLOAD_PARTS
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
     """``(keep, drop)`` for :meth:`HostOffload.offload`: the kept parts' tensors among ``parts``
     (:func:`state_parts`), and the gradients when ``grads`` is asked."""
     by_part = state_parts(trainer)
@@ -244,10 +290,12 @@ def state_tensors(trainer, parts: Iterable[str] = OFFLOAD_PARTS) -> tuple[list[t
 
 
 class TrainerOffload:
-    """A trainer's state in two :class:`HostOffload` s: the optimizer's (``optimizer``) and the rest. The rest is back
-    when :meth:`onload` returns; the optimizer's state, the most bytes with Adam and read only by the optimizer step
-    (and a checkpoint), is copied back on a side stream behind the log-prob and forward/backward passes with
-    ``background`` (``trainer.backend.offload_prefetch``), and :meth:`ready` puts the current stream after it."""
+    """A trainer's state in two :class:`HostOffload` s: the optimizer's (``optimizer``) and the rest. The rest moves
+    when :meth:`offload` and :meth:`onload` are called. The optimizer's state, the most bytes with Adam and touched
+    only by the optimizer step and a checkpoint, overlaps other work (``trainer.backend.offload_overlap``): it comes
+    back on a side stream behind the log-prob and forward/backward passes (:meth:`ready` puts the current stream
+    after it), and leaves for host memory right after the optimizer step (:meth:`after_step`), behind the weight push,
+    so the offload that follows only frees it."""
 
     def __init__(self, trainer, device: torch.device):
         self.trainer = trainer
@@ -265,9 +313,16 @@ class TrainerOffload:
     def onload(self, background: bool) -> int:
         return self.rest.onload() + self.optimizer.onload(background=background)
 
-    def ready(self) -> None:
-        """Before anything reads the optimizer's state: the current stream waits for its copies."""
-        self.optimizer.wait()
+    def ready(self, writes: bool = True) -> None:
+        """Before anything reads the optimizer's state (``writes``: or changes it): the current stream waits for
+        its copies (and a change drops :meth:`after_step`'s copy)."""
+        self.optimizer.wait(writes=writes)
+
+    def after_step(self, parts: Iterable[str], overlap: bool) -> None:
+        """Right after an optimizer step: with ``overlap``, and the optimizer's state offloaded before, that state
+        starts for host memory (:meth:`HostOffload.copy_out`)."""
+        if overlap and "optimizer" in parts and self.optimizer.has_host_buffer:
+            self.optimizer.copy_out(state_parts(self.trainer)["optimizer"])
 
     def stats(self) -> dict[str, float]:
         """``offload_wait_s``: how long the last optimizer step waited for the optimizer's state (``train/``

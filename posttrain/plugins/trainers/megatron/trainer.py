@@ -352,6 +352,7 @@ class MegatronTrainer:
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + float(v) * (1.0 if k in SUMMED else len(mb) / len(batch))
         grad_norm = self._optimizer_step()
+        self._offload.after_step(self.backend.offload_parts, self.backend.offload_overlap)
         self.step += 1
         totals = data_parallel.reduce_metrics(totals, len(batch), global_seqs, SUMMED)
         totals.update(grad_norm=grad_norm, lr=lr, **self.moe.stats(), **self._offload.stats())
@@ -433,8 +434,8 @@ class MegatronTrainer:
 
     def onload(self) -> int:
         """Everything :meth:`offload` moved back in place (zeroed gradients); the bytes. The optimizer's state may
-        still be arriving (``offload_prefetch``): what reads it first calls ``self._offload.ready()``."""
-        return self._offload.onload(self.backend.offload_prefetch)
+        still be arriving (``offload_overlap``): what reads it first calls ``self._offload.ready()``."""
+        return self._offload.onload(self.backend.offload_overlap)
 
     # ------------------------------------------------------------------ weights out
     def export_hf(self, bucket_bytes: int = 1 << 30) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -449,7 +450,7 @@ class MegatronTrainer:
     # ------------------------------------------------------------------ checkpoints (dist-checkpointing)
     def save(self, ckpt_dir: str | Path) -> None:
         """Model + optimizer + step with Megatron dist-checkpointing (torch_dist); collective."""
-        self._offload.ready()
+        self._offload.ready(writes=False)
         checkpoint.save(self, ckpt_dir)
 
     def load(self, ckpt_dir: str | Path) -> None:
