@@ -72,6 +72,15 @@ def _batch(seed=0):
     return batch
 
 
+def _stepped(*trainers) -> TrainBatch:
+    """A batch, and each trainer one step into it (Adam's moments exist)."""
+    batch = _batch()
+    for trainer in trainers:
+        batch.old_log_probs = trainer.log_probs(batch)[0]
+        trainer.train_step(batch, local_loss)
+    return batch
+
+
 def _bf16_trainer(tiny_ckpts):
     """bf16 weights with fp32 masters, Adam's moments and the reference snapshot: every kind of state."""
     spec = spec_for("qwen3", tiny_ckpts("qwen3"), dtype="bfloat16")
@@ -81,11 +90,8 @@ def _bf16_trainer(tiny_ckpts):
 def test_a_trainer_offloaded_between_steps_trains_on_bit_for_bit(tiny_ckpts):
     if torch.cuda.is_available():
         pytest.skip("the CPU path's state (torch AdamW, fp32 masters); tests/gpu covers Megatron's optimizer")
-    batch = _batch()
     moved, twin = _bf16_trainer(tiny_ckpts), _bf16_trainer(tiny_ckpts)
-    for trainer in (moved, twin):
-        batch.old_log_probs = trainer.log_probs(batch)[0]
-        trainer.train_step(batch, local_loss)
+    batch = _stepped(moved, twin)
     keep, drop = state_tensors(moved)
     kinds = _kinds(moved)
     assert all(kinds.values()) and all(g is not None for g in kinds["grads"])
@@ -111,11 +117,8 @@ def _kinds(trainer) -> dict[str, list[torch.Tensor]]:
 def test_offload_parts_move_only_their_own_state_and_training_goes_on_bit_for_bit(tiny_ckpts):
     if torch.cuda.is_available():
         pytest.skip("the CPU path's state (torch AdamW, fp32 masters)")
-    batch = _batch()
     moved, twin = _bf16_trainer(tiny_ckpts), _bf16_trainer(tiny_ckpts)
-    for trainer in (moved, twin):
-        batch.old_log_probs = trainer.log_probs(batch)[0]
-        trainer.train_step(batch, local_loss)
+    batch = _stepped(moved, twin)
     for parts in (["weights"], ["reference"], ["optimizer"], ["grads"], ["optimizer", "grads"]):
         moved.backend.offload_parts = parts
         kinds = _kinds(moved)
@@ -140,9 +143,7 @@ def test_an_optimizer_that_steps_the_weights_themselves_leaves_them_with_the_wei
     trainer = MegatronTrainer(spec, TrainerConfig(lr=1e-3, micro_batch_size=2, global_batch_size=4))
     if trainer._masters is not None or trainer.megatron_optimizer:
         pytest.skip("the CPU path at fp32 (torch AdamW over the model's own parameters)")
-    batch = _batch()
-    batch.old_log_probs = trainer.log_probs(batch)[0]
-    trainer.train_step(batch, local_loss)
+    _stepped(trainer)
     adam = [v for s in trainer.optimizer.state.values() for v in s.values()]  # step counters too
     trainer.backend.offload_parts = ["optimizer"]
     want = sum(v.untyped_storage().nbytes() for v in adam)
@@ -157,10 +158,8 @@ def test_a_save_or_a_load_right_after_an_onload_waits_for_the_optimizer_state(ti
     a save awaits it (it writes that state), and so does a load (the late copies would overwrite what it loads)."""
     if torch.cuda.is_available():
         pytest.skip("the CPU path's state; tests/gpu covers Megatron's optimizer")
-    batch = _batch()
     trainer = _bf16_trainer(tiny_ckpts)
-    batch.old_log_probs = trainer.log_probs(batch)[0]
-    trainer.train_step(batch, local_loss)
+    batch = _stepped(trainer)
     trainer.save(tmp_path / "stayed")
     trainer.offload()
     trainer.onload()
@@ -190,11 +189,8 @@ def test_the_optimizer_state_leaves_right_after_the_step_and_a_load_takes_that_c
     copies = []
     copy_out = HostOffload._copy_out
     monkeypatch.setattr(HostOffload, "_copy_out", lambda self, kept: (copies.append(self), copy_out(self, kept))[1])
-    batch = _batch()
     moved, twin = _bf16_trainer(tiny_ckpts), _bf16_trainer(tiny_ckpts)
-    for t in (moved, twin):
-        batch.old_log_probs = t.log_probs(batch)[0]
-        t.train_step(batch, local_loss)
+    batch = _stepped(moved, twin)
     moved.save(tmp_path / "ckpt")
     moved.offload()
     moved.onload()
@@ -248,12 +244,9 @@ def test_megatrons_optimizer_state_leaves_the_gpu_and_training_goes_on_unchanged
     optimizer's fp32 shards, fused Adam's moments and step counters. What ``parts`` names leaves the device (the
     allocator's count drops by at least those bytes; the weights stay unless named) and the next steps equal those
     of a trainer that never offloaded."""
-    batch = _batch()
     moved, twin = _deterministic_trainer(tiny_ckpts), _deterministic_trainer(tiny_ckpts)
     assert moved.megatron_optimizer
-    for t in (moved, twin):
-        batch.old_log_probs = t.log_probs(batch)[0]
-        t.train_step(batch, local_loss)
+    batch = _stepped(moved, twin)
     adam = [v for opt in torch_optimizers(moved.optimizer) for state in opt.state.values() for v in state.values()
             if torch.is_tensor(v) and v.is_cuda]
     assert adam
@@ -286,11 +279,8 @@ def test_the_optimizer_state_moves_behind_other_work_and_is_awaited_where_it_is_
       frees the storages;
 
     and every step equals that of a trainer that never offloaded."""
-    batch = _batch()
     moved, twin = _deterministic_trainer(tiny_ckpts), _deterministic_trainer(tiny_ckpts)
-    for t in (moved, twin):
-        batch.old_log_probs = t.log_probs(batch)[0]
-        t.train_step(batch, local_loss)
+    batch = _stepped(moved, twin)
 
     def held_back(copy):
         def copy_held_back(self, *args):
@@ -338,9 +328,7 @@ def test_a_grown_state_replaces_its_pinned_buffer_instead_of_pinning_another_bes
     trainer.offload()
     rest, first = trainer._offload.rest._host.numel(), trainer._offload.optimizer._host.numel()
     trainer.onload()
-    batch = _batch()
-    batch.old_log_probs = trainer.log_probs(batch)[0]
-    trainer.train_step(batch, local_loss)  # Adam's moments now exist
+    _stepped(trainer)  # Adam's moments now exist
     trainer.offload()
     second = trainer._offload.optimizer._host.numel()
     trainer.onload()
