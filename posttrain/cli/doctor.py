@@ -169,8 +169,9 @@ def check_placement(cfg: Any, plugins: Any, params: int | None) -> list[Finding]
         want = (per_trainer if gpu < r.trainer_gpus_per_node else 0) + (per_engine if gpu in engine_gpus else 0)
         out.append(Finding(free >= want, f"gpu {gpu} memory", f"{free / GIB:.1f} GiB free; needs at least "
                                                              f"{want / GIB:.1f} GiB"))
-    if r.colocate and r.offload_trainer:  # this node's ranks' state, pinned (no gradients; the reference's copy instead)
-        free, want = psutil.virtual_memory().available, weights * TRAIN_BYTES / r.trainer_nodes
+    if r.colocate and r.offload_trainer:  # this node's ranks' state, pinned (what the backend moves, no gradients)
+        per_param = cfg.trainer.backend.create(plugins).offloaded_bytes_per_parameter(cfg)
+        free, want = psutil.virtual_memory().available, weights * per_param / r.trainer_nodes
         out.append(Finding(free >= want, "host memory", f"{free / GIB:.1f} GiB free; the offloaded trainer state "
                                                         f"needs at least {want / GIB:.1f} GiB"))
     return out

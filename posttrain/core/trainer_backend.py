@@ -71,6 +71,12 @@ class TrainerBackend:
         reported with every other config error before anything starts. Default: none."""
         return []
 
+    def offloaded_bytes_per_parameter(self, run: Any) -> float:
+        """Host bytes a parameter of ``run``'s model takes while ``resources.offload_trainer`` holds the model's
+        state in host memory (``rl-cli doctor``'s floor for it). Default 16: bf16 weights and reference weights, fp32
+        master weights and Adam's two moments."""
+        return 16.0
+
     @property
     def needs_routed_experts(self) -> bool:
         """Whether the backend replays the engines' MoE routing (``Sample.rollout_routed_experts``, asked of

@@ -95,6 +95,15 @@ class MegatronBackend(TrainerBackend):
     def needs_routed_experts(self) -> bool:
         return self.config.routing_replay
 
+    def offloaded_bytes_per_parameter(self, run: Any) -> float:
+        """The ``offload_parts`` asked, at the model's dtype: weights and reference 2 bytes each (4 at fp32, which has
+        no master copy), the optimizer 4 for the fp32 master and 8 for Adam's moments, gradients none (freed). A
+        reference kept in host memory anyway (``ref_offload: always``) counts whatever the parts."""
+        weight = 4 if getattr(run.model.config, "dtype", "bfloat16") == "float32" else 2
+        parts = set(self.config.offload_parts) | ({"reference"} if self.config.ref_offload == "always" else set())
+        per_part = {"weights": weight, "reference": weight, "optimizer": (0 if weight == 4 else 4) + 8, "grads": 0}
+        return float(sum(per_part[part] for part in parts))
+
     def check_config(self, run: Any, plugins: Any) -> list[str]:
         errors = []
         spec = plugins.models.get(run.model.name) if run.model else None
