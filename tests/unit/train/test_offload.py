@@ -8,7 +8,7 @@ import torch
 
 from posttrain.core.config import TrainerConfig
 from posttrain.core.train_batch import TrainBatch
-from posttrain.plugins.trainers.megatron.offload import HostOffload, torch_optimizers, state_tensors
+from posttrain.plugins.trainers.megatron.offload import HostOffload, state_parts, torch_optimizers
 from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
 from train_helpers import local_loss, spec_for
 
@@ -92,10 +92,10 @@ def test_a_trainer_offloaded_between_steps_trains_on_bit_for_bit(tiny_ckpts):
         pytest.skip("the CPU path's state (torch AdamW, fp32 masters); tests/gpu covers Megatron's optimizer")
     moved, twin = _bf16_trainer(tiny_ckpts), _bf16_trainer(tiny_ckpts)
     batch = _stepped(moved, twin)
-    keep, drop = state_tensors(moved)
+    every = [t for tensors in state_parts(moved).values() for t in tensors]
     kinds = _kinds(moved)
     assert all(kinds.values()) and all(g is not None for g in kinds["grads"])
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in keep + drop if t is not None}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in every if t is not None}
     assert moved.offload() == sum(storages.values())  # each storage once, however many views it has
     for kind, tensors in kinds.items():  # every kind of state left the device (here: its CPU storage)
         assert all(t.untyped_storage().nbytes() == 0 for t in tensors), kind

@@ -23,7 +23,7 @@ from posttrain import hookimpl
 from posttrain.core.schema import option
 from posttrain.core.trainer_backend import TrainerBackend
 
-OFFLOAD_PARTS = ("weights", "reference", "optimizer", "grads")  # offload.state_tensors
+OFFLOAD_PARTS = ("weights", "reference", "optimizer", "grads")  # offload.state_parts
 
 
 class MegatronBackend(TrainerBackend):

@@ -34,11 +34,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
-
-from posttrain.plugins.trainers.megatron import OFFLOAD_PARTS
 
 log = logging.getLogger("posttrain.trainer")
 
@@ -165,13 +163,8 @@ class HostOffload:
             if pin:  # the host buffers are overwritten by the next offload
                 torch.cuda.synchronize(self.device)
             return total
-        self._stream = self._stream or torch.cuda.Stream(self.device)
-        # the blocks just allocated may be ones the current stream's queued kernels still use: start after them
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            self._copy_back(copies)
-            self._copied, self._waited = torch.cuda.Event(enable_timing=True), False
-            self._copied.record(self._stream)
+        # (the blocks just allocated may be ones the current stream's queued kernels still use: after them)
+        self._copied, self._waited = self._behind_current_stream(lambda: self._copy_back(copies), timing=True), False
         return total
 
     def copy_out(self, keep: Iterable[torch.Tensor | None]) -> bool:
@@ -184,17 +177,23 @@ class HostOffload:
         if self.moved or self._host is None or sum(n for _, n in layout) != self._host.numel():
             return False
         event = None
-        if self.device.type == "cuda":  # (the side stream: after an earlier copy_out or background onload on it)
-            self._stream = self._stream or torch.cuda.Stream(self.device)
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):
-                self._copy_out(kept)
-                event = torch.cuda.Event()
-                event.record(self._stream)
+        if self.device.type == "cuda":
+            event = self._behind_current_stream(lambda: self._copy_out(kept))
         else:
             self._copy_out(kept)
         self._early = (layout, event)
         return True
+
+    def _behind_current_stream(self, work: Callable[[], None], timing: bool = False) -> torch.cuda.Event:
+        """``work``'s copies on the side stream, after the current stream's queued kernels (and whatever the side
+        stream queued before); the event recorded after them (``timing``: one ``elapsed_time`` can read)."""
+        self._stream = self._stream or torch.cuda.Stream(self.device)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            work()
+            event = torch.cuda.Event(enable_timing=timing)
+            event.record(self._stream)
+        return event
 
     def _copy_out(self, kept: dict[int, torch.UntypedStorage]) -> None:
         """The storages into the host buffer, back to back in ``kept``'s order, on the current stream."""
@@ -278,15 +277,6 @@ def state_parts(trainer) -> dict[str, list[torch.Tensor | None]]:
     optimizer = [t for t in optimizer if t.untyped_storage().data_ptr() not in weight_storages]
     reference = [t for saved in trainer._snapshots.saved.values() for t in saved.values()]
     return {"weights": weights, "reference": reference, "optimizer": optimizer, "grads": grads}
-
-
-def state_tensors(trainer, parts: Iterable[str] = OFFLOAD_PARTS
-                  ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-    """``(keep, drop)`` for :meth:`HostOffload.offload`: the kept parts' tensors among ``parts``
-    (:func:`state_parts`), and the gradients when ``grads`` is asked."""
-    by_part = state_parts(trainer)
-    keep = [t for part in ("weights", "reference", "optimizer") if part in parts for t in by_part[part]]
-    return keep, by_part["grads"] if "grads" in parts else []
 
 
 class TrainerOffload:
