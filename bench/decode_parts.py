@@ -36,6 +36,13 @@ matmul with float32 outputs ``[S, M, N]`` (``torch.bmm(out_dtype=)``, no copy of
 to bf16 after, and the batched matmul alone, since the engine would fold the sum into the next fused kernel),
 and (unless ``--no-triton-gemms``) a plain Triton matmul (``skinny_mm`` below) over a grid
 of tiles, warps, stages and split-K; microseconds per matmul and TFLOP/s.
+
+``--overlap``: whether a step's two halves overlap the memory-bound attention of one with the compute-bound
+matmuls of the other. A step's 28 layers (the decode attention with the rotary and the cache write, then
+cuBLAS's Q/K/V, o_proj, gate/up and down matmuls; norms and SwiGLU left out), each layer its own weights and
+cache, as one CUDA graph: all ``slots`` rows on one stream (``full``), the two halves one after the other
+(``halves_serial``), and the two halves on two streams forked inside the graph (``halves_overlap``, also with the
+attention's stream at high priority); and the attention and the matmuls alone. Microseconds a step.
 """
 
 from __future__ import annotations
@@ -242,6 +249,74 @@ def gemms(args) -> None:
                           "fraction_of_bound": round(bound / us, 3)}), flush=True)
 
 
+def overlap(args) -> None:
+    import torch
+
+    from posttrain.plugins.engines.local import decode_kernel as dk
+
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    nb, hkv, g, d, layers, ctx = args.slots, 8, 2, 128, 28, args.mean_context
+    hidden, inter = 2048, 6144
+    span = ctx + 8
+    k = [torch.randn(nb, hkv, span, d, dtype=bf, device=dev) for _ in range(layers)]
+    v = [torch.randn_like(t) for t in k]
+    w = [{"qkv": torch.randn(4096, hidden, dtype=bf, device=dev) * 0.02,
+          "o": torch.randn(hidden, hidden, dtype=bf, device=dev) * 0.02,
+          "gate_up": torch.randn(2 * inter, hidden, dtype=bf, device=dev) * 0.02,
+          "down": torch.randn(hidden, inter, dtype=bf, device=dev) * 0.02} for _ in range(layers)]
+    x = torch.randn(nb, hidden, dtype=bf, device=dev)
+    h = torch.randn(nb, inter, dtype=bf, device=dev)
+    q = torch.randn(nb, hkv * g, d, dtype=bf, device=dev)
+    k_new, v_new = torch.randn(nb, hkv, d, dtype=bf, device=dev), torch.randn(nb, hkv, d, dtype=bf, device=dev)
+    lengths = torch.full((nb,), ctx, device=dev)
+    angle = torch.rand(nb, d, device=dev) * 6
+    rope = (angle.cos().to(bf), angle.sin().to(bf), torch.rand(d, device=dev).to(bf) + 0.5,
+            torch.rand(d, device=dev).to(bf) + 0.5)
+    att_out = torch.empty(nb, hkv * g, d, dtype=bf, device=dev)
+    outs = {n: torch.empty(nb, o, dtype=bf, device=dev) for n, o in
+            (("qkv", 4096), ("o", hidden), ("gate_up", 2 * inter), ("down", hidden))}
+
+    def attend(lo, hi, layer):
+        dk.decode_attention(q[lo:hi], k[layer][lo:hi], v[layer][lo:hi], lengths[lo:hi], 0.088, out=att_out[lo:hi],
+                            k_new=k_new[lo:hi], v_new=v_new[lo:hi], rope=dk.Rope(*(t[lo:hi] if t.dim() == 2 else t
+                                                                                  for t in rope)))
+
+    def matmuls(lo, hi, layer):
+        torch.matmul(x[lo:hi], w[layer]["qkv"].t(), out=outs["qkv"][lo:hi])
+        torch.matmul(att_out[lo:hi].view(hi - lo, -1), w[layer]["o"].t(), out=outs["o"][lo:hi])
+        torch.matmul(x[lo:hi], w[layer]["gate_up"].t(), out=outs["gate_up"][lo:hi])
+        torch.matmul(h[lo:hi], w[layer]["down"].t(), out=outs["down"][lo:hi])
+
+    def step(lo, hi, parts=(attend, matmuls)):
+        for layer in range(layers):
+            for part in parts:
+                part(lo, hi, layer)
+
+    half = nb // 2
+
+    def overlapped(priority: int):
+        side = torch.cuda.Stream(priority=priority)
+
+        def run():
+            main = torch.cuda.current_stream()
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                step(half, nb)
+            step(0, half)
+            main.wait_stream(side)
+        return run
+
+    variants = {"full": lambda: step(0, nb), "halves_serial": lambda: (step(0, half), step(half, nb)),
+                "halves_overlap": overlapped(0), "halves_overlap_priority": overlapped(-1),
+                "attention_only": lambda: step(0, nb, (attend,)), "matmuls_only": lambda: step(0, nb, (matmuls,)),
+                "half_attention_only": lambda: step(0, half, (attend,)),
+                "half_matmuls_only": lambda: step(0, half, (matmuls,))}
+    for name, fn in variants.items():
+        us = bench_us(fn, iters=5)
+        print(json.dumps({"bench": "decode_overlap", "variant": name, "slots": nb, "context": ctx, "layers": layers,
+                          "us_per_step": us, "tok_s_at_step": round(nb / us * 1e6)}), flush=True)
+
+
 def _skinny_kernel():
     import triton
     import triton.language as tl
@@ -384,6 +459,7 @@ def main() -> None:
     ap.add_argument("--sampling", action="store_true")
     ap.add_argument("--gemms", action="store_true")
     ap.add_argument("--gemm-backends", action="store_true")
+    ap.add_argument("--overlap", action="store_true")
     ap.add_argument("--equal-lengths", action="store_true", help="--attention: every slot at --mean-context")
     ap.add_argument("--quick", action="store_true", help="--attention: a smaller grid of launch settings")
     ap.add_argument("--shuffled-lengths", action="store_true",
@@ -413,6 +489,8 @@ def main() -> None:
         gemms(args)
     if args.gemm_backends:
         gemm_backends(args)
+    if args.overlap:
+        overlap(args)
 
 
 if __name__ == "__main__":

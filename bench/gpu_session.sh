@@ -90,13 +90,19 @@
 #   trainer17 the compiled trainer's GPU equivalence test, then colocated5 with Dynamo's recompiles and graph breaks
 #             logged (counted, the breaks' places listed) and each step's train seconds (the first step's compiles)
 #   offload17 the trainer offload's GPU tests (Megatron's optimizer state round trip, a small colocated run), then
-#             colocated GRPO for 4 steps with resources.offload_trainer (the
-#             trainer's state in host memory while the engine generates) and without it, each phase's GPU memory
-#   offloadparts17 colocated GRPO for 4 steps offloading only the optimizer state and gradients
-#             (trainer.backend.offload_parts=[optimizer,grads]: the weights and the reference stay), then offloading
-#             everything with the optimizer's state moved with the rest (offload_overlap=false): both against
-#             offload17's run (everything offloaded, the optimizer's state back behind the passes and out behind the
-#             weight push)
+#             colocated GRPO for 4 steps with resources.offload_trainer (the trainer's state in host memory while the
+#             engine generates), offloading only the optimizer state and gradients
+#             (trainer.backend.offload_parts=[optimizer,grads]: the weights and the reference stay), and without the
+#             offload, each phase's GPU memory
+#   offloadrun17 the small colocated GPU run with the offload (tests/gpu), then the same with the allocator's
+#             expandable segments (PYTORCH_CUDA_ALLOC_CONF), each step's GPU peak while generating and the trainer's
+#             reserved memory
+#   offloadparts17 colocated GRPO for 4 steps offloading everything with the optimizer's state moved with the rest
+#             (offload_overlap=false), against offload17's run (the optimizer's state back behind the passes and out
+#             behind the weight push)
+#   halves17  a decode step's 28 layers (attention + matmuls, as one CUDA graph) with all rows on one stream, the
+#             two halves one after the other, and the two halves on two streams forked in the graph
+#             (bench/decode_parts.py --overlap): does one half's attention hide under the other's matmuls?
 #   memory17  the graphs' GPU tests (a warm-up out of memory puts the cache back), then colocated5 with each phase's
 #             GPU memory peak (perf/gpu_peak_gib_<phase>, NVML: trainer and engine together) printed per step
 #   ragged17  the decode attention over lengths spread +-128 in random slot order (mean 256 and 1024), one slot a
@@ -244,12 +250,17 @@ print('ropecheck ok: compiled THD rotary equals eager on cuda (bf16 tolerance) f
       tests/gpu/test_runs_gpu.py -k "offload"
     e2e colocated4_offload ${COLOCATED4_S:-220} resources.colocate=true rollout.num_rollouts=4 resources.offload_trainer=true
     phase_table colocated4_offload
-    e2e colocated4 ${COLOCATED4_S:-220} resources.colocate=true rollout.num_rollouts=4
-    phase_table colocated4 ;;
-  offloadparts17)
     e2e colocated4_offload_opt ${COLOCATED4_S:-220} resources.colocate=true rollout.num_rollouts=4 \
       resources.offload_trainer=true "trainer.backend.offload_parts=[optimizer,grads]"
     phase_table colocated4_offload_opt
+    e2e colocated4 ${COLOCATED4_S:-220} resources.colocate=true rollout.num_rollouts=4
+    phase_table colocated4 ;;
+  offloadrun17)  # the small colocated run with the offload, with the allocator's expandable segments and without
+    step offload_run_test 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_runs_gpu.py -k offload
+    step offload_run_test_expandable 150 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+      python3 -m pytest -q -p no:cacheprovider tests/gpu/test_runs_gpu.py -k offload
+    grep -h "^E  " "$LOGS/offload_run_test.log" "$LOGS/offload_run_test_expandable.log" | head -8 ;;
+  offloadparts17)
     e2e colocated4_offload_noprefetch ${COLOCATED4_S:-220} resources.colocate=true rollout.num_rollouts=4 \
       resources.offload_trainer=true trainer.backend.offload_overlap=false
     phase_table colocated4_offload_noprefetch ;;
@@ -446,6 +457,7 @@ why = vmm_supported(0); print('vmm:', why or 'supported'); raise SystemExit(1 if
                  --variants triton --kernel-tables $LOGS/kernels_moe ;;
   moe_grpo) step moe_grpo 210 python3 bench/e2e.py --config $MOE_CFG --name moe_grpo --keep "$LOGS/runs" \
               model.overrides.num_hidden_layers=$MOE_LAYERS ;;
+  halves17) step halves 120 python3 bench/decode_parts.py --overlap ;;
   memory17) step graphs_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/rollout/test_graphs.py
             e2e colocated5 ${COLOCATED5_S:-250} resources.colocate=true rollout.num_rollouts=5
             phase_table colocated5 ;;

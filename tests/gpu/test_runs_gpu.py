@@ -65,15 +65,19 @@ def test_colocated_on_one_gpu_releases_engine_memory(tmp_path):
 def test_colocated_with_the_trainer_offloaded_generates_beside_less_of_it(tmp_path):
     """``resources.offload_trainer``: the trainer's state waits in host memory from before the engine starts, so
     every step's generation (the first too) runs beside what little the trainer keeps on the device, and the weights
-    pushed after each round trip are the trained ones (the log-prob gap)."""
-    rows = run(tmp_path, "resources.colocate=true", "resources.trainer_gpus_per_node=1", "rollout.num_rollouts=3",
-               "resources.offload_trainer=true", "checkpoint.interval=2")
+    pushed after each round trip are the trained ones (the log-prob gap). Against the same run without the offload:
+    each step generates beside at least half of what left the device less. (Not step 0 against the later steps: the
+    trainer's first train step adds 1-3 GiB of its own outside its allocator, bench/RESULTS.md 2026-12-05.)"""
+    common = ("resources.colocate=true", "resources.trainer_gpus_per_node=1", "rollout.num_rollouts=3")
+    plain = run(tmp_path / "plain", *common)
+    rows = run(tmp_path, *common, "resources.offload_trainer=true", "checkpoint.interval=2")
     check_signals(rows)
     assert all(r["perf/trainer_offloaded_gib"] > 1.0 for r in rows)  # qwen3-0.6B: weights, masters, Adam, reference
     # what the trainer still holds as the engine takes its KV cache back: a small part of what went
     assert all(r["perf/trainer_allocated_gib"] < 0.25 * r["perf/trainer_offloaded_gib"] for r in rows), rows
-    held = [r["perf/gpu_peak_gib_generate"] for r in rows]
-    assert max(held[1:]) < held[0] + 1.0, held  # step 0 generates beside the offloaded trainer too
+    held = [(p["perf/gpu_peak_gib_generate"], r["perf/gpu_peak_gib_generate"], r["perf/trainer_reserved_gib"])
+            for p, r in zip(plain, rows)]
+    assert all(p - r > 0.5 * one["perf/trainer_offloaded_gib"] for (p, r, _), one in zip(held, rows)), held
     assert (tmp_path / "run" / "checkpoints" / "step_000001").is_dir()
 
 

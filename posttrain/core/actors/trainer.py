@@ -259,7 +259,8 @@ class TrainerRole:
         if not torch.cuda.is_available():
             return {}
         return {"peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-                "allocated_gib": torch.cuda.memory_allocated() / 2**30}
+                "allocated_gib": torch.cuda.memory_allocated() / 2**30,
+                "reserved_gib": torch.cuda.memory_reserved() / 2**30}  # allocated + the allocator's cache
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, ckpt_dir: str) -> None:

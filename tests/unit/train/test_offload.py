@@ -64,6 +64,36 @@ def test_tensors_on_other_devices_and_empty_storages_are_left_alone():
     assert cpu.untyped_storage().nbytes() == 12 and not host.offloaded
 
 
+def test_the_parts_of_a_model_in_megatrons_ddp_wrapper_are_found(monkeypatch):
+    """Megatron's DDP (the GPU path's wrapper) keeps its parameter and gradient buffers in a list attribute named
+    ``buffers``, which shadows ``nn.Module.buffers``: the model's weights, buffers and ``main_grad`` views are still
+    found and moved (a real wrapper, built on the CPU here)."""
+    from types import SimpleNamespace
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # where the wrapper puts its buffers
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    module.register_buffer("scale", torch.full((4,), 2.0))
+    ddp = DistributedDataParallel(config=TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2),
+                                  ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=module)
+    assert isinstance(ddp.buffers, list)  # the shadowing
+    parts = state_parts(SimpleNamespace(model=ddp, value_head=None, optimizer=None, _snapshots=SimpleNamespace(saved={})))
+    assert {id(t) for t in parts["weights"]} == {id(t) for t in (*module.parameters(), module.scale)}
+    main_grads = [p.main_grad for p in module.parameters()]
+    assert all(any(g is m for g in parts["grads"]) for m in main_grads)
+    before = [t.detach().clone() for t in parts["weights"]]
+    for g in main_grads:
+        g.fill_(1.0)
+    host = HostOffload(torch.device("cpu"))
+    host.offload(parts["weights"], drop=[g for g in parts["grads"] if g is not None])
+    assert all(t.untyped_storage().nbytes() == 0 for t in (*parts["weights"], *main_grads))
+    host.onload()
+    assert all(torch.equal(t, b) for t, b in zip(parts["weights"], before))
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in main_grads)  # dropped: back as zeros
+
+
 def _batch(seed=0):
     g = torch.Generator().manual_seed(seed)
     lists = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (9, 12, 7, 10)]
@@ -216,6 +246,37 @@ def test_the_optimizer_state_leaves_right_after_the_step_and_a_load_takes_that_c
     assert all(torch.equal(a, b) for a, b in zip(moved.model.parameters(), loaded.model.parameters()))
 
 
+def test_the_state_moves_only_after_what_the_passes_copy_themselves(tiny_ckpts, monkeypatch):
+    """A copy engine serves its direction's copies in order, so a pass's own small copies must be queued before the
+    optimizer's state (20 GB at Qwen3-1.7B): each pass copies all its micro-batches to the device before the copies
+    back may start, and the train step reads back what it returns (the kept log-probs) before its copy out starts."""
+    from posttrain.plugins.trainers.megatron import data_parallel, offload
+
+    trainer = _bf16_trainer(tiny_ckpts)
+    batch = _batch()
+    events = []
+
+    def recorded(owner, name, event):
+        real = getattr(owner, name)
+
+        def record(*args, **kwargs):
+            events.append(event)
+            return real(*args, **kwargs)
+        monkeypatch.setattr(owner, name, record)
+
+    recorded(TrainBatch, "to", "to device")
+    recorded(offload.TrainerOffload, "start", "state back")
+    recorded(offload.TrainerOffload, "after_step", "state out")
+    recorded(data_parallel, "gather", "read back")
+    batch.old_log_probs = trainer.log_probs(batch)[0]
+    assert events == ["to device", "to device", "state back", "read back"], events
+    events.clear()
+    trainer.offload()
+    trainer.onload()
+    trainer.train_step(batch, local_loss, keep_log_probs=True)
+    assert events == ["to device", "to device", "state back", "read back", "state out"], events
+
+
 def test_a_storage_that_cannot_be_resized_stays_where_it_is(caplog):
     shared = torch.ones(4)
     shared.numpy()  # numpy() marks the storage it reads as not resizable
@@ -307,7 +368,7 @@ def test_the_optimizer_state_moves_behind_other_work_and_is_awaited_where_it_is_
     for step in range(2):
         offload_and_scribble()  # step 1: after the step's own copy, still queued
         moved.onload()
-        assert state._copied is not None and not state._copied.query()
+        assert state._pending and state._copied is None  # planned: they start once the step's inputs are queued
         metrics = [t.train_step(batch, local_loss) for t in (moved, twin)]
         assert metrics[0]["offload_wait_s"] > 0.1, metrics[0]  # the step waited for the held-back copies
         assert state._early is not None and not state._early[1].query(), step  # the step's copy out, queued

@@ -19,9 +19,12 @@ masters 4, Adam's moments 8. Every part frees all 20 and copies 16 each way; ``[
 
 The optimizer's state moves in the background (``trainer.backend.offload_overlap``, :class:`TrainerOffload`), on a
 side stream: back behind the step's log-prob and forward/backward passes, which never read it (the optimizer step, and
-a checkpoint's save or load, wait for it), and out right after the optimizer step, behind the weight push
+a checkpoint's save or load, wait for it), and out at the end of the train step, behind the weight push
 (:meth:`HostOffload.copy_out`; the offload then waits for that copy and frees). With Adam that is 12 of the 16 bytes a
-parameter copied each way.
+parameter copied each way. The copies back start only once the first pass has its inputs on the device
+(:meth:`HostOffload.start`), and the copy out once the step has read back what it returns: a copy engine serves its
+direction's copies in order, so a pass's few kilobytes queued behind 20 GB of state would wait for all of it
+(on an H200 at Qwen3-1.7B the train phase was 0.5 s longer with the state moving around it, bench/RESULTS.md).
 
 Every tensor keeps its identity: a parameter that is a view into Megatron's contiguous parameter buffer, a
 ``main_grad`` into its gradient buffer, an optimizer's state, all see their storage come back in place (Megatron's
@@ -67,7 +70,7 @@ class HostOffload:
         self._stream: torch.cuda.Stream | None = None  # a background onload's copies (CUDA)
         self._copied: torch.cuda.Event | None = None  # ... recorded after them, until the next offload
         self._waited = False  # the current stream already waits for that event
-        self._deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # a background onload's copies off CUDA
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # a background onload's copies, not yet queued
         self._asked: torch.cuda.Event | None = None  # recorded where the current stream started waiting for them
         self._stall_s: float | None = None  # off CUDA: how long the awaited copies took
         # copy_out's storages ((pointer, bytes) in host-buffer order) and its event (CUDA), until offload or a write
@@ -139,10 +142,11 @@ class HostOffload:
     def onload(self, background: bool = False) -> int:
         """Re-allocate every freed storage in place and copy the kept values back; returns the bytes.
 
-        ``background``: on CUDA the copies run on a side stream and this returns once they are queued, so they
-        overlap whatever the device does next; :meth:`wait` must come before anything reads those storages. Off CUDA
-        the copies wait for :meth:`wait` itself, so what reads the storages too early reads garbage there as well
-        (the CPU tests see it). The freed-only storages are zeroed at once either way."""
+        ``background``: the copies are only planned; :meth:`start` queues them on a side stream (CUDA), so they
+        overlap whatever the device does next, and :meth:`wait` must come before anything reads those storages (it
+        starts them first if nothing did). Off CUDA the copies wait for :meth:`wait` itself, so what reads the
+        storages too early reads garbage there as well (the CPU tests see it). The freed-only storages are zeroed at
+        once either way."""
         pin = self.device.type == "cuda"
         total, copies = 0, []
         self._asked = self._stall_s = None  # an earlier wait's, already reported or not
@@ -155,17 +159,22 @@ class HostOffload:
                 copies.append((view, host))
             total += nbytes
         self.moved = []
-        if background and not pin:
-            self._deferred = copies
+        if background:
+            self._pending = copies
             return total
-        if not background:
-            self._copy_back(copies)
-            if pin:  # the host buffers are overwritten by the next offload
-                torch.cuda.synchronize(self.device)
-            return total
+        self._copy_back(copies)
+        if pin:  # the host buffers are overwritten by the next offload
+            torch.cuda.synchronize(self.device)
+        return total
+
+    def start(self) -> None:
+        """Queue a background :meth:`onload`'s copies on the side stream, after the current stream's queued work (CUDA;
+        off CUDA they stay for :meth:`wait`). Called once what must reach the device first is on its way."""
+        if not self._pending or self.device.type != "cuda":
+            return
+        copies, self._pending = self._pending, []
         # (the blocks just allocated may be ones the current stream's queued kernels still use: after them)
         self._copied, self._waited = self._behind_current_stream(lambda: self._copy_back(copies), timing=True), False
-        return total
 
     def copy_out(self, keep: Iterable[torch.Tensor | None]) -> bool:
         """Copy ``keep``'s storages into the host buffer ahead of the :meth:`offload` that will free them: on CUDA
@@ -216,11 +225,12 @@ class HostOffload:
             if self._early[1] is not None:
                 torch.cuda.current_stream(self.device).wait_event(self._early[1])
             self._early = None
-        copies, self._deferred = self._deferred, []
+        self.start()
+        copies, self._pending = self._pending, []  # off CUDA: they run now
         if copies:
-            start = time.perf_counter()
+            t0 = time.perf_counter()
             self._copy_back(copies)
-            self._stall_s = time.perf_counter() - start
+            self._stall_s = time.perf_counter() - t0
         if self._copied is not None and not self._waited:
             stream = torch.cuda.current_stream(self.device)
             self._asked = torch.cuda.Event(enable_timing=True)
@@ -265,7 +275,9 @@ def state_parts(trainer) -> dict[str, list[torch.Tensor | None]]:
     A storage is one part's only: an optimizer's parameter that shares the model's storage (no master copies: fp32
     weights) is a weight, and moves only with ``weights``."""
     modules = [m for m in (trainer.model, trainer.value_head) if m is not None]
-    weights = [t for m in modules for t in (*m.parameters(), *m.buffers())]
+    # nn.Module's own buffers(): Megatron's DDP wrapper keeps its parameter and gradient buffers in an attribute of
+    # that name, a list, which shadows the method
+    weights = [t for m in modules for t in (*m.parameters(), *torch.nn.Module.buffers(m))]
     grads = [g for m in modules for p in m.parameters() for g in (p.grad, getattr(p, "main_grad", None))]
     optimizer: list[torch.Tensor] = []
     for opt in torch_optimizers(trainer.optimizer) + torch_optimizers(getattr(trainer, "head_optimizer", None)):
@@ -283,9 +295,10 @@ class TrainerOffload:
     """A trainer's state in two :class:`HostOffload` s: the optimizer's (``optimizer``) and the rest. The rest moves
     when :meth:`offload` and :meth:`onload` are called. The optimizer's state, the most bytes with Adam and touched
     only by the optimizer step and a checkpoint, overlaps other work (``trainer.backend.offload_overlap``): it comes
-    back on a side stream behind the log-prob and forward/backward passes (:meth:`ready` puts the current stream
-    after it), and leaves for host memory right after the optimizer step (:meth:`after_step`), behind the weight push,
-    so the offload that follows only frees it."""
+    back on a side stream behind the log-prob and forward/backward passes (the first pass calls :meth:`start` once its
+    inputs are on the device; :meth:`ready` puts the current stream after the copies), and leaves for host memory at
+    the end of the train step (:meth:`after_step`), behind the weight push, so the offload that follows only frees
+    it."""
 
     def __init__(self, trainer, device: torch.device):
         self.trainer = trainer
@@ -303,14 +316,19 @@ class TrainerOffload:
     def onload(self, background: bool) -> int:
         return self.rest.onload() + self.optimizer.onload(background=background)
 
+    def start(self) -> None:
+        """A pass's inputs are on the device: the optimizer's state may start back behind them."""
+        self.optimizer.start()
+
     def ready(self, writes: bool = True) -> None:
         """Before anything reads the optimizer's state (``writes``: or changes it): the current stream waits for
         its copies (and a change drops :meth:`after_step`'s copy)."""
         self.optimizer.wait(writes=writes)
 
     def after_step(self, parts: Iterable[str], overlap: bool) -> None:
-        """Right after an optimizer step: with ``overlap``, and the optimizer's state offloaded before, that state
-        starts for host memory (:meth:`HostOffload.copy_out`)."""
+        """At the end of a train step (after the optimizer step, and after what the step reads back to the host): with
+        ``overlap``, and the optimizer's state offloaded before, that state starts for host memory
+        (:meth:`HostOffload.copy_out`)."""
         if overlap and "optimizer" in parts and self.optimizer.has_host_buffer:
             self.optimizer.copy_out(state_parts(self.trainer)["optimizer"])
 

@@ -40,7 +40,7 @@ whole batch's token and sample counts, so any split gives the same loss and grad
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -258,11 +258,12 @@ class MegatronTrainer:
         with self._weights(weights):
             self.model.eval()
             if M.pp_size() > 1:
+                self._offload.start()
                 results = pipeline.run(self, batch, train=False, with_entropy=with_entropy)
                 lps, ents = [r["lp"] for r in results], [r["ent"] for r in results]
             else:
                 lps, ents = [], []
-                for mb in self._micro_batches(batch):
+                for _, mb in _staged(self._micro_batches(batch), self.device, self._offload):
                     with self.moe.replaying(mb):
                         lp, ent = self._micro_log_probs(mb, with_entropy)
                     lps.append(lp)
@@ -277,7 +278,8 @@ class MegatronTrainer:
         self.model.eval()
         part, index = data_parallel.share(batch)
         width = part.tokens.shape[1]
-        values = torch.cat([_pad(self._micro_values(mb), width) for mb in self._micro_batches(part)]).cpu()
+        staged = _staged(self._micro_batches(part), self.device, self._offload)
+        values = torch.cat([_pad(self._micro_values(mb), width) for _, mb in staged]).cpu()
         return data_parallel.gather((values,), index, batch)[0]
 
     # ------------------------------------------------------------------ weights snapshots (reference policy)
@@ -331,6 +333,7 @@ class MegatronTrainer:
         if M.pp_size() > 1:
             if self.role == "critic":
                 raise UsageError("the critic does not support pipeline parallelism yet")
+            self._offload.start()
             results = pipeline.run(self, batch, train=True, loss_fn=loss_fn, global_tokens=global_tokens,
                                      global_seqs=global_seqs, loss_kwargs=loss_kwargs, scale=scale)
             for r in results:
@@ -338,8 +341,8 @@ class MegatronTrainer:
                 size = r.pop("_n")
                 for k, v in r.items():
                     totals[k] = totals.get(k, 0.0) + float(v) * (1.0 if k in SUMMED else size / len(batch))
-        for mb in ([] if M.pp_size() > 1 else self._micro_batches(batch)):
-            host, mb = mb, mb.to(self.device)  # the host copy: scored_rows without a device sync
+        micro_batches = [] if M.pp_size() > 1 else self._micro_batches(batch)
+        for host, mb in _staged(micro_batches, self.device, self._offload):  # host: scored_rows without a sync
             with self.moe.replaying(mb):  # MoE: the engine's experts, forward and backward (R3)
                 if self.role == "critic":
                     loss, metrics = value_loss(self._micro_values(mb), mb, c.value_clip, global_tokens)
@@ -352,16 +355,18 @@ class MegatronTrainer:
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + float(v) * (1.0 if k in SUMMED else len(mb) / len(batch))
         grad_norm = self._optimizer_step()
-        self._offload.after_step(self.backend.offload_parts, self.backend.offload_overlap)
         self.step += 1
         totals = data_parallel.reduce_metrics(totals, len(batch), global_seqs, SUMMED)
         totals.update(grad_norm=grad_norm, lr=lr, **self.moe.stats(), **self._offload.stats())
-        if kept is None:
-            return totals
-        width = batch.tokens.shape[1]
-        lp = torch.cat([_pad(t, width) for t, _ in kept]).cpu()
-        ent = torch.cat([_pad(t, width) for _, t in kept]).cpu()
-        return totals, *data_parallel.gather((lp, ent), index, whole)
+        out = totals
+        if kept is not None:
+            width = batch.tokens.shape[1]
+            lp = torch.cat([_pad(t, width) for t, _ in kept]).cpu()
+            ent = torch.cat([_pad(t, width) for _, t in kept]).cpu()
+            out = (totals, *data_parallel.gather((lp, ent), index, whole))
+        # after the reads above: they would wait behind the state's copy in the copy engine
+        self._offload.after_step(self.backend.offload_parts, self.backend.offload_overlap)
+        return out
 
     def _policy_loss(self, mb, loss_fn, global_tokens, global_seqs, loss_kwargs, kept=None, rows=None):
         c = self.config
@@ -504,6 +509,15 @@ def scored_rows(response_mask: torch.Tensor, lengths: torch.Tensor, packed: bool
     if packed:  # row-major boolean selection = each sample's first ``length`` columns, concatenated
         nxt = nxt[torch.arange(nxt.shape[1], device=nxt.device)[None, :] < lengths.to(nxt.device)[:, None]]
     return nxt.reshape(-1).nonzero().squeeze(1)
+
+
+def _staged(micro_batches: Iterable[TrainBatch], device: torch.device, state: offload.TrainerOffload,
+            ) -> list[tuple[TrainBatch, TrainBatch]]:
+    """``(host, device)`` pairs of the micro-batches, all copied before the pass starts (a few MB), then the optimizer's
+    state allowed to start back (``offload_overlap``): queued first, its 20 GB would hold these copies up."""
+    staged = [(mb, mb.to(device)) for mb in micro_batches]
+    state.start()
+    return staged
 
 
 def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
