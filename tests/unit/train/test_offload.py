@@ -209,11 +209,11 @@ def test_a_save_or_a_load_right_after_an_onload_waits_for_the_optimizer_state(ti
         assert all(torch.equal(a, b) for a, b in zip(trainer.model.parameters(), other.model.parameters()))
 
 
-def test_the_optimizer_state_leaves_right_after_the_step_and_a_load_takes_that_copy_back(tiny_ckpts, tmp_path,
-                                                                                          monkeypatch):
-    """``offload_overlap``: once offloaded, each optimizer step copies its state out at once (off CUDA: then and
-    there), so the offload after it copies only the rest. A load in between changes that state: the copy is dropped
-    and the offload copies what was loaded."""
+def test_the_optimizer_state_leaves_with_the_push_and_a_load_takes_that_copy_back(tiny_ckpts, tmp_path, monkeypatch):
+    """``offload_overlap``: once offloaded, the optimizer's state copied out after each step starts with the weight
+    push (``export_hf``; off CUDA: then and there), so the offload after it copies only the rest; without a push the
+    offload copies both. A load in between changes that state: the copy is dropped and the offload copies what was
+    loaded."""
     if torch.cuda.is_available():
         pytest.skip("the CPU path's state; tests/gpu covers Megatron's optimizer")
     copies = []
@@ -228,14 +228,23 @@ def test_the_optimizer_state_leaves_right_after_the_step_and_a_load_takes_that_c
     copies.clear()
     for t in (moved, twin):
         t.train_step(batch, local_loss)
-    assert copies == [optimizer]  # the optimizer's state, right after the step
+    assert copies == []  # due, not started: the loop frees the trainer's cache before the push (a device-wide wait)
+    list(moved.export_hf(1 << 30))  # the push
+    assert copies == [optimizer]  # the optimizer's state, behind the push
     moved.offload()
     assert copies == [optimizer, rest]  # the offload copied only the rest
+    moved.onload()
+    copies.clear()
+    for t in (moved, twin):
+        t.train_step(batch, local_loss)
+    moved.offload()  # no push this time
+    assert copies == [rest, optimizer]
     moved.onload()
     for t in (moved, twin):
         t.train_step(batch, local_loss)
     assert all(torch.equal(a, b) for a, b in zip(moved._masters, twin._masters))
-    moved.load(tmp_path / "ckpt")  # after the step's copy: the offload must copy the loaded state
+    list(moved.export_hf(1 << 30))
+    moved.load(tmp_path / "ckpt")  # after the push's copy: the offload must copy the loaded state
     moved.offload()
     moved.onload()
     loaded = _bf16_trainer(tiny_ckpts)
@@ -249,7 +258,8 @@ def test_the_optimizer_state_leaves_right_after_the_step_and_a_load_takes_that_c
 def test_the_state_moves_only_after_what_the_passes_copy_themselves(tiny_ckpts, monkeypatch):
     """A copy engine serves its direction's copies in order, so a pass's own small copies must be queued before the
     optimizer's state (20 GB at Qwen3-1.7B): each pass copies all its micro-batches to the device before the copies
-    back may start, and the train step reads back what it returns (the kept log-probs) before its copy out starts."""
+    back may start, and the train step reads back what it returns (the kept log-probs) before its copy out starts,
+    which waits for the weight push."""
     from posttrain.plugins.trainers.megatron import data_parallel, offload
 
     trainer = _bf16_trainer(tiny_ckpts)
@@ -266,7 +276,7 @@ def test_the_state_moves_only_after_what_the_passes_copy_themselves(tiny_ckpts, 
 
     recorded(TrainBatch, "to", "to device")
     recorded(offload.TrainerOffload, "start", "state back")
-    recorded(offload.TrainerOffload, "after_step", "state out")
+    recorded(HostOffload, "copy_out", "state out")
     recorded(data_parallel, "gather", "read back")
     batch.old_log_probs = trainer.log_probs(batch)[0]
     assert events == ["to device", "to device", "state back", "read back"], events
@@ -274,7 +284,9 @@ def test_the_state_moves_only_after_what_the_passes_copy_themselves(tiny_ckpts, 
     trainer.offload()
     trainer.onload()
     trainer.train_step(batch, local_loss, keep_log_probs=True)
-    assert events == ["to device", "to device", "state back", "read back", "state out"], events
+    assert events == ["to device", "to device", "state back", "read back"], events
+    list(trainer.export_hf(1 << 30))
+    assert events[-1] == "state out", events
 
 
 def test_a_storage_that_cannot_be_resized_stays_where_it_is(caplog):
@@ -336,8 +348,8 @@ def test_the_optimizer_state_moves_behind_other_work_and_is_awaited_where_it_is_
 
     - the state comes back behind the passes: ``onload`` returns with its copies queued, and the optimizer step
       waits for them (``offload_wait_s``);
-    - it leaves right after the step: the step returns with that copy queued, and the offload waits for it before it
-      frees the storages;
+    - it leaves with the weight push: ``export_hf`` returns with that copy queued, and the offload waits for it before
+      it frees the storages;
 
     and every step equals that of a trainer that never offloaded."""
     moved, twin = _deterministic_trainer(tiny_ckpts), _deterministic_trainer(tiny_ckpts)
@@ -371,8 +383,9 @@ def test_the_optimizer_state_moves_behind_other_work_and_is_awaited_where_it_is_
         assert state._pending and state._copied is None  # planned: they start once the step's inputs are queued
         metrics = [t.train_step(batch, local_loss) for t in (moved, twin)]
         assert metrics[0]["offload_wait_s"] > 0.1, metrics[0]  # the step waited for the held-back copies
-        assert state._early is not None and not state._early[1].query(), step  # the step's copy out, queued
-        assert same_weights(), step
+        assert state._early is None, step  # the copy out waits for the push
+        assert same_weights(), step  # export_hf: the push
+        assert state._early is not None and not state._early[1].query(), step  # the copy out, queued
 
 
 @pytest.mark.gpu

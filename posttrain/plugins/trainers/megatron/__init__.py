@@ -66,8 +66,8 @@ class MegatronBackend(TrainerBackend):
                  "[optimizer, grads] is verl's optimizer_offload + grad_offload")
         offload_overlap: bool = option(
             True, help="offloaded (GPU): the optimizer's state moves on a side stream, back behind the log-prob and "
-                       "forward/backward passes (awaited only by the optimizer step and a checkpoint) and out at the "
-                       "end of the train step, behind the weight push; false moves it with the rest")
+                       "forward/backward passes (awaited only by the optimizer step and a checkpoint) and out with the "
+                       "weight push; false moves it with the rest")
         use_distributed_optimizer: bool = option(True, help="Megatron's distributed optimizer (GPU only; CPU uses "
                                                             "torch AdamW)")
         fused_adam: bool = option(True, help="GPU without TE/Apex: torch's fused AdamW inside Megatron's optimizer")

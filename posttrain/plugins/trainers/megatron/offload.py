@@ -19,12 +19,13 @@ masters 4, Adam's moments 8. Every part frees all 20 and copies 16 each way; ``[
 
 The optimizer's state moves in the background (``trainer.backend.offload_overlap``, :class:`TrainerOffload`), on a
 side stream: back behind the step's log-prob and forward/backward passes, which never read it (the optimizer step, and
-a checkpoint's save or load, wait for it), and out at the end of the train step, behind the weight push
-(:meth:`HostOffload.copy_out`; the offload then waits for that copy and frees). With Adam that is 12 of the 16 bytes a
-parameter copied each way. The copies back start only once the first pass has its inputs on the device
-(:meth:`HostOffload.start`), and the copy out once the step has read back what it returns: a copy engine serves its
-direction's copies in order, so a pass's few kilobytes queued behind 20 GB of state would wait for all of it
-(on an H200 at Qwen3-1.7B the train phase was 0.5 s longer with the state moving around it, bench/RESULTS.md).
+a checkpoint's save or load, wait for it), and out with the weight push (:meth:`HostOffload.copy_out`; the offload
+then waits for that copy and frees). With Adam that is 12 of the 16 bytes a parameter copied each way. The copies back
+start only once the first pass has its inputs on the device (:meth:`HostOffload.start`): a copy engine serves its
+direction's copies in order, so a pass's few kilobytes queued behind 20 GB of state would wait for all of it (on an
+H200 at Qwen3-1.7B the train phase was 0.5 s longer with the state moving around it, bench/RESULTS.md). The copy out
+waits for the push because the loop gives the trainer's cache back to the driver just before it, and that
+``cudaFree`` waits for the whole device, a copy already running included.
 
 Every tensor keeps its identity: a parameter that is a view into Megatron's contiguous parameter buffer, a
 ``main_grad`` into its gradient buffer, an optimizer's state, all see their storage come back in place (Megatron's
@@ -297,14 +298,16 @@ class TrainerOffload:
     only by the optimizer step and a checkpoint, overlaps other work (``trainer.backend.offload_overlap``): it comes
     back on a side stream behind the log-prob and forward/backward passes (the first pass calls :meth:`start` once its
     inputs are on the device; :meth:`ready` puts the current stream after the copies), and leaves for host memory at
-    the end of the train step (:meth:`after_step`), behind the weight push, so the offload that follows only frees
+    the weight push (due from :meth:`after_step`, started by :meth:`start_out`), so the offload that follows only frees
     it."""
 
     def __init__(self, trainer, device: torch.device):
         self.trainer = trainer
         self.rest, self.optimizer = HostOffload(device), HostOffload(device)
+        self._out_due = False  # the optimizer's state may leave with the next weight push
 
     def offload(self, parts: Iterable[str]) -> int:
+        self._out_due = False  # no push came (or it started the copy): the offload copies what is left
         by_part, parts = state_parts(self.trainer), set(parts)
         later = by_part["optimizer"] if "optimizer" in parts else []
         kept_later = {t.untyped_storage().data_ptr() for t in later}
@@ -322,14 +325,21 @@ class TrainerOffload:
 
     def ready(self, writes: bool = True) -> None:
         """Before anything reads the optimizer's state (``writes``: or changes it): the current stream waits for
-        its copies (and a change drops :meth:`after_step`'s copy)."""
+        its copies (and a change drops the copy out, due or started)."""
+        self._out_due = self._out_due and not writes
         self.optimizer.wait(writes=writes)
 
     def after_step(self, parts: Iterable[str], overlap: bool) -> None:
-        """At the end of a train step (after the optimizer step, and after what the step reads back to the host): with
-        ``overlap``, and the optimizer's state offloaded before, that state starts for host memory
-        (:meth:`HostOffload.copy_out`)."""
-        if overlap and "optimizer" in parts and self.optimizer.has_host_buffer:
+        """At the end of a train step: with ``overlap``, and the optimizer's state offloaded before, that state is due
+        for host memory with the weight push (:meth:`start_out`). Not at once: before the push the loop gives the
+        trainer's cache back to the driver, and a ``cudaFree`` waits for the whole device, this copy included."""
+        self._out_due = overlap and "optimizer" in parts and self.optimizer.has_host_buffer
+
+    def start_out(self) -> None:
+        """The weight push begins (``export_hf``): the optimizer's state, due since the step, starts for host memory
+        behind it (:meth:`HostOffload.copy_out`; the offload after the push then only frees it)."""
+        if self._out_due:
+            self._out_due = False
             self.optimizer.copy_out(state_parts(self.trainer)["optimizer"])
 
     def stats(self) -> dict[str, float]:

@@ -364,7 +364,7 @@ class MegatronTrainer:
             lp = torch.cat([_pad(t, width) for t, _ in kept]).cpu()
             ent = torch.cat([_pad(t, width) for _, t in kept]).cpu()
             out = (totals, *data_parallel.gather((lp, ent), index, whole))
-        # after the reads above: they would wait behind the state's copy in the copy engine
+        # due with the push (after the reads above: they would wait behind the state's copy in the copy engine)
         self._offload.after_step(self.backend.offload_parts, self.backend.offload_overlap)
         return out
 
@@ -445,7 +445,9 @@ class MegatronTrainer:
     # ------------------------------------------------------------------ weights out
     def export_hf(self, bucket_bytes: int = 1 << 30) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Buckets of ``(hf_name, full tensor)`` of at most ``bucket_bytes`` each (a larger single tensor
-        gets its own bucket), TP shards gathered: a collective, call it on every TP rank."""
+        gets its own bucket), TP shards gathered: a collective, call it on every TP rank. The weight push: the optimizer's
+        state, offloaded, starts for host memory behind it (``offload_overlap``)."""
+        self._offload.start_out()
         return M.buckets(M.iter_hf(self.model, self.spec, self.hf), bucket_bytes)
 
     def save_hf(self, out_dir: str | Path) -> Path | None:
