@@ -263,8 +263,8 @@ class MegatronTrainer:
                 lps, ents = [r["lp"] for r in results], [r["ent"] for r in results]
             else:
                 lps, ents = [], []
-                for _, mb in _staged(self._micro_batches(batch), self.device, self._offload):
-                    with self.moe.replaying(mb):
+                for host, mb in _staged(self._micro_batches(batch), self.device, self._offload):
+                    with self.moe.replaying(host):  # as before staging: its lengths read without a sync
                         lp, ent = self._micro_log_probs(mb, with_entropy)
                     lps.append(lp)
                     ents.append(ent)
