@@ -178,7 +178,9 @@ def compile_unavailable(device: str = "cpu") -> str | None:
     return None
 
 
-def test_compiled_decode_matches_eager(tiny_ckpt):
+@pytest.mark.parametrize(("attention", "fuse", "join", "combo"), [  # one test each: ~10 s of compiling apiece
+    ("sdpa", False, True, False), ("bmm", False, True, False), ("sdpa", True, True, True), ("sdpa", False, False, False)])
+def test_compiled_decode_matches_eager(tiny_ckpt, attention, fuse, join, combo):
     """Compiled per-layer parts give the eager logits, for both attentions, at a power-of-two batch
     (4 slots) and at a batch padded to its bucket (3 slots -> 4); joined or not, with combo kernels too."""
     reason = compile_unavailable()
@@ -186,20 +188,18 @@ def test_compiled_decode_matches_eager(tiny_ckpt):
         pytest.skip(reason)
     torch.set_num_threads(1)
     eager = ModelRunner(tiny_ckpt, max_slots=4, context_length=64)
-    for attention, fuse, join, combo in (("sdpa", False, True, False), ("bmm", False, True, False),
-                                         ("sdpa", True, True, True), ("sdpa", False, False, False)):
-        compiled = ModelRunner(tiny_ckpt, max_slots=4, context_length=64, decode_attention=attention, compile=True,
-                               fuse_projections=fuse, join_layers=join, combo_kernels=combo)
-        a, seqs_a = decode_steps(eager, steps=2)
-        b, seqs_b = decode_steps(compiled, steps=2)
-        assert seqs_a == seqs_b
-        for x, y in zip(a, b):
-            for s in PROMPTS:
-                torch.testing.assert_close(x[s], y[s], atol=1e-5, rtol=1e-5)
-        # a batch that is not a power of two (3 slots -> bucket 4) goes through the padded path
-        tokens, positions = torch.tensor([20, 21, 22]), torch.tensor([6, 3, 4])
-        torch.testing.assert_close(compiled.decode(tokens, positions), eager.decode(tokens, positions),
-                                   atol=1e-5, rtol=1e-5)
+    compiled = ModelRunner(tiny_ckpt, max_slots=4, context_length=64, decode_attention=attention, compile=True,
+                           fuse_projections=fuse, join_layers=join, combo_kernels=combo)
+    a, seqs_a = decode_steps(eager, steps=2)
+    b, seqs_b = decode_steps(compiled, steps=2)
+    assert seqs_a == seqs_b
+    for x, y in zip(a, b):
+        for s in PROMPTS:
+            torch.testing.assert_close(x[s], y[s], atol=1e-5, rtol=1e-5)
+    # a batch that is not a power of two (3 slots -> bucket 4) goes through the padded path
+    tokens, positions = torch.tensor([20, 21, 22]), torch.tensor([6, 3, 4])
+    torch.testing.assert_close(compiled.decode(tokens, positions), eager.decode(tokens, positions),
+                               atol=1e-5, rtol=1e-5)
 
 
 # -- on CUDA: the levers inside CUDA graphs, and bf16 ---------------------------------------------------

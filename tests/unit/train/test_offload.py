@@ -309,6 +309,15 @@ def _deterministic_trainer(tiny_ckpts):
     return MegatronTrainer(spec, TrainerConfig(lr=1e-3, micro_batch_size=2, global_batch_size=4, deterministic=True))
 
 
+def _assert_same_step(moved, twin, batch) -> None:
+    """One more train step on each, then their weights (as the push exports them) are equal bit for bit."""
+    for t in (moved, twin):
+        t.train_step(batch, local_loss)
+    got = {k: v.clone() for b in moved.export_hf(1 << 20) for k, v in b}
+    want = {k: v.clone() for b in twin.export_hf(1 << 20) for k, v in b}
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("parts", [["weights", "reference", "optimizer", "grads"], ["optimizer", "grads"]])
@@ -332,11 +341,7 @@ def test_megatrons_optimizer_state_leaves_the_gpu_and_training_goes_on_unchanged
     assert all(p.main_grad.untyped_storage().nbytes() == 0 for p in moved.model.parameters())
     assert all(v.untyped_storage().nbytes() == 0 for v in adam)
     moved.onload()
-    for t in (moved, twin):
-        t.train_step(batch, local_loss)
-    got = {k: v.clone() for b in moved.export_hf(1 << 20) for k, v in b}
-    want = {k: v.clone() for b in twin.export_hf(1 << 20) for k, v in b}
-    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    _assert_same_step(moved, twin, batch)
 
 
 @pytest.mark.gpu
@@ -388,26 +393,41 @@ def test_the_optimizer_state_moves_behind_other_work_and_is_awaited_where_it_is_
         assert state._early is not None and not state._early[1].query(), step  # the copy out, queued
 
 
+def test_the_first_offload_makes_adams_state_so_its_host_buffer_is_made_once(tiny_ckpts):
+    """The loop offloads the trainer before its first step, when Adam has no moments yet: that offload makes them
+    (zeros, as the first step would), so every later offload fills the same host buffer (on a GPU: pinned once, not
+    pinned again after step 0), and the steps equal those of a trainer that never offloaded."""
+    moved, twin = _deterministic_trainer(tiny_ckpts), _deterministic_trainer(tiny_ckpts)
+    assert not any(opt.state for opt in torch_optimizers(moved.optimizer))
+    moved.offload()
+    host = moved._offload.optimizer._host
+    moved.onload()
+    batch = _stepped(moved, twin)
+    moved.offload()
+    assert moved._offload.optimizer._host is host
+    moved.onload()
+    _assert_same_step(moved, twin, batch)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_grown_state_replaces_its_pinned_buffer_instead_of_pinning_another_beside_it(tiny_ckpts):
-    """The loop offloads the trainer before its first step (no Adam state yet) and after each later one: the second
-    offload needs a larger host buffer, and the first one's pinned block goes back to the system, not to PyTorch's
-    pinned cache beside the new one (the allocator rounds each block up to a power of two)."""
-    spec = spec_for("qwen3", tiny_ckpts("qwen3"), dtype="bfloat16")
-    trainer = MegatronTrainer(spec, TrainerConfig(lr=1e-3, micro_batch_size=2, global_batch_size=4))
+def test_a_grown_state_replaces_its_pinned_buffer_instead_of_pinning_another_beside_it():
+    """Storages that grew since the last offload need a larger host buffer: the old pinned block goes back to the
+    system, not to PyTorch's pinned cache beside the new one (the allocator rounds each block up to a power of
+    two)."""
     pinned = lambda: torch.cuda.host_memory_stats()["allocated_bytes.current"]
     block = lambda n: 1 << (n - 1).bit_length()
     base = pinned()
-    trainer.offload()
-    rest, first = trainer._offload.rest._host.numel(), trainer._offload.optimizer._host.numel()
-    trainer.onload()
-    _stepped(trainer)  # Adam's moments now exist
-    trainer.offload()
-    second = trainer._offload.optimizer._host.numel()
-    trainer.onload()
-    assert second > first and trainer._offload.rest._host.numel() == rest
-    assert pinned() - base < block(rest) + block(first) + block(second), (pinned() - base, rest, first, second)
+    a, b = torch.full((3 << 20,), 2.0, device="cuda"), torch.full((5 << 20,), 3.0, device="cuda")
+    host = HostOffload(torch.device("cuda"))
+    host.offload([a])
+    first = host._host.numel()
+    host.onload()
+    host.offload([a, b])
+    second = host._host.numel()
+    host.onload()
+    assert second > first and bool((a == 2).all()) and bool((b == 3).all())
+    assert pinned() - base < block(first) + block(second), (pinned() - base, first, second)
 
 
 def test_the_trainer_role_brings_its_models_back_for_a_call_and_a_save_leaves_them_away(tmp_path):

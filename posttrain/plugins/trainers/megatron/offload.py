@@ -42,6 +42,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from posttrain.plugins.trainers.megatron.optim import init_adam_state
+
 log = logging.getLogger("posttrain.trainer")
 
 
@@ -118,7 +120,7 @@ class HostOffload:
             early[1].synchronize()
         if early is None or early[0] != [(ptr, s.nbytes()) for ptr, s in kept.items()]:  # else: already copied
             if self._host is None or self._host.numel() != total:  # the first offload, or other storages
-                if self._host is not None:  # (the first offload precedes the optimizer's first step: no Adam state)
+                if self._host is not None:  # (a state that grew: TrainerOffload makes Adam's ahead, so rarely)
                     self._host = None  # the old buffer goes before the new one is pinned, and leaves the pinned cache
                     if pin:
                         _empty_host_cache()
@@ -262,6 +264,11 @@ def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
     return [inner for one in chained for inner in torch_optimizers(getattr(one, "optimizer", None))]
 
 
+def trainer_optimizers(trainer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers of a trainer: its model's, and its value head's (a critic's) if it has one."""
+    return torch_optimizers(trainer.optimizer) + torch_optimizers(getattr(trainer, "head_optimizer", None))
+
+
 def state_parts(trainer) -> dict[str, list[torch.Tensor | None]]:
     """The state of a :class:`~posttrain.plugins.trainers.megatron.trainer.MegatronTrainer` by
     ``trainer.backend.offload_parts`` part:
@@ -281,7 +288,7 @@ def state_parts(trainer) -> dict[str, list[torch.Tensor | None]]:
     weights = [t for m in modules for t in (*m.parameters(), *torch.nn.Module.buffers(m))]
     grads = [g for m in modules for p in m.parameters() for g in (p.grad, getattr(p, "main_grad", None))]
     optimizer: list[torch.Tensor] = []
-    for opt in torch_optimizers(trainer.optimizer) + torch_optimizers(getattr(trainer, "head_optimizer", None)):
+    for opt in trainer_optimizers(trainer):
         for group in opt.param_groups:
             optimizer += group["params"]
             grads += [p.grad for p in group["params"]]
@@ -308,7 +315,15 @@ class TrainerOffload:
 
     def offload(self, parts: Iterable[str]) -> int:
         self._out_due = False  # no push came (or it started the copy): the offload copies what is left
-        by_part, parts = state_parts(self.trainer), set(parts)
+        parts = set(parts)
+        if "optimizer" in parts and not self.optimizer.has_host_buffer:
+            # The loop offloads before the first step, when Adam has no moments yet: made now (zeros, as that step
+            # would make them), the host buffer is pinned once at its full size, not again after the first step (at
+            # Qwen3-1.7B on an H200 that second pinning held step 0 up by ~14 s)
+            for opt in trainer_optimizers(self.trainer):
+                if isinstance(opt, torch.optim.Adam | torch.optim.AdamW):
+                    init_adam_state(opt)
+        by_part = state_parts(self.trainer)
         later = by_part["optimizer"] if "optimizer" in parts else []
         kept_later = {t.untyped_storage().data_ptr() for t in later}
         keep = [t for part in ("weights", "reference") if part in parts for t in by_part[part]]
