@@ -189,12 +189,12 @@ import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 phases = list(dict.fromkeys(k[len("perf/time_"):] for r in rows for k in r if k.startswith("perf/time_")))
 print("step | " + " | ".join(f"{p} s / GPU peak GiB" for p in phases) + " | trainer peak | engine peak | offloaded GiB"
-      " | optimizer state wait s")
+      " | trainer reserved GiB | optimizer state wait s")
 for r in rows:
     print(r["step"], "|", " | ".join(f"{r.get('perf/time_' + p, 0):.2f} / {r.get('perf/gpu_peak_gib_' + p, float('nan')):.1f}"
                                      for p in phases), "|", round(r.get("perf/trainer_peak_gib", 0), 1), "|",
           round(r.get("perf/engine_peak_gib", 0), 1), "|", round(r.get("perf/trainer_offloaded_gib", 0), 1), "|",
-          round(r.get("train/offload_wait_s", float("nan")), 3))
+          round(r.get("perf/trainer_reserved_gib", float("nan")), 2), "|", round(r.get("train/offload_wait_s", float("nan")), 3))
 PY
 }
 PARTS=(); for p in "$@"; do if [ "$p" = moe ]; then PARTS+=(moe_train moe_rollout moe_grpo); else PARTS+=("$p"); fi; done
