@@ -341,7 +341,8 @@ class TrainerOffload:
     def ready(self, writes: bool = True) -> None:
         """Before anything reads the optimizer's state (``writes``: or changes it): the current stream waits for
         its copies (and a change drops the copy out, due or started)."""
-        self._out_due = self._out_due and not writes
+        if writes:  # (a load, say): no copy out ahead, the offload then copies what it finds
+            self._out_due = False
         self.optimizer.wait(writes=writes)
 
     def after_step(self, parts: Iterable[str], overlap: bool) -> None:
