@@ -590,7 +590,7 @@ def bench_variant(model, prompts: list[list[int]], args, name: str, opts: dict, 
                 out["kernel_table_error"] = repr(exc)[:300]
     finally:
         engine.shutdown()
-        del engine, runner
+        engine = runner = None  # their GPU memory back before the next variant (closures above share the names)
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
 

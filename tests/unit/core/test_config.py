@@ -59,7 +59,6 @@ def test_overriding_a_component_name_drops_the_files_keys_for_the_old_one():
 
 
 def test_auto_weight_sync_falls_back_to_a_mode_the_engine_backend_has(plugins):
-    from dataclasses import dataclass
 
     from posttrain.core.config import Component, RolloutConfig
     from posttrain.core.rollout.backend import EngineBackend

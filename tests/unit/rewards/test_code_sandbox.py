@@ -1,7 +1,6 @@
 """The sandbox runs ordinary programs and enforces its limits; the insecure mode is explicit; a machine
 without bubblewrap gets a one-line install hint. Escapes are in test_sandbox_escapes.py."""
 
-import glob
 import os
 import tempfile
 import time

@@ -34,12 +34,14 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain.plugins.engines.local.overlap import OverlappedDecode
 from posttrain.plugins.engines.local.requests import Request, StepStats, check_finish, input_logprobs
 from posttrain.plugins.engines.local.texts import AnswerTexts
+
+if TYPE_CHECKING:
+    from posttrain.plugins.engines.local.sampling import RequestSampling
 
 
 class LocalEngine:
@@ -266,8 +268,8 @@ class LocalEngine:
         except Exception:  # find the request that fails alone (its prompt's routing is not kept)
             batch, logits, scored = self._prefill_each(batch, starts)
         generating, rows = [], []
-        for row, (req, input_logprobs) in enumerate(zip(batch, scored)):
-            req.input_logprobs = input_logprobs
+        for row, (req, prompt_scores) in enumerate(zip(batch, scored)):
+            req.input_logprobs = prompt_scores
             if req.return_routed_experts and routing is not None:
                 req.routed.append(routing[row, : len(req.prompt_ids)])
             if req.sampling.max_new_tokens == 0:  # scored only: done after the prefill
