@@ -327,7 +327,7 @@ class WeightSender:
             if self.flat:
                 meta["load_format"] = FLAT
 
-            def bcast(bucket=bucket) -> None:
+            def bcast(bucket=bucket, meta=meta) -> None:  # (bound now, though _fan_out calls it at once)
                 if self.flat:
                     return broadcast(self.group, _flatten(bucket, meta["dtypes"], meta["shapes"]))
                 for _, tensor in bucket:
