@@ -1,7 +1,7 @@
 """The ``megatron`` trainer backend: Megatron-core GPTModel with TP/PP, chunked vocab-parallel log-probs,
 Megatron's DDP and (distributed) optimizer on GPUs, dist-checkpointing, bit-exact HF conversion.
 
-Modules (none is imported here, so this entry module stays light):
+Modules (none but the light ``cpu_shims`` is imported here, so this entry module stays light):
 
 - ``spec``: ``DenseGPTSpec``, the Megatron mapping the built-in dense model specs implement; ``moe_spec``:
   ``MoEGPTSpec``, its MoE subclass (router, experts per expert, shared experts, dense first layers);
@@ -22,6 +22,9 @@ from typing import Any, Literal
 from posttrain import hookimpl
 from posttrain.core.schema import option
 from posttrain.core.trainer_backend import TrainerBackend
+from posttrain.plugins.trainers.megatron import cpu_shims
+
+cpu_shims.eager_fusers_without_cuda()  # before any module of this package imports megatron.core
 
 OFFLOAD_PARTS = ("weights", "reference", "optimizer", "grads")  # offload.state_parts
 
