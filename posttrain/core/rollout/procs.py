@@ -127,13 +127,15 @@ def http_ok(url: str, timeout: float = 5.0) -> bool:
         return False
 
 
-def wait_http_ok(url: str, timeout_s: float, proc: subprocess.Popen | None = None, interval_s: float = 0.5) -> None:
-    """Poll ``url`` until it answers 2xx; raise ``TimeoutError`` (or ``RuntimeError`` if ``proc`` exits)."""
+def wait_http_ok(url: str, timeout_s: float, proc: subprocess.Popen | None = None, interval_s: float = 0.1) -> None:
+    """Poll ``url`` until it answers 2xx; raise ``TimeoutError`` (or ``RuntimeError`` if ``proc`` exits). Every
+    ``interval_s``: a poll of a server not yet listening is a refused connection (about a millisecond), and each
+    engine or router start waits half an interval on average after it is up."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process exited with code {proc.returncode} before {url} answered")
-        if http_ok(url, timeout=min(5.0, interval_s * 10)):
+        if http_ok(url, timeout=5.0):  # a server up but busy may take seconds to answer
             return
         time.sleep(interval_s)
     raise TimeoutError(f"{url} did not answer 2xx within {timeout_s:.0f} s")
