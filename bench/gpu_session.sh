@@ -194,7 +194,8 @@ for r in rows:
     print(r["step"], "|", " | ".join(f"{r.get('perf/time_' + p, 0):.2f} / {r.get('perf/gpu_peak_gib_' + p, float('nan')):.1f}"
                                      for p in phases), "|", round(r.get("perf/trainer_peak_gib", 0), 1), "|",
           round(r.get("perf/engine_peak_gib", 0), 1), "|", round(r.get("perf/trainer_offloaded_gib", 0), 1), "|",
-          round(r.get("perf/trainer_reserved_gib", float("nan")), 2), "|", round(r.get("train/offload_wait_s", float("nan")), 3))
+          round(r.get("perf/trainer_reserved_gib", float("nan")), 2), "|",
+          round(r.get("train/offload_wait_s", float("nan")), 3))
 PY
 }
 PARTS=(); for p in "$@"; do if [ "$p" = moe ]; then PARTS+=(moe_train moe_rollout moe_grpo); else PARTS+=("$p"); fi; done

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 
-
 from posttrain.testing.contracts.common import ComponentContract
 
 
