@@ -18,7 +18,10 @@ from posttrain.core.actors.trainer_group import LocalRanks, RayRanks, TrainerGro
 
 class LocalExecutor:
     """Roles as plain objects in this process (the engines' servers are still their own processes); a
-    trainer of several ranks as child processes (:class:`~posttrain.core.actors.trainer_group.LocalRanks`)."""
+    trainer of several ranks as child processes (:class:`~posttrain.core.actors.trainer_group.LocalRanks`).
+    Engines may start before the trainer (``model_pending``: they load their checkpoint once it is written)."""
+
+    engines_before_trainer = True
 
     def __init__(self, cfg: Any, **load_args: list[str]):
         self.cfg, self.load_args = cfg, load_args  # load_plugins() arguments: every role rebuilds the same set
@@ -31,8 +34,8 @@ class LocalExecutor:
                                  log_dir)
         return TrainerGroup(self._ranks)
 
-    def engines(self, model_path: str, log_dir: Path) -> EngineRole:
-        return EngineRole(self.cfg.to_dict(), model_path, str(log_dir), self.load_args)
+    def engines(self, model_path: str, log_dir: Path, model_pending: bool = False) -> EngineRole:
+        return EngineRole(self.cfg.to_dict(), model_path, str(log_dir), self.load_args, model_pending)
 
     def teacher(self, log_dir: Path) -> TeacherRole:
         return TeacherRole(self.cfg.to_dict(), str(log_dir), self.load_args)
@@ -44,7 +47,10 @@ class LocalExecutor:
 
 class RayExecutor:
     """Roles as Ray actors: the trainer gets ``trainer_gpus_per_node`` GPUs (or a CPU), the engine role
-    ``rollout_gpus``. Starts a local Ray instance unless ``resources.ray_address`` names a cluster."""
+    ``rollout_gpus``. Starts a local Ray instance unless ``resources.ray_address`` names a cluster. The engines'
+    actor is placed after the trainer's placement group is made, so it starts after the trainer."""
+
+    engines_before_trainer = False
 
     def __init__(self, cfg: Any, **load_args: list[str]):
         import ray
@@ -94,7 +100,7 @@ class RayExecutor:
         self._actors += ranks.actors
         return TrainerGroup(ranks)
 
-    def engines(self, model_path: str, log_dir: Path) -> _RemoteHandle:
+    def engines(self, model_path: str, log_dir: Path, model_pending: bool = False) -> _RemoteHandle:
         r = self.cfg.resources
         strategy = None
         if self._trainer_group is not None:  # a trainer group: the engines get their own bundle (or node 0's)
@@ -104,7 +110,7 @@ class RayExecutor:
                 [{"CPU": 1.0, **({"GPU": float(r.rollout_gpus)} if r.rollout_gpus else {})}], "PACK",
                 "engines' placement group")
             strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
-        return self._actor(EngineRole, self.cfg.to_dict(), model_path, str(log_dir), self.load_args,
+        return self._actor(EngineRole, self.cfg.to_dict(), model_path, str(log_dir), self.load_args, model_pending,
                            num_gpus=0 if r.colocate and strategy is not None else r.rollout_gpus, strategy=strategy)
 
     def teacher(self, log_dir: Path) -> _RemoteHandle:

@@ -9,10 +9,12 @@ one. ``rollout.mode: async`` starts generating step N+1 before training step N (
 staleness 1: the engines keep step N-1's weights until both are done, then get step N's).
 ``rollout.mode: fully_async`` never stops generating (``core.async_rollout``: a background producer, a
 bounded queue of finished groups, the staleness bound; pushes pause the engines, ``core.rollout.preempt``).
-``resources.colocate`` shares the GPUs: the engines release their memory after generating and take it
-back (weights, the update, then the KV cache) before the next generation; with ``resources.offload_trainer``
-the trainer's state waits in host memory meanwhile, from before the engines start (they size themselves in its
-room): it is on the device only while their KV cache is released (its turn, the first push, a checkpoint).
+Engines whose backend can wait for their checkpoint (``waits_for_checkpoint``) start while the trainer builds and
+writes it, unless they share its GPUs. ``resources.colocate`` shares the GPUs: the engines release their memory
+after generating and take it back (weights, the update, then the KV cache) before the next generation; with
+``resources.offload_trainer`` the trainer's state waits in host memory meanwhile, from before the engines start
+(they size themselves in its room): it is on the device only while their KV cache is released (its turn, the first
+push, a checkpoint).
 
     rl-cli run examples/quickstart.yaml
 """
@@ -56,19 +58,28 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
     executor = EXECUTORS[cfg.resources.executor](cfg, **plugins.load_args)
     async with AsyncExitStack() as stack:
         stack.callback(executor.close)
-        # -- roles: the trainer builds the model; engines start from its weights as an HF checkpoint
-        phase("model")
-        trainer = executor.trainer(run.logs)  # one rank in this process, or a group of ranks
-        init_dir = trainer.save_hf(str(run.path / "hf-init"))
-        ckpt = run.latest_checkpoint() if resume else None
-        if ckpt is not None:  # another model's checkpoint is refused before any engine starts
-            run.check_resume(ckpt, cfg.to_dict(), init_dir)
+        # -- roles: the trainer builds the model; engines start from its weights as an HF checkpoint. Engines
+        # that can wait for it start first and get ready meanwhile, unless they will share the trainer's GPUs
         colocate, offload = cfg.resources.colocate, cfg.resources.offload_trainer
+        init_dir = run.fresh_dir("hf-init")
+        first = executor.engines_before_trainer and not colocate and cfg.rollout.engine.create(
+            plugins).waits_for_checkpoint
+        if first:
+            engines = executor.engines(init_dir, run.logs, model_pending=True)
+            stack.callback(engines.close)
+        phase("model", "the engines start beside it" if first else "")
+        trainer = executor.trainer(run.logs)  # one rank in this process, or a group of ranks
+        trainer.save_hf(init_dir, replace=True)  # appears whole
+        ckpt = run.latest_checkpoint() if resume else None
+        if ckpt is not None:  # another model's checkpoint is refused before the first push
+            run.check_resume(ckpt, cfg.to_dict(), init_dir)
         if offload:  # the engines start in the room the trainer's state leaves, as they will generate in it
             trainer.offload()
         phase("engines")
-        engines = executor.engines(init_dir, run.logs)
-        stack.callback(engines.close)
+        if not first:
+            engines = executor.engines(init_dir, run.logs)
+            stack.callback(engines.close)
+        engines.wait_ready()
         stack.callback(trainer.close)  # runs first: leaves the weight-update group while engines still answer
         (url, engine_urls), key = engines.urls(), engines.api_key()
         phase("connect")

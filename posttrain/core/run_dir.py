@@ -12,7 +12,8 @@
       tensorboard/  logs/  # TensorBoard events; engine, router and trainer logs
       checkpoints/step_000010/   # trainer state (Megatron dist-checkpointing) + state.json
       checkpoints/latest         # name of the newest complete checkpoint
-      hf-init/  hf-final/  # HF checkpoints of the initial and the final policy (rl-cli models export: any step's)
+      hf-init/  hf-final/  # HF checkpoints of the initial and the final policy (rl-cli models export: any step's);
+                           # hf-init is written as hf-init.partial and renamed: engines started first wait for it
       curves.png           # written at the end (rl-cli plot RUN_DIR redraws it)
 
 A checkpoint is written into ``checkpoints/.tmp-step_N`` and renamed into place, and ``latest`` is
@@ -62,6 +63,13 @@ class RunDirectory:
             raise UsageError(f"--run-dir {path}: exists and is not empty (use --resume {path} to continue it)")
         run.logs.mkdir(parents=True, exist_ok=True)
         return run
+
+    def fresh_dir(self, name: str) -> str:
+        """``path/name`` with nothing there: one left by an earlier start of this run (``hf-init`` of a resumed
+        run, which writes it again) is removed, so engines that wait for it to appear load the new one."""
+        target = self.path / name
+        shutil.rmtree(target, ignore_errors=True)
+        return str(target)
 
     def lock(self) -> RunDirectory:
         """Hold ``.lock`` exclusively for this process's life; another holder is a UsageError naming its PID."""

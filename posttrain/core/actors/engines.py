@@ -7,10 +7,14 @@ from typing import Any
 
 
 class EngineRole:
-    """Starts the fleet from the resolved run config; the loop asks it for URLs and restarts."""
+    """Starts the fleet from the resolved run config; the loop asks it for URLs and restarts.
+
+    ``model_pending``: ``model_path`` is still being written (the engine backend must have
+    ``waits_for_checkpoint``): the engines are launched and :meth:`wait_ready` waits for them; otherwise they
+    answer when this returns."""
 
     def __init__(self, config: dict[str, Any], model_path: str, log_dir: str,
-                 load_args: dict[str, list[str]] | None = None):
+                 load_args: dict[str, list[str]] | None = None, model_pending: bool = False):
         from posttrain.core.config import load_config
         from posttrain.core.plugins import load_plugins
         from posttrain.core.rollout.fleet import EngineFleet
@@ -18,7 +22,13 @@ class EngineRole:
         plugins = load_plugins(**(load_args or {}))
         cfg = load_config(None, data=config, plugins=plugins)
         self.fleet = EngineFleet(cfg.rollout, cfg.resources, cfg.rollout.engine.create(plugins), model_path,
-                                 log_dir=log_dir, seed=cfg.seed).start()
+                                 log_dir=log_dir, seed=cfg.seed).launch(model_pending)
+        if not model_pending:
+            self.fleet.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Return once every engine answers (and the router, if any, is up)."""
+        self.fleet.wait_ready()
 
     def urls(self) -> tuple[str, list[str]]:
         """``(url generators talk to, every engine's own URL)``."""

@@ -109,15 +109,32 @@ class TrainerRole:
         return {**out, "peak_flops": peak} if peak else out
 
     # ---------------------------------------------------------------- weights out
-    def save_hf(self, out_dir: str) -> str:
+    def save_hf(self, out_dir: str, replace: bool = False) -> str:
         """An HF checkpoint of the current policy (engines start from it), tokenizer included. In a group,
-        data-parallel replica 0 gathers the shards (a collective over its ranks) and rank 0 writes."""
+        data-parallel replica 0 gathers the shards (a collective over its ranks) and rank 0 writes.
+        ``replace``: written beside ``out_dir`` and renamed to it (a directory there before is removed), so
+        ``out_dir`` appears whole: engines launched before it exists wait for it and load it then."""
         if self.replica != 0:  # the other replicas hold the same weights
             return str(out_dir)
+        final, out_dir = str(out_dir), f"{out_dir}.partial" if replace else str(out_dir)
+        if replace and self.rank == 0:  # the one writer: nothing left of a start that died mid-write
+            import shutil
+
+            shutil.rmtree(out_dir, ignore_errors=True)
         with self._on_device():
             self.policy.save_hf(out_dir)
         if self.rank != 0:
-            return str(out_dir)
+            return final
+        self._save_tokenizer(out_dir)
+        if replace:
+            import os
+            import shutil
+
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(out_dir, final)  # atomic: a reader sees no directory, or all of it
+        return final
+
+    def _save_tokenizer(self, out_dir: str) -> None:
         tokenizer = self.spec.config.tokenizer
         if tokenizer == "char" and not (Path(out_dir) / "tokenizer.json").exists():
             from posttrain.testing.tiny import make_tokenizer
@@ -127,7 +144,6 @@ class TrainerRole:
             from transformers import AutoTokenizer
 
             AutoTokenizer.from_pretrained(tokenizer).save_pretrained(out_dir)
-        return str(out_dir)
 
     def connect_engines(self, engine_urls: list[str], backend: str | None = None, api_key: str | None = None) -> None:
         """Open the weight-update group with every engine (the trainer is rank 0; each engine adds its

@@ -47,8 +47,8 @@ class TrainerGroup:
     def train(self, batch: Any, keep_log_probs: bool = False) -> Any:
         return self.ranks.call("train", batch, keep_log_probs)
 
-    def save_hf(self, out_dir: str) -> str:
-        return self.ranks.call("save_hf", out_dir)
+    def save_hf(self, out_dir: str, replace: bool = False) -> str:
+        return self.ranks.call("save_hf", out_dir, replace)
 
     def connect_engines(self, engine_urls: list[str], backend: str | None = None, api_key: str | None = None) -> None:
         self.ranks.call("connect_engines", engine_urls, backend, api_key)

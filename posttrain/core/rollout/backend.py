@@ -65,6 +65,7 @@ class EngineSlot:
     resources: Any  # the run's ResourcesConfig (num_engines, gpus_per_engine, colocate, ...)
     gpus: list[int] = field(default_factory=list)
     api_key: str = field(default="", repr=False)
+    model_pending: bool = False  # model_path is not written yet (a backend with waits_for_checkpoint only)
 
 
 @dataclass
@@ -88,12 +89,18 @@ class EngineBackend:
       request per sample there).
     - ``flat_weight_buckets``: its servers take ``load_format: "flattened_bucket"`` on
       ``/update_weights_from_distributed`` (a bucket as one broadcast; ``weight_sync.flat_layout``).
+    - ``waits_for_checkpoint``: its servers may be launched before their checkpoint exists
+      (``EngineSlot.model_pending``): they get ready meanwhile (imports, device) and load ``model_path`` once
+      that directory appears. The loop then starts them while the trainer builds and writes it (runs that
+      are not colocated; the trainer writes the directory under another name and renames it in, so it
+      appears whole).
     """
 
     name = ""
     weight_sync_modes: tuple[str, ...] = WEIGHT_SYNC_MODES
     seeds_batch_rows = False
     flat_weight_buckets = False
+    waits_for_checkpoint = False
 
     @dataclass
     class Config:
@@ -135,7 +142,9 @@ class EngineBackend:
 
     def launch(self, slot: EngineSlot) -> EngineLaunch:
         """The server for engine ``slot.index``: argv and environment. The fleet starts it in its own
-        session (dying with the driver), waits for ``health_path``, and restarts it when it dies."""
+        session (dying with the driver), waits for ``health_path``, and restarts it when it dies. With
+        ``slot.model_pending`` (only for a backend with ``waits_for_checkpoint``), the server must wait for
+        ``slot.model_path`` to appear."""
         raise NotImplementedError(f"engine backend {self.name!r} starts no servers; give urls() instead")
 
     # ---------------------------------------------------------------- weights

@@ -56,6 +56,7 @@ class EngineFleet:
         self.external: list[str] = []
         self.router: RouterProcess | None = None
         self._dropped: set[str] = set()  # dead engines already taken off the router
+        self._model_pending = False  # launched before model_path was written (restarts on a fresh port too)
         self.api_key = backend.api_key() or secrets.token_urlsafe(32)
 
     def _log(self, name: str) -> Path | None:
@@ -64,16 +65,25 @@ class EngineFleet:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         return self.log_dir / name
 
-    def _server(self, i: int) -> ManagedServer:
+    def _server(self, i: int, model_pending: bool = False) -> ManagedServer:
         port = free_port(self.host)
         gpus = gpu_ids(self.resources, i) if self.backend.on_gpu(self.resources) else []
         launch = self.backend.launch(EngineSlot(index=i, port=port, host=self.host, model_path=self.model_path,
                                                 seed=self.seed, resources=self.resources, gpus=gpus,
-                                                api_key=self.api_key))
+                                                api_key=self.api_key, model_pending=model_pending))
         return ManagedServer(launch.command, f"http://{self.host}:{port}", log_path=self._log(f"engine-{i}.log"),
                              env={**(self.env or {}), **launch.env}, health_path=launch.health_path)
 
     def start(self) -> EngineFleet:
+        """Start every engine and the router; return once all answer."""
+        return self.launch().wait_ready()
+
+    def launch(self, model_pending: bool = False) -> EngineFleet:
+        """Start the engines' processes without waiting for them (:meth:`wait_ready` does). ``model_pending``:
+        ``model_path`` is still being written (a backend with ``waits_for_checkpoint`` only): the servers
+        get ready meanwhile and load it once it appears."""
+        if model_pending and not self.backend.waits_for_checkpoint:
+            raise ValueError(f"rollout.engine: backend {self.backend.name!r} cannot start before its checkpoint")
         try:
             fixed = self.backend.urls()
             if fixed is not None:
@@ -81,12 +91,21 @@ class EngineFleet:
                     raise ValueError(f"rollout.engine: backend {self.backend.name!r} gave no engine URLs")
                 self.external = list(fixed)
             else:
-                self.servers = [self._server(i) for i in range(self.resources.num_engines)]
+                self._model_pending = model_pending
+                self.servers = [self._server(i, model_pending) for i in range(self.resources.num_engines)]
                 for s in self.servers:  # start all, then wait: engines load their weights in parallel
                     s.start(wait=False)
-                for i in range(len(self.servers)):
-                    self._wait_ready(i)
-            if self.rollout.use_router:
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self) -> EngineFleet:
+        """Wait for every engine :meth:`launch` started, then start the router in front of them (once)."""
+        try:
+            for i in range(len(self.servers)):
+                self._wait_ready(i)
+            if self.rollout.use_router and self.router is None:
                 self.router = RouterProcess(self.engine_urls, host=self.host, model_path=self.model_path,
                                             extra_args=list(self.rollout.router_args), log_path=self._log("router.log"),
                                             api_key=self.api_key)
@@ -108,7 +127,7 @@ class EngineFleet:
             except RuntimeError:  # the process exited before it answered
                 if attempt + 1 == attempts or port_free(s.base_url):
                     raise
-            self.servers[i] = self._server(i)
+            self.servers[i] = self._server(i, self._model_pending)
             self.servers[i].start(wait=False)
 
     @property

@@ -3,7 +3,8 @@
 Subclass :class:`EngineContract` and supply an ``engine_backend`` fixture (an instance, configured to run
 on this machine). The contract starts the backend's server (``launch(slot)``, as the fleet would) on a
 tiny random Qwen3 checkpoint (:mod:`posttrain.testing.tiny`) once per test session, or uses the
-backend's ``urls()`` when it gives running servers, and checks:
+backend's ``urls()`` when it gives running servers; a backend with ``waits_for_checkpoint`` is launched before
+that checkpoint exists, which is then renamed into place (as a run does). It checks:
 
 - ``/health``, ``/health_generate``, ``/model_info`` (``/get_model_info``) with ``model_path`` and
   ``tokenizer_path``, ``/server_info`` (``/get_server_info``): what the fleet, the generators and
@@ -91,20 +92,31 @@ def _start(backend: Any, workdir: Path) -> LiveEngine:
         status, info = _http(urls[0].rstrip("/") + "/model_info", api_key=key)
         assert status == 200 and isinstance(info, dict), f"{urls[0]}/model_info: HTTP {status}: {info}"
         return LiveEngine(urls[0].rstrip("/"), info["model_path"], workdir, api_key=key)
-    ckpt = make_tiny_checkpoint(workdir / "tiny-qwen3", "qwen3")
+    ckpt = workdir / "tiny-qwen3"
     resources = ResourcesConfig()
     port = free_port()
+    import os
     import secrets
 
     key = secrets.token_urlsafe(16)  # as the fleet makes one per run
+    pending = bool(backend.waits_for_checkpoint)  # then launched first, as a run does, and the checkpoint renamed in
     slot = EngineSlot(index=0, port=port, host="127.0.0.1", model_path=str(ckpt), seed=0, resources=resources,
-                      gpus=gpu_ids(resources, 0) if backend.on_gpu(resources) else [], api_key=key)
+                      gpus=gpu_ids(resources, 0) if backend.on_gpu(resources) else [], api_key=key,
+                      model_pending=pending)
     launch = backend.launch(slot)
     log = workdir / "engine.log"
     server = ManagedServer(launch.command, f"http://127.0.0.1:{port}", log_path=log, env={**ENGINE_ENV, **launch.env},
                            ready_timeout_s=300, health_path=launch.health_path)
     try:
-        server.start()
+        if pending:
+            server.start(wait=False)
+        make_tiny_checkpoint(f"{ckpt}.partial" if pending else ckpt, "qwen3")
+        if pending:
+            os.replace(f"{ckpt}.partial", ckpt)
+        if pending:
+            server.wait_ready()
+        else:
+            server.start()
     except Exception as exc:
         tail = log.read_text()[-3000:] if log.exists() else ""
         raise AssertionError(f"{backend.name}: the engine server did not become ready ({exc}); log:\n{tail}") from None

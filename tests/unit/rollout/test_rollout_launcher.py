@@ -63,6 +63,52 @@ def test_managed_server_waits_for_readiness_and_restarts_a_dead_server(tiny_ckpt
     assert not http_ok(server.base_url + "/health", timeout=1)
 
 
+@pytest.mark.slow
+def test_an_engine_launched_before_its_checkpoint_loads_it_once_it_appears(tiny_ckpt, tmp_path):
+    """``--wait-for-model`` (what the fleet passes with ``EngineSlot.model_pending``): the server runs and does
+    not answer while the directory is missing, then serves the checkpoint renamed into place."""
+    import shutil
+
+    model = tmp_path / "hf-init"
+    port = free_port()
+    cmd = local_engine_command(str(model), port, context_length=128, max_running_requests=2, wait_for_model=120)
+    server = ManagedServer(cmd, f"http://127.0.0.1:{port}", log_path=tmp_path / "engine.log",
+                           env={"OMP_NUM_THREADS": "1", API_KEY_ENV: "k"}, ready_timeout_s=120)
+    try:
+        server.start(wait=False)
+        time.sleep(1.0)
+        assert server.alive() and not http_ok(server.base_url + "/health", timeout=1)
+        shutil.copytree(tiny_ckpt, f"{model}.partial")
+        os.replace(f"{model}.partial", model)
+        server.wait_ready()
+        assert http_ok(server.base_url + "/health_generate")
+    finally:
+        server.stop()
+
+
+def test_engine_serve_says_when_its_checkpoint_did_not_appear(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "engine", "serve", str(tmp_path / "missing"),
+                          "--no-api-key", "--wait-for-model", "0.2"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "did not appear within --wait-for-model 0.2 s" in out.stderr and "missing" in out.stderr
+
+
+def test_only_a_backend_that_waits_for_its_checkpoint_is_launched_before_it():
+    from posttrain.core.config import ResourcesConfig
+    from posttrain.core.rollout.backend import EngineSlot
+    from posttrain.core.rollout.fleet import EngineFleet
+    from posttrain.plugins.engines.local import LocalEngine
+    from posttrain.plugins.engines.sglang import SGLangEngine
+
+    slot = dict(index=0, port=30001, host="127.0.0.1", model_path="/m", seed=0, resources=ResourcesConfig())
+    pending = LocalEngine().launch(EngineSlot(**slot, model_pending=True)).command
+    assert pending[pending.index("--wait-for-model") + 1] == "3600"
+    assert "--wait-for-model" not in LocalEngine().launch(EngineSlot(**slot)).command
+    assert LocalEngine.waits_for_checkpoint and not SGLangEngine.waits_for_checkpoint
+    with pytest.raises(ValueError, match="'sglang' cannot start before its checkpoint"):
+        EngineFleet(None, ResourcesConfig(), SGLangEngine(), "/m").launch(model_pending=True)
+
+
 def test_managed_server_reports_a_server_that_exits_before_it_is_ready(tmp_path):
     server = ManagedServer([sys.executable, "-c", "import sys; sys.exit(3)"], f"http://127.0.0.1:{free_port()}",
                            ready_timeout_s=30)

@@ -23,6 +23,7 @@ from posttrain import hookimpl
 from posttrain.core.rollout.backend import EngineBackend, EngineLaunch, EngineSlot
 from posttrain.core.schema import option
 
+MODEL_WAIT_S = 3600  # how long a server launched before its checkpoint waits for it (a trainer's build and save)
 # HF architectures whose decoder layer the model runner knows (layers.project_qkv/finish_layer)
 SERVED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Glm4ForCausalLM",
                         "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM")
@@ -42,6 +43,7 @@ class LocalEngine(EngineBackend):
     is_default = True  # a run config without rollout.engine runs this
     seeds_batch_rows = True
     flat_weight_buckets = True
+    waits_for_checkpoint = True  # rl-cli engine serve --wait-for-model: imports torch and transformers meanwhile
 
     @dataclass
     class Config:
@@ -107,7 +109,9 @@ class LocalEngine(EngineBackend):
             decode_attention=cfg.decode_attention, compile=cfg.compile, no_overlap=not cfg.overlap,
             compile_mode=None if cfg.compile_mode == "default" else cfg.compile_mode,
             no_fused_sampling=not cfg.fused_sampling, prefill_tokens=cfg.prefill_tokens or None,
-            stable_memory=device == "cuda" and cfg.stable_memory and slot.resources.colocate, dtype=None if cfg.dtype == "auto" else cfg.dtype), env)
+            stable_memory=device == "cuda" and cfg.stable_memory and slot.resources.colocate,
+            dtype=None if cfg.dtype == "auto" else cfg.dtype, wait_for_model=MODEL_WAIT_S if slot.model_pending else None),
+            env)
 
 
 def local_engine_command(model_dir: str, port: int, host: str = "127.0.0.1", **options: Any) -> list[str]:

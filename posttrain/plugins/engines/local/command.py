@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 
 import typer
@@ -55,15 +56,16 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
           no_overlap: bool = typer.Option(False, "--no-overlap", help="GPU: wait for each decode step's tokens before launching the next (default: launch step N + 1 first)"),
           no_fused_sampling: bool = typer.Option(False, "--no-fused-sampling", help="GPU: draw with torch (multinomial) instead of the one-pass Triton kernel (inverse-CDF, same distribution)"),
           prefill_tokens: int = typer.Option(0, "--prefill-tokens", help="prompt tokens per prefill batch (bounds its activation memory); 0: 8192 on CPU, 32768 on GPU"),
-          no_api_key: bool = typer.Option(False, "--no-api-key", help="serve without an API key: any process that reaches the port may load weights (and run code) in the engine")) -> None:
+          no_api_key: bool = typer.Option(False, "--no-api-key", help="serve without an API key: any process that reaches the port may load weights (and run code) in the engine"),
+          wait_for_model: float = typer.Option(0, "--wait-for-model", help="seconds to wait for MODEL_DIR to appear (a run starts its engines while the trainer writes their checkpoint; torch and transformers are imported meanwhile); 0: it must exist")) -> None:
     """Serve MODEL_DIR: /generate, /health_generate, abort/pause, weight updates, /model_info, /server_info.
 
     Clients must send ``Authorization: Bearer KEY`` with the key in the environment variable
     POSTTRAIN_ENGINE_API_KEY (never on the command line, where other users can read it)."""
-    if not (model_dir / "config.json").is_file():
-        raise UsageError(f"{model_dir}: not a HF checkpoint directory (no config.json)")
-    if not any(model_dir.glob("*.safetensors")):
-        raise UsageError(f"{model_dir}: no *.safetensors weights")
+    if wait_for_model < 0:
+        raise UsageError(f"--wait-for-model: must be >= 0 seconds, got {wait_for_model:g}")
+    if not wait_for_model:
+        check_checkpoint(model_dir)
     if not 0 < port < 65536:
         raise UsageError(f"--port: {port} is not a TCP port")
     if max_running_requests < 1:
@@ -88,6 +90,9 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
     if api_key is None and not no_api_key:
         raise UsageError(f"set {API_KEY_ENV} to the API key clients will send (Authorization: Bearer KEY), "
                          "or pass --no-api-key to serve without one")
+    if wait_for_model:  # started beside the trainer that writes it: the imports run meanwhile
+        wait_for_checkpoint(model_dir, wait_for_model)
+        check_checkpoint(model_dir)
     from posttrain.plugins.engines.local.server import serve as run
 
     run(str(model_dir), host=host, port=port, device=device, dtype=dtype,
@@ -95,3 +100,39 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
         decode_attention=decode_attention, compile=compile, stable_memory=stable_memory, overlap=not no_overlap,
         api_key=api_key, fused_sampling=not no_fused_sampling, prefill_tokens=prefill_tokens or None,
         compile_mode=compile_mode)
+    # Stopped (SIGTERM/SIGINT) and shut down (the engine thread joined): nothing is left to write, so skip the
+    # interpreter's teardown, which frees every model object (a run's stop waits for it) and, after settle_heap
+    # froze the heap, has triton's bindings print leak reports.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def check_checkpoint(model_dir: Path) -> None:
+    if not (model_dir / "config.json").is_file():
+        raise UsageError(f"{model_dir}: not a HF checkpoint directory (no config.json)")
+    if not any(model_dir.glob("*.safetensors")):
+        raise UsageError(f"{model_dir}: no *.safetensors weights")
+
+
+def wait_for_checkpoint(model_dir: Path, timeout_s: float, poll_s: float = 0.02) -> None:
+    """Import what loading a checkpoint needs (torch, transformers' model and tokenizer machinery, the engine),
+    then wait up to ``timeout_s`` for ``model_dir`` to appear: the run's trainer writes it under another name
+    and renames it in, so a directory that exists is whole. The imports take most of an engine's start on a
+    CPU (3-4 s of 4, bench/RESULTS.md), and they run while the trainer builds."""
+    import time
+
+    import torch  # noqa: F401
+    import transformers.modeling_utils  # noqa: F401
+    from transformers import AutoTokenizer  # noqa: F401
+
+    import posttrain.plugins.engines.local.engine  # noqa: F401
+    import posttrain.plugins.engines.local.model_runner  # noqa: F401
+    import posttrain.plugins.engines.local.server  # noqa: F401
+
+    deadline = time.monotonic() + timeout_s
+    while not model_dir.is_dir():
+        if time.monotonic() > deadline:
+            raise UsageError(f"{model_dir}: the checkpoint did not appear within --wait-for-model {timeout_s:g} s")
+        time.sleep(poll_s)

@@ -1,0 +1,72 @@
+"""Engines that can wait for their checkpoint (``EngineBackend.waits_for_checkpoint``) start before the trainer
+builds: the loop launches them on ``hf-init`` before it exists, and the trainer renames it into place whole.
+Colocated runs and external engines keep the order trainer, then engines: ``test_components_in_loop`` runs both
+(its offload test checks the order)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def _config(**sections):
+    from posttrain.core.config import load_config
+    from posttrain.core.plugins import load_plugins
+
+    data = {
+        "seed": 0, "model": {"name": "qwen3", "preset": "tiny", "dtype": "float32", "tokenizer": "char"},
+        "data": {"path": str(ROOT / "examples" / "quickstart" / "prompts.jsonl"), "epochs": 10},
+        "rollout": {"rollout_batch_size": 4, "n_samples_per_prompt": 4, "num_rollouts": 1, "max_new_tokens": 2,
+                    "seed_sampling": True, "use_router": True,
+                    "engine": {"name": "local", "device": "cpu", "context_length": 64, "max_running_requests": 16}},
+        "generator": "single_turn", "estimator": "grpo", "loss": "ppo_clip", "rewards": [{"name": "exact_match"}],
+        "trainer": {"global_batch_size": 16, "micro_batch_size": 16, "lr": 1e-3,
+                    "backend": {"name": "megatron", "sequence_packing": False}},
+        "logging": {"tensorboard": False}, **sections}
+    plugins = load_plugins(autoload=False)
+    return load_config(None, data=data, plugins=plugins), plugins
+
+
+def test_the_engines_start_before_the_trainer_and_load_the_fresh_checkpoint(tmp_path, monkeypatch):
+    """The engine role is made (``model_pending``) before the trainer; an ``hf-init`` left by an earlier start of
+    the run is gone before they launch (they would load it), and no ``hf-init.partial`` is left."""
+    from posttrain.core.actors.engines import EngineRole
+    from posttrain.core.actors.trainer import TrainerRole
+    from posttrain.core.loop import train
+    from posttrain.core.run_dir import RunDirectory
+
+    events = []
+
+    def record(cls, what):
+        real = cls.__init__
+
+        def init(self, *args, **kwargs):
+            events.append(what(*args, **kwargs))
+            real(self, *args, **kwargs)
+        monkeypatch.setattr(cls, "__init__", init)
+
+    run = RunDirectory(tmp_path / "run")
+    stale = run.path / "hf-init" / "left-by-an-earlier-start"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("x")
+
+    def engines(config, model_path, log_dir, load_args=None, model_pending=False):
+        return ("engines", model_pending, (run.path / "hf-init").exists())
+    record(EngineRole, engines)
+    record(TrainerRole, lambda *a, **k: ("trainer",))
+    cfg, plugins = _config()
+    asyncio.run(train(cfg, plugins, run))
+    assert events == [("engines", True, False), ("trainer",)], events
+    assert (run.path / "hf-init" / "config.json").is_file() and not stale.exists()
+    assert not (run.path / "hf-init.partial").exists()
+    rows = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0] and math.isfinite(rows[0]["train/loss"])
+    assert rows[0]["train_rollout_logprob_abs_diff"] < 1e-3  # the engines serve the trainer's weights
+
