@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import itertools
 from statistics import mean
-from typing import Any
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any
 
 from posttrain.core.train_batch import TrainBatch
 from posttrain.core.types import Sample, SampleStatus
+
+if TYPE_CHECKING:  # torch is imported where a batch is made: the driver starts its engines before importing it
+    import torch
 
 
 def trainable(groups: list[list[Sample]]) -> list[Sample]:
@@ -32,6 +32,8 @@ def to_batch(samples: list[Sample]) -> tuple[TrainBatch, torch.Tensor, torch.Ten
     ``batch.response_mask`` is 1 exactly where ``sample.loss_mask`` is (model-generated response tokens);
     rollout log-probs sit at the same positions (column ``t`` scores ``tokens[:, t]``), 0 elsewhere.
     """
+    import torch
+
     batch = TrainBatch.from_lists([s.tokens for s in samples], [s.prompt_length for s in samples])
     rollout = torch.zeros_like(batch.response_mask)
     response = batch.response_mask.bool()  # [B, T]: each sample's span prompt_length .. len(tokens)
@@ -46,6 +48,9 @@ def to_batch(samples: list[Sample]) -> tuple[TrainBatch, torch.Tensor, torch.Ten
 def _fill_spans(out: torch.Tensor, response: torch.Tensor, samples: list[Sample], attr: str) -> None:
     """Write each sample's per-response-token list ``attr`` (None: leave its row) into its span of
     ``out`` ``[B, T]``, in one assignment through the ``response`` mask (row-major: the lists' order)."""
+    import numpy as np
+    import torch
+
     rows = [getattr(s, attr) is not None for s in samples]
     if not any(rows):
         return
@@ -64,6 +69,8 @@ def routed_experts(samples: list[Sample], width: int) -> torch.Tensor | None:
     sample's rows), or None unless every sample has them (a trainer then routes by itself)."""
     if not samples or any(s.rollout_routed_experts is None for s in samples):
         return None
+    import torch
+
     out = torch.full((len(samples), width, samples[0].rollout_routed_experts.shape[-1]), -1, dtype=torch.int16)
     for i, s in enumerate(samples):
         out[i, : len(s.rollout_routed_experts)] = torch.from_numpy(s.rollout_routed_experts.astype("int16"))

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
+if TYPE_CHECKING:  # imported where a batch is made: the driver starts its engines before importing torch
+    import torch
 
 
 @dataclass
@@ -51,6 +51,9 @@ class TrainBatch:
 
         One array from the concatenated lists, scattered through the ``[B, width]`` mask of valid positions
         (row-major, so in concatenation order): a tensor per row cost ~15 ms a step at 1,024 samples."""
+        import numpy as np
+        import torch
+
         lengths = torch.tensor([len(t) for t in token_lists])
         width = int(lengths.max())
         columns = torch.arange(width)[None, :]
@@ -79,6 +82,8 @@ class TrainBatch:
 
     def take(self, index: list[int]) -> "TrainBatch":
         """Samples ``index`` (rows, in that order), trimmed to their longest length: a data-parallel share."""
+        import torch
+
         rows = torch.as_tensor(index, dtype=torch.long)
         width = int(self.lengths[rows].max())
         kw = {}
@@ -118,6 +123,8 @@ class Packed:
 
 def pack(tokens: torch.Tensor, lengths: torch.Tensor) -> Packed:
     """Concatenate the real tokens of each row of ``tokens [B, T]``."""
+    import torch
+
     sizes = lengths.tolist()
     pieces = [tokens[b, :n] for b, n in enumerate(sizes)]
     ids = torch.cat(pieces)

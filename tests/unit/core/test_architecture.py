@@ -84,3 +84,15 @@ def test_no_plugin_name_appears_in_core():
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
     assert not offenders, "the core dispatches through registries, never by plugin name:\n" + "\n".join(offenders)
+
+
+def test_the_loop_imports_no_torch_before_the_engines_start():
+    """The driver launches engines that wait for their checkpoint before it builds the trainer; importing
+    ``core.loop`` without torch (0.9 s on a 2-core CPU) lets them start that much earlier (bench/RESULTS.md)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import posttrain.core.loop\n"
+            "print('HEAVY', sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numpy', 'transformers'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "HEAVY []" in out.stdout, out.stdout[-500:] + out.stderr[-2000:]
