@@ -75,29 +75,16 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
             run.check_resume(ckpt, cfg.to_dict(), init_dir)
         if offload:  # the engines start in the room the trainer's state leaves, as they will generate in it
             trainer.offload()
-        phase("engines")
         if not first:
+            phase("engines")
             engines = executor.engines(init_dir, run.logs)
             stack.callback(engines.close)
-        engines.wait_ready()
         stack.callback(trainer.close)  # runs first: leaves the weight-update group while engines still answer
-        (url, engine_urls), key = engines.urls(), engines.api_key()
-        phase("connect")
-        trainer.connect_engines(engine_urls, api_key=key)
-        engine = await stack.enter_async_context(EngineClient(url, max_concurrency=cfg.rollout.server_concurrency,
-                                                              api_key=key))
-        teacher = await stack.enter_async_context(open_teacher(cfg, executor, init_dir, run.logs))  # or None
-        if cfg.rollout.coalesce_rows:  # one /generate for the groups that ask at the same instant
-            engine = CoalescingEngine(engine, cfg.rollout.coalesce_rows, cfg.rollout.seeds_batch_rows)
-        fully_async = cfg.rollout.mode == "fully_async"
-        if fully_async:  # weight pushes pause the engines; interrupted requests continue (or restart)
-            engine = PausableEngine(engine, lambda: engines.urls()[1], cfg.rollout.partial, key,
-                                    cfg.rollout.weight_sync_timeout_s)
 
-        # -- data, rewards, algorithm
+        # -- data, rewards, algorithm (while engines that started first load the checkpoint)
+        phase("data")
         from transformers import AutoTokenizer
 
-        phase("data")
         tokenizer = AutoTokenizer.from_pretrained(init_dir)
         dataset = load_prompts(cfg.data, tokenizer=tokenizer, base_dir=run.base_dir)
         buffer = DataBuffer.from_config(cfg, dataset)
@@ -111,6 +98,23 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         metrics_out = MetricsWriter(run.path, cfg.logging.tensorboard, cfg.logging.wandb,
                                     cfg.logging.wandb_project, cfg.to_dict())  # secrets redacted there
         stack.callback(metrics_out.close)
+
+        # -- the engines answer; the trainer joins them for weight updates; generators reach them by one client
+        if first:
+            phase("engines")
+        engines.wait_ready()
+        (url, engine_urls), key = engines.urls(), engines.api_key()
+        phase("connect")
+        trainer.connect_engines(engine_urls, api_key=key)
+        engine = await stack.enter_async_context(EngineClient(url, max_concurrency=cfg.rollout.server_concurrency,
+                                                              api_key=key))
+        teacher = await stack.enter_async_context(open_teacher(cfg, executor, init_dir, run.logs))  # or None
+        if cfg.rollout.coalesce_rows:  # one /generate for the groups that ask at the same instant
+            engine = CoalescingEngine(engine, cfg.rollout.coalesce_rows, cfg.rollout.seeds_batch_rows)
+        fully_async = cfg.rollout.mode == "fully_async"
+        if fully_async:  # weight pushes pause the engines; interrupted requests continue (or restart)
+            engine = PausableEngine(engine, lambda: engines.urls()[1], cfg.rollout.partial, key,
+                                    cfg.rollout.weight_sync_timeout_s)
 
         # -- resume: trainer state, data position, RNG; metrics of later steps are dropped
         start, empty_steps, state = 0, 0, {}
