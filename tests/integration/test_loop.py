@@ -123,6 +123,25 @@ def test_kill_9_then_resume_loses_and_repeats_no_step(tmp_path):
         assert resumed["train/loss"] == pytest.approx(uninterrupted["train/loss"], abs=1e-6)
 
 
+def test_a_trainer_that_cannot_load_its_checkpoint_stops_the_engines_started_beside_it(tmp_path):
+    """The engines start before the trainer builds (they wait for its checkpoint); a truncated ``model.path``
+    makes the build fail: one line naming the file, exit code 2, and no engine left waiting."""
+    from posttrain.testing.tiny import make_tiny_checkpoint
+
+    model = make_tiny_checkpoint(tmp_path / "model", "qwen3")
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    run = tmp_path / "run"
+    out = rl_cli(QUICKSTART, "--run-dir", run, f"model.path={model}", "rollout.num_rollouts=1")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert f"{weights}: not a readable safetensors file" in out.stderr
+    assert "the engines start beside it" in out.stdout
+    deadline = time.monotonic() + 30
+    while leftovers(run) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not leftovers(run), describe(leftovers(run))
+
+
 def test_ray_executor_runs_the_same_loop(tmp_path):
     """Same config, seeded sampling: the Ray executor draws the same responses and gets the same rewards
     and losses as the local one. The Ray run is colocated with its trainer offloaded (the trainer actor's state

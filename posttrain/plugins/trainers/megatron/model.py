@@ -310,7 +310,12 @@ class HFCheckpoint:
         files = sorted(self.path.glob("*.safetensors"))
         if not files:
             raise UsageError(f"{path}: no *.safetensors files (only safetensors checkpoints are read)")
-        self._handles = {f: safe_open(str(f), framework="pt") for f in files}
+        self._handles = {}
+        for f in files:
+            try:
+                self._handles[f] = safe_open(str(f), framework="pt")
+            except Exception as exc:  # noqa: BLE001 - a truncated or foreign file is the user's to fix
+                raise UsageError(f"{f}: not a readable safetensors file ({exc})") from None
         self.where = {k: f for f, h in self._handles.items() for k in h.keys()}
 
     def get(self, name: str) -> torch.Tensor:
