@@ -43,7 +43,7 @@ from posttrain.core.rollout.client import EngineClient
 from posttrain.core.rollout.coalesce import CoalescingEngine
 from posttrain.core.rollout.preempt import PausableEngine
 from posttrain.core.rollout.supervise import push_weights, watching
-from posttrain.core.rollout.teacher import add_teacher_log_probs, open_teacher
+from posttrain.core.rollout.teacher import add_teacher_log_probs, launch_teacher, open_teacher
 from posttrain.core.types import AdvantageBatch
 
 log = logging.getLogger("posttrain.loop")
@@ -67,6 +67,9 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         if first:
             engines = executor.engines(init_dir, run.logs, model_pending=True)
             stack.callback(engines.close)
+        teacher_role = launch_teacher(cfg, executor, run.logs)  # or None; it loads its own checkpoint meanwhile
+        if teacher_role is not None:
+            stack.callback(teacher_role.close)
         phase("model", "the engines start beside it" if first else "")
         trainer = executor.trainer(run.logs)  # one rank in this process, or a group of ranks
         trainer.save_hf(init_dir, replace=True)  # appears whole
@@ -108,7 +111,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         trainer.connect_engines(engine_urls, api_key=key)
         engine = await stack.enter_async_context(EngineClient(url, max_concurrency=cfg.rollout.server_concurrency,
                                                               api_key=key))
-        teacher = await stack.enter_async_context(open_teacher(cfg, executor, init_dir, run.logs))  # or None
+        teacher = await stack.enter_async_context(open_teacher(cfg, teacher_role, init_dir))  # or None
         if cfg.rollout.coalesce_rows:  # one /generate for the groups that ask at the same instant
             engine = CoalescingEngine(engine, cfg.rollout.coalesce_rows, cfg.rollout.seeds_batch_rows)
         fully_async = cfg.rollout.mode == "fully_async"

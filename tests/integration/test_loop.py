@@ -93,7 +93,8 @@ def test_smoke_run_writes_the_run_directory(tmp_path):
 
 
 def test_kill_9_then_resume_loses_and_repeats_no_step(tmp_path):
-    args = [QUICKSTART, *SMALL, "rollout.num_rollouts=6", "checkpoint.interval=2"]
+    # 16 steps: killed after 3, so a poll that comes late (steps take ~0.1 s) still finds the run going
+    args = [QUICKSTART, *SMALL, "rollout.num_rollouts=16", "checkpoint.interval=2"]
     reference = tmp_path / "reference"
     assert rl_cli(*args, "--run-dir", reference).returncode == 0
     run = tmp_path / "killed"
@@ -105,7 +106,7 @@ def test_kill_9_then_resume_loses_and_repeats_no_step(tmp_path):
     family = descendants(proc.pid)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert len(jsonl(run / "metrics.jsonl")) < 6, "the run finished before it could be killed"
+    assert len(jsonl(run / "metrics.jsonl")) < 16, "the run finished before it could be killed"
     deadline = time.monotonic() + 30
     while leftovers(run, family) and time.monotonic() < deadline:  # every child dies with its parent
         time.sleep(0.2)
@@ -113,7 +114,7 @@ def test_kill_9_then_resume_loses_and_repeats_no_step(tmp_path):
 
     out = rl_cli("--resume", run)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert [r["step"] for r in jsonl(run / "metrics.jsonl")] == list(range(6))
+    assert [r["step"] for r in jsonl(run / "metrics.jsonl")] == list(range(16))
     served = [r["prompts"] for r in jsonl(run / "rollouts.jsonl")]
     assert served == [r["prompts"] for r in jsonl(reference / "rollouts.jsonl")], "data order changed"
     # the quickstart seeds its sampling: the resumed run draws the same responses and trains the same way

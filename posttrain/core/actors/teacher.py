@@ -10,7 +10,8 @@ from typing import Any
 
 
 class TeacherRole:
-    """Starts the teacher's fleet from the resolved run config; the loop asks it for the URL to query."""
+    """Launches the teacher's fleet from the resolved run config (its checkpoint is its own, so it starts with the
+    run, beside the trainer's build); :meth:`wait_ready` waits for it; the loop asks it for the URL to query."""
 
     def __init__(self, config: dict[str, Any], log_dir: str, load_args: dict[str, list[str]] | None = None):
         from posttrain.core.config import load_config
@@ -25,7 +26,11 @@ class TeacherRole:
         # never colocated with the trainer: the teacher keeps its weights; GPU engines name their device
         resources = dataclasses.replace(cfg.resources, num_engines=t.num_engines, colocate=False)
         self.fleet = EngineFleet(rollout, resources, t.engine.create(plugins), t.path or "",
-                                 log_dir=Path(log_dir) / "teacher", seed=cfg.seed).start()
+                                 log_dir=Path(log_dir) / "teacher", seed=cfg.seed).launch()
+
+    def wait_ready(self) -> None:
+        """Return once the teacher's engines (and router) answer."""
+        self.fleet.wait_ready()
 
     def url(self) -> str:
         """Where the teacher's ``/generate`` goes: its router, or its only engine."""

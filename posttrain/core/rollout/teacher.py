@@ -67,23 +67,26 @@ def check_same_tokenizer(student: str, teacher: str) -> None:
                          f"{a.eos_token_id}; the teacher scores the student's token ids, so they must share one")
 
 
+def launch_teacher(cfg: Any, executor: Any, log_dir: Any) -> Any:
+    """The teacher role, its engines launched through ``executor`` (None when the config has no ``teacher:``); they
+    load ``teacher.path`` while the run builds its trainer. The caller closes it."""
+    return executor.teacher(log_dir) if cfg.teacher is not None else None
+
+
 @asynccontextmanager
-async def open_teacher(cfg: Any, executor: Any, student_dir: str, log_dir: Any):
-    """The run's :class:`Teacher` while the block runs (None when the config has no ``teacher:``):
-    checks the tokenizers, starts the teacher role through ``executor`` and stops it afterwards."""
+async def open_teacher(cfg: Any, role: Any, student_dir: str):
+    """The run's :class:`Teacher` while the block runs (None without a ``role``): checks the tokenizers, then waits
+    for the teacher's engines (:func:`launch_teacher`)."""
     t = cfg.teacher
-    if t is None:
+    if role is None:
         yield None
         return
     if t.tokenizer or t.path:
         check_same_tokenizer(student_dir, t.tokenizer or t.path)
-    role = executor.teacher(log_dir)
-    try:
-        from posttrain.core.rollout.client import EngineClient
+    role.wait_ready()
+    from posttrain.core.rollout.client import EngineClient
 
-        async with EngineClient(role.url(), max_concurrency=t.server_concurrency, api_key=role.api_key()) as client:
-            if not (t.tokenizer or t.path):  # running servers: the tokenizer they report
-                check_same_tokenizer(student_dir, (await client.get_model_info())["tokenizer_path"])
-            yield Teacher(client)
-    finally:
-        role.close()
+    async with EngineClient(role.url(), max_concurrency=t.server_concurrency, api_key=role.api_key()) as client:
+        if not (t.tokenizer or t.path):  # running servers: the tokenizer they report
+            check_same_tokenizer(student_dir, (await client.get_model_info())["tokenizer_path"])
+        yield Teacher(client)
