@@ -67,7 +67,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         if first:
             engines = executor.engines(init_dir, run.logs, model_pending=True)
             stack.callback(engines.close)
-        teacher_role = launch_teacher(cfg, executor, run.logs)  # or None; it loads its own checkpoint meanwhile
+        teacher_role = launch_teacher(cfg, plugins, executor, run.logs)  # or None; loads its own checkpoint meanwhile
         if teacher_role is not None:
             stack.callback(teacher_role.close)
         phase("model", "the engines start beside it" if first else "")
@@ -111,7 +111,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         trainer.connect_engines(engine_urls, api_key=key)
         engine = await stack.enter_async_context(EngineClient(url, max_concurrency=cfg.rollout.server_concurrency,
                                                               api_key=key))
-        teacher = await stack.enter_async_context(open_teacher(cfg, teacher_role, init_dir))  # or None
+        teacher = await stack.enter_async_context(open_teacher(cfg, teacher_role, executor, init_dir, run.logs))
         if cfg.rollout.coalesce_rows:  # one /generate for the groups that ask at the same instant
             engine = CoalescingEngine(engine, cfg.rollout.coalesce_rows, cfg.rollout.seeds_batch_rows)
         fully_async = cfg.rollout.mode == "fully_async"

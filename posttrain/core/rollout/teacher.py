@@ -67,26 +67,42 @@ def check_same_tokenizer(student: str, teacher: str) -> None:
                          f"{a.eos_token_id}; the teacher scores the student's token ids, so they must share one")
 
 
-def launch_teacher(cfg: Any, executor: Any, log_dir: Any) -> Any:
-    """The teacher role, its engines launched through ``executor`` (None when the config has no ``teacher:``); they
-    load ``teacher.path`` while the run builds its trainer. The caller closes it."""
-    return executor.teacher(log_dir) if cfg.teacher is not None else None
+def launch_teacher(cfg: Any, plugins: Any, executor: Any, log_dir: Any) -> Any:
+    """The teacher role with its engines launched, when the config has a ``teacher:`` whose engines take none of
+    the trainer's GPUs: they load ``teacher.path`` while the run builds its trainer. Else None (then
+    :func:`open_teacher` starts it, after the trainer, in the memory the trainer leaves). The caller closes it."""
+    import dataclasses
+
+    t = cfg.teacher
+    if t is None:
+        return None
+    resources = dataclasses.replace(cfg.resources, num_engines=t.num_engines, colocate=False)  # as TeacherRole
+    if set(t.engine.create(plugins).engine_gpus(resources)) & set(range(cfg.resources.trainer_gpus_per_node)):
+        return None
+    return executor.teacher(log_dir)
 
 
 @asynccontextmanager
-async def open_teacher(cfg: Any, role: Any, student_dir: str):
-    """The run's :class:`Teacher` while the block runs (None without a ``role``): checks the tokenizers, then waits
-    for the teacher's engines (:func:`launch_teacher`)."""
+async def open_teacher(cfg: Any, role: Any, executor: Any, student_dir: str, log_dir: Any):
+    """The run's :class:`Teacher` while the block runs (None when the config has no ``teacher:``): checks the
+    tokenizers, then waits for the teacher's engines (``role``, from :func:`launch_teacher`), or starts them through
+    ``executor`` when that gave none and stops them afterwards."""
     t = cfg.teacher
-    if role is None:
+    if t is None:
         yield None
         return
     if t.tokenizer or t.path:
         check_same_tokenizer(student_dir, t.tokenizer or t.path)
-    role.wait_ready()
-    from posttrain.core.rollout.client import EngineClient
+    own = role is None
+    role = executor.teacher(log_dir) if own else role
+    try:
+        role.wait_ready()
+        from posttrain.core.rollout.client import EngineClient
 
-    async with EngineClient(role.url(), max_concurrency=t.server_concurrency, api_key=role.api_key()) as client:
-        if not (t.tokenizer or t.path):  # running servers: the tokenizer they report
-            check_same_tokenizer(student_dir, (await client.get_model_info())["tokenizer_path"])
-        yield Teacher(client)
+        async with EngineClient(role.url(), max_concurrency=t.server_concurrency, api_key=role.api_key()) as client:
+            if not (t.tokenizer or t.path):  # running servers: the tokenizer they report
+                check_same_tokenizer(student_dir, (await client.get_model_info())["tokenizer_path"])
+            yield Teacher(client)
+    finally:
+        if own:
+            role.close()

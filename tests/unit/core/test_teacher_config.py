@@ -52,3 +52,27 @@ def test_external_teacher_needs_no_path(write, plugins):
     cfg = load_config(write("c.yaml", BASE + "teacher: {engine: {name: external, urls: ['http://t:1'], "
                                              "device: cpu}}\n"), plugins=plugins)
     assert cfg.teacher.path is None and cfg.teacher.engine.create().urls() == ["http://t:1"]
+
+
+@pytest.mark.parametrize("trainer_gpus, device, first", [(0, "cpu", True), (1, "cuda:1", True), (1, "cuda", True),
+                                                         (1, "cuda:0", False), (2, "cuda:1", False)])
+def test_the_teacher_starts_with_the_run_unless_it_takes_a_trainer_gpu(write, plugins, tmp_path, trainer_gpus,
+                                                                       device, first):
+    """``launch_teacher``: a teacher whose engines take none of the trainer's GPUs is launched before the trainer
+    builds; one on a trainer GPU (``cuda:0`` beside one trainer GPU) is left to ``open_teacher``, after the
+    trainer, as it was."""
+    from posttrain.core.rollout.teacher import launch_teacher
+
+    (tmp_path / "teacher-ckpt").mkdir()
+    cfg = load_config(write("c.yaml", BASE + f"teacher: {{path: teacher-ckpt, engine: {{name: local, device: {device}}}}}"
+                            f"\nresources: {{trainer_gpus_per_node: {trainer_gpus}, rollout_gpus: 1}}\n"),
+                      plugins=plugins)
+    launched = []
+
+    class Executor:
+        def teacher(self, log_dir):
+            launched.append(log_dir)
+            return "role"
+
+    assert launch_teacher(cfg, plugins, Executor(), "logs") == ("role" if first else None)
+    assert launched == (["logs"] if first else [])
