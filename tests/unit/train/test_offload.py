@@ -64,6 +64,15 @@ def test_tensors_on_other_devices_and_empty_storages_are_left_alone():
     assert cpu.untyped_storage().nbytes() == 12 and not host.offloaded
 
 
+def test_a_device_without_an_index_is_the_current_one(monkeypatch):
+    """``HostOffload(torch.device("cuda"))`` compares tensors' devices (``cuda:N``) with ``cuda:<current>``: with a
+    bare ``cuda`` it matched none and moved nothing (found on an H100, 2026-12-05)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert HostOffload(torch.device("cuda")).device == torch.device("cuda", 3)
+    assert HostOffload(torch.device("cuda", 1)).device == torch.device("cuda", 1)
+    assert HostOffload(torch.device("cpu")).device == torch.device("cpu")
+
+
 def test_the_parts_of_a_model_in_megatrons_ddp_wrapper_are_found(monkeypatch):
     """Megatron's DDP (the GPU path's wrapper) keeps its parameter and gradient buffers in a list attribute named
     ``buffers``, which shadows ``nn.Module.buffers``: the model's weights, buffers and ``main_grad`` views are still

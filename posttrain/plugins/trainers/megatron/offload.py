@@ -68,6 +68,8 @@ class HostOffload:
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # tensors name their index: compare like that
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.moved: list[tuple[torch.UntypedStorage, int, torch.Tensor | None]] = []  # storage, bytes, host copy
         self._host: torch.Tensor | None = None  # the kept storages' bytes, back to back, reused across steps
         self._stream: torch.cuda.Stream | None = None  # a background onload's copies (CUDA)
