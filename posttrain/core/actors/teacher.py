@@ -17,15 +17,14 @@ class TeacherRole:
         from posttrain.core.config import load_config
         from posttrain.core.plugins import load_plugins
         from posttrain.core.rollout.fleet import EngineFleet
+        from posttrain.core.rollout.teacher import teacher_resources
 
         plugins = load_plugins(**(load_args or {}))
         cfg = load_config(None, data=config, plugins=plugins)
         t = cfg.teacher
         rollout = dataclasses.replace(cfg.rollout, use_router=t.use_router, router_args=[],
                                       server_concurrency=t.server_concurrency)
-        # never colocated with the trainer: the teacher keeps its weights; GPU engines name their device
-        resources = dataclasses.replace(cfg.resources, num_engines=t.num_engines, colocate=False)
-        self.fleet = EngineFleet(rollout, resources, t.engine.create(plugins), t.path or "",
+        self.fleet = EngineFleet(rollout, teacher_resources(cfg), t.engine.create(plugins), t.path or "",
                                  log_dir=Path(log_dir) / "teacher", seed=cfg.seed).launch()
 
     def wait_ready(self) -> None:

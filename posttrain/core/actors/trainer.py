@@ -6,6 +6,8 @@ actor (ray executor) when the trainer is one rank; in each rank of a
 
 from __future__ import annotations
 
+import os
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -118,8 +120,6 @@ class TrainerRole:
             return str(out_dir)
         final, out_dir = str(out_dir), f"{out_dir}.partial" if replace else str(out_dir)
         if replace and self.rank == 0:  # the one writer: nothing left of a start that died mid-write
-            import shutil
-
             shutil.rmtree(out_dir, ignore_errors=True)
         with self._on_device():
             self.policy.save_hf(out_dir)
@@ -127,9 +127,6 @@ class TrainerRole:
             return final
         self._save_tokenizer(out_dir)
         if replace:
-            import os
-            import shutil
-
             shutil.rmtree(final, ignore_errors=True)
             os.replace(out_dir, final)  # atomic: a reader sees no directory, or all of it
         return final

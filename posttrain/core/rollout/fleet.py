@@ -65,12 +65,12 @@ class EngineFleet:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         return self.log_dir / name
 
-    def _server(self, i: int, model_pending: bool = False) -> ManagedServer:
+    def _server(self, i: int) -> ManagedServer:
         port = free_port(self.host)
         gpus = gpu_ids(self.resources, i) if self.backend.on_gpu(self.resources) else []
         launch = self.backend.launch(EngineSlot(index=i, port=port, host=self.host, model_path=self.model_path,
                                                 seed=self.seed, resources=self.resources, gpus=gpus,
-                                                api_key=self.api_key, model_pending=model_pending))
+                                                api_key=self.api_key, model_pending=self._model_pending))
         return ManagedServer(launch.command, f"http://{self.host}:{port}", log_path=self._log(f"engine-{i}.log"),
                              env={**(self.env or {}), **launch.env}, health_path=launch.health_path)
 
@@ -92,7 +92,7 @@ class EngineFleet:
                 self.external = list(fixed)
             else:
                 self._model_pending = model_pending
-                self.servers = [self._server(i, model_pending) for i in range(self.resources.num_engines)]
+                self.servers = [self._server(i) for i in range(self.resources.num_engines)]
                 for s in self.servers:  # start all, then wait: engines load their weights in parallel
                     s.start(wait=False)
         except BaseException:
@@ -127,7 +127,7 @@ class EngineFleet:
             except RuntimeError:  # the process exited before it answered
                 if attempt + 1 == attempts or port_free(s.base_url):
                     raise
-            self.servers[i] = self._server(i, self._model_pending)
+            self.servers[i] = self._server(i)
             self.servers[i].start(wait=False)
 
     @property

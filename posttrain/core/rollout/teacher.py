@@ -67,17 +67,23 @@ def check_same_tokenizer(student: str, teacher: str) -> None:
                          f"{a.eos_token_id}; the teacher scores the student's token ids, so they must share one")
 
 
+def teacher_resources(cfg: Any) -> Any:
+    """The run's ``resources`` as the teacher's fleet sees them: its own engine count, never colocated with the
+    trainer (the teacher keeps its weights; GPU engines name their device or go after the trainer's GPUs)."""
+    import dataclasses
+
+    return dataclasses.replace(cfg.resources, num_engines=cfg.teacher.num_engines, colocate=False)
+
+
 def launch_teacher(cfg: Any, plugins: Any, executor: Any, log_dir: Any) -> Any:
     """The teacher role with its engines launched, when the config has a ``teacher:`` whose engines take none of
     the trainer's GPUs: they load ``teacher.path`` while the run builds its trainer. Else None (then
     :func:`open_teacher` starts it, after the trainer, in the memory the trainer leaves). The caller closes it."""
-    import dataclasses
-
     t = cfg.teacher
     if t is None:
         return None
-    resources = dataclasses.replace(cfg.resources, num_engines=t.num_engines, colocate=False)  # as TeacherRole
-    if set(t.engine.create(plugins).engine_gpus(resources)) & set(range(cfg.resources.trainer_gpus_per_node)):
+    gpus = set(t.engine.create(plugins).engine_gpus(teacher_resources(cfg)))
+    if gpus & set(range(cfg.resources.trainer_gpus_per_node)):
         return None
     return executor.teacher(log_dir)
 

@@ -110,12 +110,11 @@ def _start(backend: Any, workdir: Path) -> LiveEngine:
     try:
         if pending:
             server.start(wait=False)
-        make_tiny_checkpoint(f"{ckpt}.partial" if pending else ckpt, "qwen3")
-        if pending:
+            make_tiny_checkpoint(f"{ckpt}.partial", "qwen3")
             os.replace(f"{ckpt}.partial", ckpt)
-        if pending:
             server.wait_ready()
         else:
+            make_tiny_checkpoint(ckpt, "qwen3")
             server.start()
     except Exception as exc:
         tail = log.read_text()[-3000:] if log.exists() else ""
