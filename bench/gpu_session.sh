@@ -94,6 +94,7 @@
 #             engine generates), offloading only the optimizer state and gradients
 #             (trainer.backend.offload_parts=[optimizer,grads]: the weights and the reference stay), and without the
 #             offload, each phase's GPU memory
+#   offloadab17 offload17's colocated runs with the offload and without (no tests); offloadtests17 its tests alone
 #   offloadrun17 the small colocated GPU run with the offload (tests/gpu), then the same with the allocator's
 #             expandable segments (PYTORCH_CUDA_ALLOC_CONF), each step's GPU peak while generating and the trainer's
 #             reserved memory
@@ -256,6 +257,13 @@ print('ropecheck ok: compiled THD rotary equals eager on cuda (bf16 tolerance) f
     phase_table colocated4_offload_opt
     e2e colocated4 ${COLOCATED4_S:-220} resources.colocate=true rollout.num_rollouts=4
     phase_table colocated4 ;;
+  offloadab17)  # offload17's runs with and without the offload, its tests left out (one call's room on an H200)
+    e2e colocated4_offload ${COLOCATED4_S:-220} resources.colocate=true rollout.num_rollouts=4 resources.offload_trainer=true
+    phase_table colocated4_offload
+    e2e colocated4 ${COLOCATED4_S:-220} resources.colocate=true rollout.num_rollouts=4
+    phase_table colocated4 ;;
+  offloadtests17) step offload_gpu_test 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/train/test_offload.py \
+      tests/gpu/test_runs_gpu.py -k "offload" ;;
   offloadrun17)  # the small colocated run with the offload, with the allocator's expandable segments and without
     step offload_run_test 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_runs_gpu.py -k offload
     step offload_run_test_expandable 150 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \

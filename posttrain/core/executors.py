@@ -47,10 +47,12 @@ class LocalExecutor:
 
 class RayExecutor:
     """Roles as Ray actors: the trainer gets ``trainer_gpus_per_node`` GPUs (or a CPU), the engine role
-    ``rollout_gpus``. Starts a local Ray instance unless ``resources.ray_address`` names a cluster. The engines'
-    actor is placed after the trainer's placement group is made, so it starts after the trainer."""
+    ``rollout_gpus``. Starts a local Ray instance unless ``resources.ray_address`` names a cluster. Engines may
+    start before the trainer builds (``model_pending``), as under :class:`LocalExecutor`; a trainer group's
+    placement group is still reserved before the engines' (:meth:`_trainer_placement`), so the cluster's GPUs
+    are handed out in the same order either way."""
 
-    engines_before_trainer = False
+    engines_before_trainer = True
 
     def __init__(self, cfg: Any, **load_args: list[str]):
         import ray
@@ -89,24 +91,32 @@ class RayExecutor:
         if r.trainer_world_size == 1:
             return self._actor(TrainerRole, self.cfg.to_dict(), self.load_args, num_gpus=r.trainer_gpus_per_node)
         gpus = 1 if r.trainer_gpus_per_node else 0
-        bundles = [{"CPU": float(r.procs_per_node), **({"GPU": float(r.procs_per_node)} if gpus else {})}
-                   for _ in range(r.trainer_nodes)]
-        if r.colocate:  # the engine role's actor shares node 0's bundle
-            bundles[0]["CPU"] += 1
-        self._trainer_group = self._placement(bundles, "STRICT_SPREAD" if r.trainer_nodes > 1 else "PACK",
-                                              "trainer's placement group")
         ranks = RayRanks(r.trainer_world_size, r.procs_per_node, self.cfg.to_dict(), self.load_args, log_dir,
-                         self._trainer_group, gpus_per_rank=gpus)
+                         self._trainer_placement(), gpus_per_rank=gpus)
         self._actors += ranks.actors
         return TrainerGroup(ranks)
+
+    def _trainer_placement(self) -> Any:
+        """The trainer group's placement group (a bundle of ``procs_per_node`` CPUs, and GPUs, per node), made on
+        first use: by :meth:`trainer`, or before it by :meth:`engines` when they start first."""
+        if self._trainer_group is None:
+            r = self.cfg.resources
+            bundles = [{"CPU": float(r.procs_per_node), **({"GPU": float(r.procs_per_node)} if r.trainer_gpus_per_node
+                                                           else {})} for _ in range(r.trainer_nodes)]
+            if r.colocate:  # the engine role's actor shares node 0's bundle
+                bundles[0]["CPU"] += 1
+            self._trainer_group = self._placement(bundles, "STRICT_SPREAD" if r.trainer_nodes > 1 else "PACK",
+                                                  "trainer's placement group")
+        return self._trainer_group
 
     def engines(self, model_path: str, log_dir: Path, model_pending: bool = False) -> _RemoteHandle:
         r = self.cfg.resources
         strategy = None
-        if self._trainer_group is not None:  # a trainer group: the engines get their own bundle (or node 0's)
+        if r.trainer_world_size > 1:  # a trainer group: the engines get their own bundle (or node 0's), after its
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-            group = self._trainer_group if r.colocate else self._placement(
+            trainer_group = self._trainer_placement()
+            group = trainer_group if r.colocate else self._placement(
                 [{"CPU": 1.0, **({"GPU": float(r.rollout_gpus)} if r.rollout_gpus else {})}], "PACK",
                 "engines' placement group")
             strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)

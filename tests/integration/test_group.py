@@ -110,11 +110,13 @@ def test_resume_across_layouts_after_a_killed_rank(tmp_path, one_rank):
 
 
 def test_ray_placement_group_of_ranks(tmp_path, one_rank):
-    """Under Ray: one actor per rank on a placement group, TP=2 across the two ranks."""
+    """Under Ray: one actor per rank on a placement group, TP=2 across the two ranks; the engines' actor starts
+    before the ranks build (its server waits for their checkpoint)."""
     run = tmp_path / "run"
     out = rl_cli(QUICKSTART, *STEPS, "resources.executor=ray", "resources.trainer_procs_per_node=2",
                  "trainer.backend.tp=2", "--run-dir", run)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "the engines start beside it" in out.stdout
     assert_same_steps(run, one_rank)
 
 

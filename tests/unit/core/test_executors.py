@@ -1,0 +1,62 @@
+"""The executors' placement, without starting Ray: which reservations a Ray run makes, and in what order, when its
+engines start before the trainer builds (``engines_before_trainer``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from posttrain.core.actors.engines import EngineRole
+from posttrain.core.config import load_config
+from posttrain.core.executors import EXECUTORS, RayExecutor
+from posttrain.core.plugins import load_plugins
+from tests.conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def plugins():
+    return load_plugins()
+
+
+def _unstarted(cfg) -> tuple[RayExecutor, list[str], list[tuple]]:
+    """A RayExecutor whose placement groups and actors are recorded, not made (no Ray instance)."""
+    executor = object.__new__(RayExecutor)
+    executor.cfg, executor.load_args = cfg, {}
+    executor._actors, executor._groups, executor._trainer_group = [], [], None
+    reserved, actors = [], []
+    executor._placement = lambda bundles, strategy, what, timeout_s=120.0: reserved.append(what) or (what, bundles)
+    executor._actor = lambda cls, *args, num_gpus=0, strategy=None: actors.append((cls, num_gpus, strategy)) or cls
+    return executor, reserved, actors
+
+
+def test_every_executor_says_whether_engines_may_start_first():
+    assert {name: cls.engines_before_trainer for name, cls in EXECUTORS.items()} == {"local": True, "ray": True}
+
+
+@pytest.mark.parametrize("colocate", [False, True])
+def test_ray_reserves_the_trainer_group_before_the_engines_that_start_first(plugins, colocate):
+    """A trainer group's placement group is made before the engines' (as when the trainer was built first), and
+    the trainer's ranks later land on that same group, not on a second one."""
+    cfg = load_config(ROOT / "examples" / "quickstart.yaml", ["resources.executor=ray",
+                                                              "resources.trainer_procs_per_node=2",
+                                                              f"resources.colocate={str(colocate).lower()}"], plugins)
+    executor, reserved, actors = _unstarted(cfg)
+    assert executor.engines("/run/hf-init", Path("logs"), model_pending=True) is EngineRole
+    if colocate:  # the engine role shares node 0's bundle (one CPU more there)
+        assert reserved == ["trainer's placement group"]
+        assert executor._trainer_group[1] == [{"CPU": 3.0}]
+    else:
+        assert reserved == ["trainer's placement group", "engines' placement group"]
+        assert executor._trainer_group[1] == [{"CPU": 2.0}]
+    (cls, _, strategy), = actors
+    assert cls is EngineRole and strategy.placement_group == (executor._trainer_group if colocate else
+                                                              ("engines' placement group", [{"CPU": 1.0}]))
+    assert executor._trainer_placement() is executor._trainer_group and len(reserved) == (1 if colocate else 2)
+
+
+def test_ray_engines_of_a_one_rank_trainer_take_no_placement_group(plugins):
+    cfg = load_config(ROOT / "examples" / "quickstart.yaml", ["resources.executor=ray"], plugins)
+    executor, reserved, actors = _unstarted(cfg)
+    executor.engines("/run/hf-init", Path("logs"), model_pending=True)
+    assert reserved == [] and actors == [(EngineRole, cfg.resources.rollout_gpus, None)]
