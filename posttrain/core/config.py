@@ -286,6 +286,12 @@ class TrainerConfig:
     backend: Any = component("trainers", default=True, help="the trainer backend and its options: "
                              "{name: megatron, tp: 2}; see `rl-cli plugins list --kind trainer`")
 
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the run computes the reference policy's log-probs: a KL loss term, the KL reward penalty or
+        ``log_kl``. Without, no reference pass runs and trainer backends keep no copy of the initial weights."""
+        return self.kl_loss_coef > 0 or self.kl_in_reward_coef > 0 or self.log_kl
+
     def validate(self) -> list[str]:
         errors = []
         if self.global_batch_size % self.micro_batch_size:

@@ -224,7 +224,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
             with timer("log_probs"):
                 if not fused:
                     batch.old_log_probs, entropy = await asyncio.to_thread(trainer.log_probs, batch, None, True)
-                if cfg.trainer.kl_loss_coef > 0 or cfg.trainer.kl_in_reward_coef > 0 or cfg.trainer.log_kl:
+                if cfg.trainer.uses_reference:
                     batch.ref_log_probs = await asyncio.to_thread(trainer.log_probs, batch, "ref")
                 values = await asyncio.to_thread(trainer.values, batch) if estimator.needs_critic else None
             step_metrics = {}

@@ -28,7 +28,8 @@ The model ``build`` returns implements (shapes: ``[B, T]`` tensors aligned with 
 - ``log_probs(batch, *, with_entropy=False, weights=None) -> (log_probs, entropy or None)``:
   float32 ``[B, T]``, ``log_probs[b, t] = log_softmax(z[b, t - 1])[tokens[b, t]]``, exactly 0 at column 0
   and past ``batch.lengths[b]`` (prompt columns hold values the losses mask out); ``weights="ref"`` uses
-  the reference policy (the initial weights, kept by the model);
+  the reference policy (the initial weights, kept by the model when ``run.trainer.uses_reference``: the loop
+  asks for it only then, so a model may skip the copy otherwise);
 - ``values(batch) -> [B, T]`` (critic role only);
 - ``train_step(batch, loss_fn) -> metrics``: one optimizer step over ``batch``, micro-batched as the
   backend likes. ``loss_fn`` is the run's policy loss (``posttrain.core.losses.PolicyLoss``); the

@@ -49,16 +49,17 @@ def test_engines_get_a_weight_round_trip():
     assert disk.returncode == 0 and "weight round trip by disk" in disk.stdout, disk.stdout + disk.stderr
 
 
-@pytest.mark.parametrize("offload, gpu_gib, host_gib", [(False, 27.0, 100.0), (True, 27.0, 100.0), (True, 29.0, 1.0),
-                                                       (True, 29.0, 100.0), ("[optimizer, grads]", 29.0, 100.0),
-                                                       ("[optimizer, grads]", 29.0, 20.0)])
+@pytest.mark.parametrize("offload, gpu_gib, host_gib, kl", [
+    (False, 27.0, 100.0, True), (True, 27.0, 100.0, True), (True, 29.0, 1.0, True), (True, 29.0, 100.0, True),
+    ("[optimizer, grads]", 29.0, 100.0, True), ("[optimizer, grads]", 29.0, 20.0, True), (True, 29.0, 23.0, False),
+    (True, 29.0, 22.0, False)])
 def test_an_offloaded_colocated_trainer_needs_both_sides_on_the_gpu_and_its_state_in_host_memory(monkeypatch, offload,
-                                                                                             gpu_gib, host_gib):
+                                                                                             gpu_gib, host_gib, kl):
     """Colocated on one GPU, the trainer's state and the engine's weights meet at each weight update, offloaded
     or not (a 1.7B model: 25.3 GiB of training state, 3.2 GiB of engine weights); with the offload the host also
-    holds the trainer's state: 16 bytes a parameter (bf16 weights and reference, fp32 masters, Adam's moments), or
-    12 offloading only the optimizer's state and the gradients (``offload_parts``). The GPU and host are stand-ins:
-    CI has no GPU."""
+    holds the trainer's state: 16 bytes a parameter (bf16 weights and reference, fp32 masters, Adam's moments), 14
+    for a run that keeps no reference (no KL term, no ``log_kl``), or 12 offloading only the optimizer's state and the
+    gradients (``offload_parts``). The GPU and host are stand-ins: CI has no GPU."""
     import types
 
     import psutil
@@ -76,12 +77,12 @@ def test_an_offloaded_colocated_trainer_needs_both_sides_on_the_gpu_and_its_stat
     parts = [f"trainer.backend.offload_parts={offload}"] if isinstance(offload, str) else []
     cfg = load_config(QUICKSTART, ["resources.colocate=true", f"resources.offload_trainer={str(bool(offload)).lower()}",
                                    "resources.trainer_gpus_per_node=1", "rollout.engine.device=cuda",
-                                   "model.dtype=bfloat16", *parts], plugins=plugins)
+                                   "model.dtype=bfloat16", f"trainer.log_kl={str(kl).lower()}", *parts], plugins=plugins)
     found = {f.area: f for f in check_placement(cfg, plugins, 1_700_000_000)}
     gpu = found["gpu 0 memory"]
     assert gpu.ok is (gpu_gib > 28.5) and gpu.message.endswith("needs at least 28.5 GiB")
     if offload:
-        want = 19.0 if parts else 25.3
+        want = 19.0 if parts else 25.3 if kl else 22.2
         assert found["host memory"].ok is (host_gib > want)
         assert found["host memory"].message.endswith(f"the offloaded trainer state needs at least {want} GiB")
     else:

@@ -123,7 +123,7 @@ def _stepped(*trainers) -> TrainBatch:
 def _bf16_trainer(tiny_ckpts):
     """bf16 weights with fp32 masters, Adam's moments and the reference snapshot: every kind of state."""
     spec = spec_for("qwen3", tiny_ckpts("qwen3"), dtype="bfloat16")
-    return MegatronTrainer(spec, TrainerConfig(lr=1e-3, micro_batch_size=2, global_batch_size=4))
+    return MegatronTrainer(spec, TrainerConfig(lr=1e-3, micro_batch_size=2, global_batch_size=4, log_kl=True))
 
 
 def test_a_trainer_offloaded_between_steps_trains_on_bit_for_bit(tiny_ckpts):

@@ -95,7 +95,7 @@ def test_micro_batches_by_tokens_give_the_fixed_step(tiny_ckpts, packing):
 
 @pytest.mark.parametrize("mode", ["never", "always"])
 def test_reference_pass_copies_no_policy_weights_and_equals_the_initial_policy(tiny_ckpts, mode):
-    trainer = _trainer(tiny_ckpts, ref_offload=mode)
+    trainer = _trainer(tiny_ckpts, ref_offload=mode, log_kl=True)
     batch = _batch(seed=3)
     batch.old_log_probs = initial = trainer.log_probs(batch)[0]
     assert trainer._snapshots.on_device == (mode == "never")

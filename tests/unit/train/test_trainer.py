@@ -98,6 +98,26 @@ def test_grad_clip_and_kl_and_entropy_terms(tiny_ckpts):
         trainer.log_probs(batch, weights="old")
 
 
+@pytest.mark.parametrize("keys, kept", [({}, False), ({"kl_loss_coef": 0.1}, True), ({"kl_in_reward_coef": 0.1}, True),
+                                        ({"log_kl": True}, True)])
+def test_the_reference_is_kept_only_for_a_run_that_uses_it(tiny_ckpts, keys, kept):
+    """No KL term, no KL reward penalty, no log_kl: the loop never asks for the reference, and the actor keeps no
+    copy of the initial weights (a model's worth of device memory at KL 0, slime's default too); asking anyway is
+    one clear error."""
+    _, batch = _batch(seed=5)
+    trainer = _trainer(tiny_ckpts, **keys)
+    assert trainer.config.uses_reference is kept
+    assert list(trainer._snapshots.saved) == (["ref"] if kept else [])
+    if kept:
+        assert torch.equal(trainer.log_probs(batch, weights="ref")[0], trainer.log_probs(batch)[0])
+    else:
+        with pytest.raises(UsageError, match="keeps no reference policy; trainer.kl_loss_coef, kl_in_reward_coef "
+                                             "and log_kl are all off"):
+            trainer.log_probs(batch, weights="ref")
+    assert MegatronTrainer(spec_for("qwen3", tiny_ckpts("qwen3")), role="critic",  # a critic never keeps one
+                           **trainer_configs(lr=1e-3, micro_batch_size=2, global_batch_size=4, **keys))._snapshots.saved == {}
+
+
 def test_lr_schedule():
     cfg = TrainerConfig(lr=1.0, lr_warmup_steps=2, lr_decay_style="cosine", lr_decay_steps=12, min_lr=0.1)
     lrs = [lr_at(s, cfg) for s in range(14)]

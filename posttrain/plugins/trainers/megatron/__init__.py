@@ -33,7 +33,8 @@ class MegatronBackend(TrainerBackend):
     """Megatron-core GPTModel with TP, PP and (MoE) EP, Megatron's DDP and (distributed) optimizer on GPUs.
 
     On CPU: a torch AdamW with fp32 master weights and our own clipping. The reference policy is a copy of
-    the initial weights, on the device when it fits (``ref_offload``). Without Transformer Engine, core attention is SDPA (flash ``varlen_attn``
+    the initial weights, on the device when it fits (``ref_offload``), kept only for a run that uses it (a KL term or
+    ``trainer.log_kl``). Without Transformer Engine, core attention is SDPA (flash ``varlen_attn``
     for packed samples on GPU)."""
 
     name = "megatron"
@@ -101,9 +102,12 @@ class MegatronBackend(TrainerBackend):
     def offloaded_bytes_per_parameter(self, run: Any) -> float:
         """The ``offload_parts`` asked, at the model's dtype: weights and reference 2 bytes each (4 at fp32, which has
         no master copy), the optimizer 4 for the fp32 master and 8 for Adam's moments, gradients none (freed). A
-        reference kept in host memory anyway (``ref_offload: always``) counts whatever the parts."""
+        reference kept in host memory anyway (``ref_offload: always``) counts whatever the parts; a run that keeps no
+        reference (``run.trainer.uses_reference`` off) counts none."""
         weight = 4 if getattr(run.model.config, "dtype", "bfloat16") == "float32" else 2
         parts = set(self.config.offload_parts) | ({"reference"} if self.config.ref_offload == "always" else set())
+        if not run.trainer.uses_reference:
+            parts.discard("reference")
         per_part = {"weights": weight, "reference": weight, "optimizer": (0 if weight == 4 else 4) + 8, "grads": 0}
         return float(sum(per_part[part] for part in parts))
 

@@ -1,5 +1,5 @@
 """Weight snapshots of :class:`~posttrain.plugins.trainers.megatron.trainer.MegatronTrainer` (the reference
-policy ``"ref"``, taken at start), swapped in for ``log_probs(..., weights=tag)`` without copying the
+policy ``"ref"``, taken at start by a run that uses it: ``TrainerConfig.uses_reference``), swapped in for ``log_probs(..., weights=tag)`` without copying the
 policy's weights anywhere.
 
 Where a snapshot lives, ``trainer.backend.ref_offload``:
@@ -81,6 +81,9 @@ class Snapshots:
         if tag is None:
             yield
             return
+        if tag == "ref" and tag not in self.saved:  # the trainer takes it only for a run that uses it
+            raise UsageError("weights='ref': this trainer keeps no reference policy; trainer.kl_loss_coef, "
+                             "kl_in_reward_coef and log_kl are all off (any of them keeps the initial weights)")
         if tag not in self.saved:
             raise UsageError(f"no weights snapshot {tag!r}; have: {', '.join(self.saved) or 'none'}")
         params, weights = self.params(), self._on_device(tag)

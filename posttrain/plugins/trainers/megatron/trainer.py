@@ -27,7 +27,8 @@ only); ``trainer.backend.routing_replay`` routes with ``batch.routed_experts``; 
 On CPU: a torch AdamW (fp32 master weights for bf16/fp16 parameters) and our own grad clipping. On GPU: Megatron's DDP and
 (distributed) optimizer. The reference policy is a copy of the initial weights (:mod:`.snapshots`: on the
 device when it fits, ``trainer.backend.ref_offload``), swapped in for ``log_probs(..., weights="ref")``
-without copying the policy's weights (slime keeps such backups in the same actor too). ``offload()``/``onload()``
+without copying the policy's weights (slime keeps such backups in the same actor too). It is kept only when the
+run uses it (``TrainerConfig.uses_reference``: a KL term or ``log_kl``), as slime loads no reference at KL 0. ``offload()``/``onload()``
 (:mod:`.offload`, ``resources.offload_trainer``) move that state (all of it, or the ``trainer.backend.offload_parts``
 named) to host memory and back while a colocated engine generates.
 
@@ -114,7 +115,7 @@ class MegatronTrainer:
         self._build_optimizer(overrides)
         self._offload = offload.TrainerOffload(self, self.device)
         self._snapshots = Snapshots(lambda: M.megatron_params(self.model), self.device, self.backend.ref_offload)
-        if role == "actor":
+        if role == "actor" and self.config.uses_reference:  # no KL term and no log_kl: no copy to keep
             self.snapshot("ref")
 
     # ------------------------------------------------------------------ optimizer
