@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on lent H200s (bench/RESULTS.md): installs the carried wheels and posttrain into /tmp/site, runs
-# the named parts, keeps every log under $OUT and prints a table last.
+# the named parts, keeps every log under $OUT and prints a table last (also when a signal stops it: run it under
+# `timeout N` a little inside the call's limit, and the logs of the steps so far still come back).
 #   bash bench/gpu_session.sh PART...      (run tool: carry [".whl"], kind nvidia-h200-x2 for two GPUs)
 # parts:
 #   tests     GPU tests (tests/gpu: colocated, NCCL, async runs at a small shape; engine and trainer GPU tests)
@@ -147,10 +148,22 @@ MOE_CFG=examples/gpu/qwen3-30b-a3b-grpo.yaml
 MOE_LAYERS=${MOE_LAYERS:-8}                            # the cut of MOE_CFG (its memory arithmetic: 8 layers)
 MOE_ROLLOUT_LAYERS=${MOE_ROLLOUT_LAYERS:-$MOE_LAYERS}  # decode alone fits all 48 (57 GiB of weights)
 declare -A RC; ORDER=()
+CHILD= CURRENT=
+finish() {  # the logs back as $OUT/logs.tgz, and the table of steps
+  tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null
+  echo; echo "| step | rc (wall) |"; echo "|---|---|"
+  for k in "${ORDER[@]}"; do echo "| $k | ${RC[$k]} |"; done
+}
+# stopped from outside (`timeout 590 bash bench/gpu_session.sh ...` running out): end the running step, keep the logs
+trap 'echo "== stopped by a signal"; if [ -n "$CHILD" ]; then kill $CHILD 2>/dev/null; wait $CHILD
+      RC[$CURRENT]="stopped"; ORDER+=("$CURRENT"); fi; finish; exit 124' TERM INT
 step() {  # step NAME TIMEOUT_S CMD...: run, keep the log, remember the exit code and wall time
   local name=$1 limit=$2; shift 2
   local t0=$(date +%s)
-  timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1; RC[$name]="$? ($(( $(date +%s) - t0 )) s)"; ORDER+=("$name")
+  # in the background and waited for, so a signal to this script (the call's own `timeout`) stops it at once and
+  # the trap below still returns the logs
+  CURRENT=$name; timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1 & CHILD=$!
+  wait $CHILD; RC[$name]="$? ($(( $(date +%s) - t0 )) s)"; ORDER+=("$name"); CHILD=
   echo "== $name: rc ${RC[$name]}"; grep -h '^{' "$LOGS/$name.log" | cut -c1-1500; tail -n 3 "$LOGS/$name.log" | cut -c1-300
 }
 e2e() {  # the run stops itself 15 s before the step's limit and reports the steps it finished
@@ -472,6 +485,4 @@ why = vmm_supported(0); print('vmm:', why or 'supported'); raise SystemExit(1 if
             phase_table colocated5 ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac; done
-tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null
-echo; echo "| step | rc (wall) |"; echo "|---|---|"
-for k in "${ORDER[@]}"; do echo "| $k | ${RC[$k]} |"; done
+finish
