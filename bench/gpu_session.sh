@@ -111,7 +111,8 @@
 #             program against four and eight
 #   autotune17 decode at the benchmark shape with inductor's max-autotune (Triton matmul templates against cuBLAS)
 #   gpuruns17 tests/gpu's runs, then its trainer-engine equivalence variants (each with its own limit)
-#   colocated_test, compiled_gpu_tests: the colocated GPU run test alone; the compiled decode variants' GPU tests
+#   colocated_test, compiled_gpu_tests: the colocated GPU run tests alone (three qwen3-0.6B runs: 150 s was short on an
+#             H200, COLOCATED_TEST_S, default 330); the compiled decode variants' GPU tests
 #   trl_gpu   TRL's GRPOTrainer on that workload (bench/trl_gpu.py; wheels in .whl/trl/: trl, datasets, dill,
 #             multiprocess), for the side-by-side ratio
 #   disagg    the same, trainer GPU 0 / engine GPU 1, synchronous then async
@@ -461,7 +462,7 @@ why = vmm_supported(0); print('vmm:', why or 'supported'); raise SystemExit(1 if
              python3 -c "import json; rows = [json.loads(l) for l in open('$LOGS/runs/colocated5-metrics.jsonl')]; \
                [print(r['step'], *(round(r.get(k, -1), 2) for k in ('perf/step_time', 'perf/time_generate', \
                'perf/time_train', 'engine/prefill_s', 'engine/graph_capture_s'))) for r in rows]" ;;
-  colocated_test) step colocated_test 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_runs_gpu.py -k colocated ;;
+  colocated_test) step colocated_test ${COLOCATED_TEST_S:-330} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_runs_gpu.py -k colocated ;;
   compiled_gpu_tests) step compiled_gpu_tests 170 python3 -m pytest -q -p no:cacheprovider -m gpu \
                         tests/unit/rollout/test_decode_variants.py -k compile ;;
   moe_train)
