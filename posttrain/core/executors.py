@@ -49,8 +49,8 @@ class RayExecutor:
     """Roles as Ray actors: the trainer gets ``trainer_gpus_per_node`` GPUs (or a CPU), the engine role
     ``rollout_gpus``. Starts a local Ray instance unless ``resources.ray_address`` names a cluster. Engines may
     start before the trainer builds (``model_pending``), as under :class:`LocalExecutor`; a trainer group's
-    placement group is still reserved before the engines' (:meth:`_trainer_placement`), so the cluster's GPUs
-    are handed out in the same order either way."""
+    placement group is still reserved before the engines' (:meth:`_trainer_placement`). A one-rank trainer has
+    none: its actor asks for its GPU after the engines' (each actor sees only its own GPUs)."""
 
     engines_before_trainer = True
 
