@@ -262,8 +262,8 @@ class TrainerConfig:
     kl_in_reward_coef: float = option(0.0, ge=0.0, help="per-token reward penalty -coef * KL_t (classic RLHF "
                                                         "shaping), added to the estimator's token_rewards")
     log_kl: bool = option(False, help="log train/kl to the reference even when no KL term uses it: costs one "
-                                      "forward pass of the reference per step (without it and without KL terms, "
-                                      "no reference pass runs)")
+                                      "forward pass of the reference per step and a copy of the initial weights "
+                                      "(without it and without KL terms, neither)")
     old_log_probs_from_train: bool = option(
         True, help="when a batch is trained in one optimizer step (steps_per_rollout 1) and nothing needs the "
                    "old policy's log-probs before it (no correction, kl_in_reward_coef 0, an estimator without "

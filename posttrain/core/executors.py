@@ -112,7 +112,7 @@ class RayExecutor:
     def engines(self, model_path: str, log_dir: Path, model_pending: bool = False) -> _RemoteHandle:
         r = self.cfg.resources
         strategy = None
-        if r.trainer_world_size > 1:  # a trainer group: the engines get their own bundle (or node 0's), after its
+        if r.trainer_world_size > 1:  # a trainer group: its group first, then the engines' bundle (or node 0's)
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
             trainer_group = self._trainer_placement()
