@@ -102,6 +102,7 @@ def main() -> None:
         signals["trainer_offloaded_gib"] = round(max(r.get("perf/trainer_offloaded_gib", 0.0) for r in rows), 2)
         signals["offload_wait_s_by_step"] = [round(r["train/offload_wait_s"], 3) for r in rows
                                              if "train/offload_wait_s" in r]  # what the passes did not hide
+        signals["offload_pin_s"] = round(sum(r.get("train/offload_pin_s", 0.0) for r in rows), 2)  # host buffers made
     if sampled:  # with filters: the reward of every sampled group, the filtered ones too
         signals["sampled_reward_last10"] = round(statistics.mean(sampled[-10:]), 3)
     signals.update({"last_" + k: v for k, v in evals.items()})  # each eval set's last

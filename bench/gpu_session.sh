@@ -96,6 +96,8 @@
 #             (trainer.backend.offload_parts=[optimizer,grads]: the weights and the reference stay), and without the
 #             offload, each phase's GPU memory
 #   offloadab17 offload17's colocated runs with the offload and without (no tests); offloadtests17 its tests alone
+#   pin17     a 28.8 GiB pinned host buffer made four ways (bench/pin_memory.py; PIN_METHODS picks): seconds, bytes
+#             pinned, copy bandwidth
 #   offloadrun17 the small colocated GPU run with the offload (tests/gpu), then the same with the allocator's
 #             expandable segments (PYTORCH_CUDA_ALLOC_CONF), each step's GPU peak while generating and the trainer's
 #             reserved memory
@@ -204,13 +206,13 @@ import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 phases = list(dict.fromkeys(k[len("perf/time_"):] for r in rows for k in r if k.startswith("perf/time_")))
 print("step | " + " | ".join(f"{p} s / GPU peak GiB" for p in phases) + " | trainer peak | engine peak | offloaded GiB"
-      " | trainer reserved GiB | optimizer state wait s")
+      " | trainer reserved GiB | optimizer state wait s | host buffers made s")
 for r in rows:
     print(r["step"], "|", " | ".join(f"{r.get('perf/time_' + p, 0):.2f} / {r.get('perf/gpu_peak_gib_' + p, float('nan')):.1f}"
                                      for p in phases), "|", round(r.get("perf/trainer_peak_gib", 0), 1), "|",
           round(r.get("perf/engine_peak_gib", 0), 1), "|", round(r.get("perf/trainer_offloaded_gib", 0), 1), "|",
           round(r.get("perf/trainer_reserved_gib", float("nan")), 2), "|",
-          round(r.get("train/offload_wait_s", float("nan")), 3))
+          round(r.get("train/offload_wait_s", float("nan")), 3), "|", round(r.get("train/offload_pin_s", float("nan")), 2))
 PY
 }
 PARTS=(); for p in "$@"; do if [ "$p" = moe ]; then PARTS+=(moe_train moe_rollout moe_grpo); else PARTS+=("$p"); fi; done
@@ -276,6 +278,7 @@ print('ropecheck ok: compiled THD rotary equals eager on cuda (bf16 tolerance) f
     phase_table colocated4_offload
     e2e colocated4 ${COLOCATED4_S:-220} resources.colocate=true rollout.num_rollouts=4
     phase_table colocated4 ;;
+  pin17) step pin_memory 240 python3 bench/pin_memory.py ${PIN_METHODS:+--methods $PIN_METHODS} ;;
   offloadtests17) step offload_gpu_test 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/train/test_offload.py \
       tests/gpu/test_runs_gpu.py -k "offload" ;;
   offloadrun17)  # the small colocated run with the offload, with the allocator's expandable segments and without

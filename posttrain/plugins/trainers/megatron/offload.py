@@ -7,8 +7,8 @@ slime forces this offload on colocated runs (``torch_memory_saver``, interceptin
 Megatron workers move parameters, gradients and optimizer state by flags. Here it is per storage:
 
 - a storage whose values must survive (weights, fp32 master copies, Adam's moments, snapshots) is copied into
-  pinned host memory (one buffer, kept from one step to the next: pinning 30 GB costs seconds) and then freed on the
-  device with ``untyped_storage().resize_(0)``; :meth:`HostOffload.onload` re-allocates it and copies it back;
+  pinned host memory (one buffer of the exact size, kept from one step to the next: host_memory.py makes it) and
+  then freed on the device with ``untyped_storage().resize_(0)``; :meth:`HostOffload.onload` re-allocates it and copies it back;
 - a storage whose values need not survive (gradient buffers: every train step zeroes them first) is freed and
   comes back zeroed, never copied.
 
@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from posttrain.plugins.trainers.megatron.host_memory import pinned_empty
 from posttrain.plugins.trainers.megatron.optim import init_adam_state
 
 log = logging.getLogger("posttrain.trainer")
@@ -64,7 +65,7 @@ def _empty_host_cache() -> None:
 class HostOffload:
     """Moves the storages of given tensors off ``device`` and back (module docstring). One instance per
     model: one pinned host buffer holds every kept storage back to back, reused by every later :meth:`offload`
-    of the same storages (one allocation: PyTorch's pinned allocator rounds each block up to a power of two)."""
+    of the same storages (making it is the slow part: host_memory.py)."""
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
@@ -80,6 +81,8 @@ class HostOffload:
         self._stall_s: float | None = None  # off CUDA: how long the awaited copies took
         # copy_out's storages ((pointer, bytes) in host-buffer order) and its event (CUDA), until offload or a write
         self._early: tuple[list[tuple[int, int]], torch.cuda.Event | None] | None = None
+        self._unpin: Callable[[], object] | None = None  # unregisters the host buffer (host_memory.pinned_empty)
+        self.pin_s: float | None = None  # seconds the last new host buffer took to make, until read
 
     @property
     def offloaded(self) -> bool:
@@ -123,10 +126,8 @@ class HostOffload:
         if early is None or early[0] != [(ptr, s.nbytes()) for ptr, s in kept.items()]:  # else: already copied
             if self._host is None or self._host.numel() != total:  # the first offload, or other storages
                 if self._host is not None:  # (a state that grew: TrainerOffload makes Adam's ahead, so rarely)
-                    self._host = None  # the old buffer goes before the new one is pinned, and leaves the pinned cache
-                    if pin:
-                        _empty_host_cache()
-                self._host = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+                    self._drop_host()  # the old buffer goes before the new one is pinned
+                self._host = self._new_host(total)
             self._copy_out(kept)
         at = 0
         for storage in kept.values():
@@ -143,6 +144,30 @@ class HostOffload:
         if pin:
             torch.cuda.empty_cache()  # back to the driver, where the engines take it
         return freed
+
+    def _new_host(self, nbytes: int) -> torch.Tensor:
+        """``[nbytes]`` uint8 host memory for the kept storages: page-locked on CUDA (host_memory.py: exact size, pages
+        faulted in by several threads, then registered; ``cudaHostAlloc`` where registering fails)."""
+        t0 = time.perf_counter()
+        if self.device.type != "cuda":
+            host = torch.empty(nbytes, dtype=torch.uint8)
+        else:
+            try:
+                host, self._unpin, _ = pinned_empty(nbytes)
+            except RuntimeError as exc:
+                log.warning("offload: %s; pinning with cudaHostAlloc instead", exc)
+                host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.pin_s = time.perf_counter() - t0
+        return host
+
+    def _drop_host(self) -> None:
+        """Let the host buffer go: unregistered first (its memory may go back with it), or out of the pinned cache."""
+        if self._unpin is not None:
+            self._unpin()
+            self._unpin = None
+        self._host = None
+        if self.device.type == "cuda":
+            _empty_host_cache()
 
     def onload(self, background: bool = False) -> int:
         """Re-allocate every freed storage in place and copy the kept values back; returns the bytes.
@@ -361,7 +386,15 @@ class TrainerOffload:
             self.optimizer.copy_out(state_parts(self.trainer)["optimizer"])
 
     def stats(self) -> dict[str, float]:
-        """``offload_wait_s``: how long the last optimizer step waited for the optimizer's state (``train/``
-        in the metrics; what the passes did not hide), once after each background onload; else nothing."""
+        """``train/`` metrics, each once: ``offload_wait_s``, how long the last optimizer step waited for the
+        optimizer's state (what the passes did not hide), after each background onload; ``offload_pin_s``, the
+        seconds new host buffers took to make (the first offload's, mostly)."""
+        out = {}
         stall = self.optimizer.stall_s()
-        return {} if stall is None else {"offload_wait_s": stall}
+        if stall is not None:
+            out["offload_wait_s"] = stall
+        made = [h.pin_s for h in (self.rest, self.optimizer) if h.pin_s is not None]
+        if made:
+            out["offload_pin_s"] = sum(made)
+            self.rest.pin_s = self.optimizer.pin_s = None
+        return out

@@ -1,0 +1,65 @@
+"""Page-locked host memory of an exact size (trainers/megatron/host_memory.py): pageable bytes faulted in by
+threads, then registered. Off CUDA the CUDA runtime's register calls are recorded, not made; the GPU test makes them."""
+
+import pytest
+import torch
+
+from posttrain.plugins.trainers.megatron.host_memory import advise_huge_pages, pinned_empty, touch_pages
+
+
+def _recorders():
+    calls = []
+    return calls, (lambda ptr, n: calls.append(("register", ptr, n)) or 0), (lambda ptr: calls.append(("unregister", ptr)) or 0)
+
+
+@pytest.mark.parametrize("threads", [1, 3, 8])
+def test_every_byte_is_written_whatever_the_threads(threads):
+    buffer = torch.full(((5 << 20) + 12345,), 7, dtype=torch.uint8)  # not a multiple of the 2 MiB chunks
+    touch_pages(buffer, threads)
+    assert int(buffer.count_nonzero()) == 0
+
+
+def test_the_exact_size_is_registered_once_and_unregistered_once():
+    calls, register, unregister = _recorders()
+    nbytes = (3 << 20) + 1  # no rounding up to a power of two
+    host, release, took = pinned_empty(nbytes, threads=2, register=register, unregister=unregister)
+    assert host.dtype == torch.uint8 and host.numel() == nbytes and int(host.count_nonzero()) == 0
+    assert calls == [("register", host.data_ptr(), nbytes)]
+    assert took["touch_s"] >= 0 and took["register_s"] >= 0 and isinstance(took["huge_pages"], bool)
+    release()
+    release()  # idempotent: the second call does nothing
+    assert calls[1:] == [("unregister", host.data_ptr())]
+
+
+def test_a_dropped_buffer_is_unregistered_when_collected():
+    calls, register, unregister = _recorders()
+    host, _, _ = pinned_empty(1 << 20, threads=1, register=register, unregister=unregister)
+    ptr = host.data_ptr()
+    del host
+    assert calls == [("register", ptr, 1 << 20), ("unregister", ptr)]
+
+
+def test_a_failed_registration_says_so():
+    with pytest.raises(RuntimeError, match=r"cudaHostRegister of 0\.0 GiB failed with CUDA error 2"):
+        pinned_empty(4096, threads=1, register=lambda ptr, n: 2, unregister=lambda ptr: 0)
+
+
+def test_huge_pages_are_asked_only_over_whole_aligned_pages():
+    assert advise_huge_pages(4096, 4096) is False  # no 2 MiB-aligned page inside: nothing asked
+    buffer = torch.empty(6 << 20, dtype=torch.uint8)
+    assert isinstance(advise_huge_pages(buffer.data_ptr(), buffer.numel()), bool)  # the kernel decides
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_registered_memory_is_pinned_and_copies_asynchronously_both_ways():
+    host, release, _ = pinned_empty((64 << 20) + 3)
+    assert host.is_pinned()
+    source = torch.randint(0, 255, (host.numel(),), dtype=torch.uint8, device="cuda")
+    host.copy_(source, non_blocking=True)
+    back = torch.empty_like(source)
+    back.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, source)
+    release()
+    assert not host.is_pinned()
