@@ -1,6 +1,8 @@
 """Page-locked host memory of an exact size (trainers/megatron/host_memory.py): pageable bytes faulted in by
 threads, then registered. Off CUDA the CUDA runtime's register calls are recorded, not made; the GPU test makes them."""
 
+import mmap
+
 import pytest
 import torch
 
@@ -39,6 +41,22 @@ def test_a_dropped_buffer_is_unregistered_when_collected():
     assert calls == [("register", ptr, 1 << 20), ("unregister", ptr)]
 
 
+def test_nothing_to_pin_registers_nothing():
+    calls, register, unregister = _recorders()
+    host, release, _ = pinned_empty(0, register=register, unregister=unregister)
+    release()
+    assert host.numel() == 0 and calls == []
+
+
+def test_buffers_share_no_page():
+    """Each buffer is its own page-aligned mapping: registering one never overlaps another's pages."""
+    calls, register, unregister = _recorders()
+    buffers = [pinned_empty(n, threads=1, register=register, unregister=unregister)[0] for n in (100, 5000, 100)]
+    spans = sorted((b.data_ptr(), b.data_ptr() + b.numel()) for b in buffers)
+    assert all(start % mmap.PAGESIZE == 0 for start, _ in spans)
+    assert all(-(-end // mmap.PAGESIZE) <= start // mmap.PAGESIZE for (_, end), (start, _) in zip(spans, spans[1:]))
+
+
 def test_a_failed_registration_says_so():
     with pytest.raises(RuntimeError, match=r"cudaHostRegister of 0\.0 GiB failed with CUDA error 2"):
         pinned_empty(4096, threads=1, register=lambda ptr, n: 2, unregister=lambda ptr: 0)
@@ -63,3 +81,15 @@ def test_registered_memory_is_pinned_and_copies_asynchronously_both_ways():
     assert torch.equal(back, source)
     release()
     assert not host.is_pinned()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_failed_registration_leaves_no_error_for_the_next_kernel():
+    """A second registration of the same pages fails; the runtime's error must not surface at the next launch."""
+    from posttrain.plugins.trainers.megatron.host_memory import _cuda_register
+
+    host, release, _ = pinned_empty(1 << 20)
+    assert _cuda_register(host.data_ptr(), host.numel()) != 0  # already registered
+    assert float((torch.ones(4, device="cuda") * 2).sum()) == 8.0
+    release()

@@ -4,8 +4,9 @@
 optimizer state is 28.8 GiB, so 32 GiB, whose every page the driver faults in, zeroes and locks from one thread.
 On an H200 host the first offload of a colocated run took ~20 s that way (bench/RESULTS.md). Here instead:
 
-1. the bytes are ordinary pageable memory of exactly ``n`` bytes (``torch.empty``; glibc maps a block this large
-   with ``mmap``, so no page is touched yet), advised to use transparent huge pages where the kernel allows it;
+1. the bytes are an anonymous ``mmap`` of exactly ``n`` bytes: page-aligned, no page touched yet, and no page shared
+   with other memory (which a second registration would collide with), advised to use transparent huge pages where
+   the kernel allows it;
 2. every page is written once from several threads (``ctypes.memset`` releases the GIL), so the page faults and the
    kernel's zeroing run in parallel instead of inside the driver's single-threaded pinning;
 3. ``cudaHostRegister`` locks the pages already there and maps them for the device: copies to and from the buffer are
@@ -19,6 +20,7 @@ memory goes back: :func:`pinned_empty` returns the call that does it (it also ru
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import time
 import weakref
@@ -58,8 +60,24 @@ def touch_pages(buffer: torch.Tensor, threads: int) -> None:
         list(pool.map(lambda at: ctypes.memset(ptr + at, 0, min(chunk, nbytes - at)), starts))
 
 
+def _reset_cuda_error() -> None:
+    """Clear this thread's CUDA runtime error after a failed call: PyTorch reads ``cudaGetLastError`` after every
+    kernel launch, so a failed registration left there fails the next kernel instead (``torch.cuda.cudart()`` has no
+    such call: the runtime library this process loaded is asked directly)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line}
+        for path in paths:
+            ctypes.CDLL(path).cudaGetLastError()
+    except OSError:
+        pass
+
+
 def _cuda_register(ptr: int, nbytes: int) -> int:
-    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))  # 0: cudaHostRegisterDefault
+    error = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))  # 0: cudaHostRegisterDefault
+    if error:
+        _reset_cuda_error()
+    return error
 
 
 def _cuda_unregister(ptr: int) -> int:
@@ -76,9 +94,11 @@ def pinned_empty(nbytes: int, threads: int | None = None,
     (default: the CPUs this process may use, at most 32). ``register``/``unregister``: the CUDA runtime's calls
     (a pointer and size -> an error code, 0 for success). Raises RuntimeError when registering fails (the caller
     falls back to ``cudaHostAlloc``)."""
+    if nbytes == 0:  # nothing to pin (registering 0 bytes is an error)
+        return torch.empty(0, dtype=torch.uint8), lambda: None, {"touch_s": 0.0, "register_s": 0.0, "huge_pages": False}
     threads = threads or min(32, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
     t0 = time.perf_counter()
-    host = torch.empty(nbytes, dtype=torch.uint8)
+    host = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)  # unmapped when the last view goes
     ptr = host.data_ptr()
     huge = advise_huge_pages(ptr, nbytes)
     touch_pages(host, threads)
