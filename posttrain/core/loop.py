@@ -72,11 +72,13 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
             stack.callback(teacher_role.close)
         phase("model", "the engines start beside it" if first else "")
         trainer = executor.trainer(run.logs)  # one rank in this process, or a group of ranks
+        phase("init_checkpoint")
         trainer.save_hf(init_dir, replace=True)  # appears whole
         ckpt = run.latest_checkpoint() if resume else None
         if ckpt is not None:  # another model's checkpoint is refused before the first push
             run.check_resume(ckpt, cfg.to_dict(), init_dir)
         if offload:  # the engines start in the room the trainer's state leaves, as they will generate in it
+            phase("offload")
             trainer.offload()
         if not first:
             phase("engines")

@@ -46,13 +46,14 @@ def engine_url(tmp_path_factory):
         os.environ[API_KEY_ENV] = before
 
 
-def _run(tmp_path, engine_url, **sections):
+def _run(tmp_path, engine_url, phases=None, **sections):
     from posttrain.core.loop import train
     from posttrain.core.run_dir import RunDirectory
 
     cfg, plugins = _config(engine_url, **sections)
     run = RunDirectory.create(tmp_path / "run", "smoke")
-    asyncio.run(train(cfg, plugins, run))
+    on_phase = None if phases is None else (lambda name, detail="": phases.append(name))
+    asyncio.run(train(cfg, plugins, run, on_phase=on_phase))
     return [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -184,9 +185,11 @@ def test_an_offloaded_trainer_is_on_the_device_only_while_the_engines_kv_cache_i
                "engine": {"name": "local", "device": "cpu", "context_length": 64, "max_running_requests": 16}}
     sections = {"rollout": rollout, "resources": {"colocate": True, "offload_trainer": True},
                 "checkpoint": {"interval": 1}}
-    rows = _run(tmp_path, engine_url, **sections)  # an engine of the run's own: external ones cannot be colocated
+    phases = []
+    rows = _run(tmp_path, engine_url, phases, **sections)  # an engine of the run's own: external ones cannot be colocated
     _check(rows)
     assert events[:2] == ["offload", "engines"]
+    assert phases[:4] == ["model", "init_checkpoint", "offload", "engines"]  # each start-up part timed apart
     # back for the first push, each step, each checkpoint and the final export; away after each
     assert events.count("onload") == events.count("offload") - 1 == 6, events
     # a step's metrics are on disk before its checkpoint: a kill between them cannot lose the row on resume
