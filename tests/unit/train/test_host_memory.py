@@ -57,6 +57,18 @@ def test_buffers_share_no_page():
     assert all(-(-end // mmap.PAGESIZE) <= start // mmap.PAGESIZE for (_, end), (start, _) in zip(spans, spans[1:]))
 
 
+def test_the_buffer_is_private_memory_that_may_take_huge_pages():
+    """A shared anonymous map (Python's ``mmap`` default) is shmem: no transparent huge pages, 5x slower to fault in
+    (bench/RESULTS.md). The buffer's mapping must be private."""
+    _, register, unregister = _recorders()
+    host, _, _ = pinned_empty(4 << 20, threads=1, register=register, unregister=unregister)
+    ptr = host.data_ptr()
+    with open("/proc/self/maps") as maps:
+        spans = [line.split() for line in maps]
+    perms = [p for span, p, *_ in spans if int(span.split("-")[0], 16) <= ptr < int(span.split("-")[1], 16)]
+    assert perms and perms[0].startswith("rw") and perms[0][3] == "p", perms
+
+
 def test_a_failed_registration_says_so():
     with pytest.raises(RuntimeError, match=r"cudaHostRegister of 0\.0 GiB failed with CUDA error 2"):
         pinned_empty(4096, threads=1, register=lambda ptr, n: 2, unregister=lambda ptr: 0)
