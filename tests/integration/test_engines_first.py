@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 
 import pytest
 
@@ -69,4 +70,11 @@ def test_the_engines_start_before_the_trainer_and_load_the_fresh_checkpoint(tmp_
     rows = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0] and math.isfinite(rows[0]["train/loss"])
     assert rows[0]["train_rollout_logprob_abs_diff"] < 1e-3  # the engines serve the trainer's weights
+    # the engine's log says how long each part of its start took, the wait for the checkpoint first
+    logs = "".join(p.read_text() for p in run.path.rglob("engine*.log"))
+    ready = re.search(r"posttrain engine serving .* \(ready after ([\d.]+) s: waiting for the checkpoint ([\d.]+) s, "
+                      r"model ([\d.]+) s, tokenizer ([\d.]+) s\)", logs)
+    assert ready, logs[-2000:]
+    age, *parts = map(float, ready.groups())
+    assert parts[0] > 0 and age >= sum(parts)
 

@@ -251,3 +251,19 @@ async def test_server_info_totals_count_the_engines_work_since_start(engine_url,
     assert steps >= 4 and after["decode_s"] > before["decode_s"]  # the first token comes from the prefill
     assert after["decode_rows"] - before["decode_rows"] == 3 * steps  # the three rows run every step together
     assert after["graph_captures"] == before["graph_captures"] == 0  # no CUDA graphs on a CPU
+
+
+async def test_server_info_says_how_long_each_part_of_the_start_took(engine_url, engine_key):
+    async with EngineClient(engine_url, api_key=engine_key) as engine:
+        startup = (await engine.get_server_info())["startup_s"]
+    assert {"model", "tokenizer"} <= set(startup) and startup["model"] > 0 and startup["tokenizer"] >= 0
+
+
+def test_the_serving_line_names_the_starts_parts_and_the_process_age():
+    from posttrain.plugins.engines.local.server import process_age_s, startup_text
+
+    age = process_age_s()
+    assert age is not None and 0 < age < 24 * 3600  # this test process, started moments (or minutes) ago
+    assert startup_text({"waited": 3.04, "model": 10.26, "stable_memory": 1.0}, 24.12) == (
+        "ready after 24.1 s: waiting for the checkpoint 3.0 s, model 10.3 s, stable memory 1.0 s")
+    assert startup_text({}, 2.0) == "ready after 2.0 s" and startup_text({"model": 1.0}, None) == ""

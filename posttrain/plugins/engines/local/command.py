@@ -90,12 +90,13 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
     if api_key is None and not no_api_key:
         raise UsageError(f"set {API_KEY_ENV} to the API key clients will send (Authorization: Bearer KEY), "
                          "or pass --no-api-key to serve without one")
+    waited_s = 0.0
     if wait_for_model:  # started beside the trainer that writes it: the imports run meanwhile
-        wait_for_checkpoint(model_dir, wait_for_model)
+        waited_s = wait_for_checkpoint(model_dir, wait_for_model)
         check_checkpoint(model_dir)
     from posttrain.plugins.engines.local.server import serve as run
 
-    run(str(model_dir), host=host, port=port, device=device, dtype=dtype,
+    run(str(model_dir), host=host, port=port, waited_s=waited_s, device=device, dtype=dtype,
         max_running_requests=max_running_requests, context_length=context_length or None, cuda_graphs=cuda_graphs,
         decode_attention=decode_attention, compile=compile, stable_memory=stable_memory, overlap=not no_overlap,
         api_key=api_key, fused_sampling=not no_fused_sampling, prefill_tokens=prefill_tokens or None,
@@ -116,10 +117,10 @@ def check_checkpoint(model_dir: Path) -> None:
         raise UsageError(f"{model_dir}: no *.safetensors weights")
 
 
-def wait_for_checkpoint(model_dir: Path, timeout_s: float, poll_s: float = 0.02) -> None:
+def wait_for_checkpoint(model_dir: Path, timeout_s: float, poll_s: float = 0.02) -> float:
     """Import what loading a checkpoint needs (torch, transformers' model and tokenizer machinery, the engine),
-    then wait up to ``timeout_s`` for ``model_dir`` to appear: the run's trainer writes it under another name
-    and renames it in, so a directory that exists is whole. The imports take most of an engine's start on a
+    then wait up to ``timeout_s`` for ``model_dir`` to appear; returns the seconds waited. The run's trainer writes
+    it under another name and renames it in, so a directory that exists is whole. The imports take most of an engine's start on a
     CPU (3-4 s of 4, bench/RESULTS.md), and they run while the trainer builds."""
     import time
 
@@ -131,8 +132,10 @@ def wait_for_checkpoint(model_dir: Path, timeout_s: float, poll_s: float = 0.02)
     import posttrain.plugins.engines.local.model_runner  # noqa: F401
     import posttrain.plugins.engines.local.server  # noqa: F401
 
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
+    deadline = start + timeout_s
     while not model_dir.is_dir():
         if time.monotonic() > deadline:
             raise UsageError(f"{model_dir}: the checkpoint did not appear within --wait-for-model {timeout_s:g} s")
         time.sleep(poll_s)
+    return time.monotonic() - start

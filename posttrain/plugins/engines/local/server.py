@@ -49,7 +49,9 @@ import dataclasses
 import functools
 import hmac
 import logging
+import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -112,11 +114,16 @@ class EngineServer:
 
         self.model_dir = str(Path(model_dir).resolve())
         self.host, self.port, self.device = host, port, device
+        t0 = time.perf_counter()
+        self.startup_s: dict[str, float] = {}  # seconds of each part of the start (the serving line, /server_info)
         self.runner = ModelRunner(self.model_dir, device=device, dtype=dtype, max_slots=max_running_requests,
                                   context_length=context_length, cuda_graphs=cuda_graphs,
                                   decode_attention=decode_attention, compile=compile, compile_mode=compile_mode,
                                   float_logits=not str(device).startswith("cuda"))  # sampling upcasts on a GPU
+        t1 = time.perf_counter()
+        self.startup_s["model"] = t1 - t0
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.startup_s["tokenizer"] = time.perf_counter() - t1
         eos = self.runner.hf_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
@@ -128,7 +135,9 @@ class EngineServer:
         self.weights = WeightRoutes(self)
         self.memory = EngineMemory(self.runner)
         if stable_memory:  # before the first request: graphs are captured over the stable addresses
+            t2 = time.perf_counter()
             why = self.engine.call_in_engine(self.memory.make_stable)
+            self.startup_s["stable_memory"] = time.perf_counter() - t2
             if why:
                 log.warning("stable memory off (%s): CUDA graphs are recaptured after every memory release", why)
         self.released = False
@@ -346,7 +355,7 @@ class EngineServer:
 
     async def server_info(self, request: web.Request) -> web.Response:
         return web.json_response({**self.server_args, "version": "posttrain-local-engine",
-                                  "weight_version": self.engine.weight_version,
+                                  "weight_version": self.engine.weight_version, "startup_s": self.startup_s,
                                   "internal_states": [{"num_requests": self.engine.num_requests,
                                                        "memory": self.memory.stats(),
                                                        "steps": self.engine.steps,
@@ -432,11 +441,36 @@ class EngineServer:
         return app
 
 
-def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, **kwargs: Any) -> None:
-    """Run the server until interrupted (``rl-cli engine serve``)."""
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux: ``/proc``), or None where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as stat:
+            started_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime, after the name
+        with open("/proc/uptime") as uptime:
+            return float(uptime.read().split()[0]) - started_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def startup_text(parts: dict[str, float], age_s: float | None) -> str:
+    """``ready after 24.1 s: waiting for the checkpoint 3.0 s, model 10.3 s, ...`` (what the rest, imports and
+    the process's own start, took is the difference); empty without the age."""
+    if age_s is None:
+        return ""
+    names = {"waited": "waiting for the checkpoint", "model": "model", "tokenizer": "tokenizer",
+             "stable_memory": "stable memory"}
+    shown = ", ".join(f"{names.get(k, k)} {v:.1f} s" for k, v in parts.items())
+    return f"ready after {age_s:.1f} s" + (f": {shown}" if shown else "")
+
+
+def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, waited_s: float = 0.0, **kwargs: Any) -> None:
+    """Run the server until interrupted (``rl-cli engine serve``); ``waited_s``: how long the command waited for
+    ``model_dir`` to appear (reported with the start's other parts)."""
     server = EngineServer(model_dir, host=host, port=port, **kwargs)
+    server.startup_s = {**({"waited": waited_s} if waited_s else {}), **server.startup_s}
     settle_heap()  # the model and its modules leave the collector; a request's objects die unscanned
+    ready = startup_text(server.startup_s, process_age_s())
     print(f"posttrain engine serving {server.model_dir} on http://{host}:{port}"
-          f"{'' if server.api_key else ' WITHOUT an API key (any local process may load weights into it)'}",
-          flush=True)
+          f"{'' if server.api_key else ' WITHOUT an API key (any local process may load weights into it)'}"
+          f"{f' ({ready})' if ready else ''}", flush=True)
     web.run_app(server.app(), host=host, port=port, print=None, access_log=None, handler_cancellation=True)
