@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -56,8 +57,17 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
     each start-up phase, ``on_step(step, metrics, samples)`` each step's end."""
     phase = on_phase or (lambda name, detail="": None)
     executor = EXECUTORS[cfg.resources.executor](cfg, **plugins.load_args)
+    # A step's trainer calls run on one thread of their own, not on asyncio's pool: CUDA gives each thread that
+    # runs a matmul its own cuBLAS handle and PyTorch each handle a workspace (32 MiB on an H100), so pool threads
+    # taking turns left a new one allocated step after step (bench/RESULTS.md)
+    trainer_thread = ThreadPoolExecutor(1, thread_name_prefix="posttrain-trainer")
+
+    def on_trainer(fn, *args):
+        return asyncio.get_running_loop().run_in_executor(trainer_thread, fn, *args)
+
     async with AsyncExitStack() as stack:
         stack.callback(executor.close)
+        stack.callback(trainer_thread.shutdown)  # after trainer.close (callbacks run last-in first-out)
         # -- roles: the trainer builds the model; engines start from its weights as an HF checkpoint. Engines
         # that can wait for it start first and get ready meanwhile, unless they will share the trainer's GPUs
         colocate, offload = cfg.resources.colocate, cfg.resources.offload_trainer
@@ -165,7 +175,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         async def push(version: int):  # new weights to every engine (fully_async pauses them for it)
             def sync():
                 return push_weights(trainer, engines, version, str(run.path / "hf-latest"))
-            return await (feeder.push(sync, version) if feeder else asyncio.to_thread(sync))
+            return await (feeder.push(sync, version) if feeder else on_trainer(sync))
 
         def end_step(step: int, last: dict[str, float], groups: list, samples: list) -> None:
             metrics_out.log(step, last)
@@ -217,7 +227,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
                     await asyncio.to_thread(engines.release_memory)
                 if offload:  # the trainer's state back from host memory
                     with timer("onload"):
-                        await asyncio.to_thread(trainer.onload)
+                        await on_trainer(trainer.onload)
             batch, reward, group_index, rollout_lp = batching.to_batch(samples)
 
             # 5. log-probs: the sampling policy as the trainer sees it, the reference, critic values
@@ -225,10 +235,10 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
             fused = batching.old_log_probs_from_train(cfg, estimator)
             with timer("log_probs"):
                 if not fused:
-                    batch.old_log_probs, entropy = await asyncio.to_thread(trainer.log_probs, batch, None, True)
+                    batch.old_log_probs, entropy = await on_trainer(trainer.log_probs, batch, None, True)
                 if cfg.trainer.uses_reference:
-                    batch.ref_log_probs = await asyncio.to_thread(trainer.log_probs, batch, "ref")
-                values = await asyncio.to_thread(trainer.values, batch) if estimator.needs_critic else None
+                    batch.ref_log_probs = await on_trainer(trainer.log_probs, batch, "ref")
+                values = await on_trainer(trainer.values, batch) if estimator.needs_critic else None
             step_metrics = {}
             if cfg.correction is not None:
                 batch.is_weights, correction_metrics = trainer.importance_weights(batch, rollout_lp)
@@ -244,9 +254,9 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
             batch.old_values = values
             with timer("train"):
                 if fused:
-                    train_metrics, batch.old_log_probs, entropy = await asyncio.to_thread(trainer.train, batch, True)
+                    train_metrics, batch.old_log_probs, entropy = await on_trainer(trainer.train, batch, True)
                 else:
-                    train_metrics = await asyncio.to_thread(trainer.train, batch)
+                    train_metrics = await on_trainer(trainer.train, batch)
             step_metrics.update({**batching.mismatch_metrics(batch.old_log_probs, rollout_lp, batch.response_mask),
                                  **batching.policy_metrics(batch, entropy)})
 
@@ -258,13 +268,13 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
             with timer("sync"):
                 version, restarted, push_s = step + 1, [], 0.0
                 if colocate:  # room for the engine's weights, the update, then its KV cache
-                    await asyncio.to_thread(trainer.release_memory)
+                    await on_trainer(trainer.release_memory)
                     await asyncio.to_thread(engines.resume_memory, ["weights"])
                 if feeder is None or feeder.push_due(step, step + 1 == cfg.rollout.num_rollouts, eval_due):
                     restarted, push_s = await push(version)
             if offload:  # the trainer's state to host memory while the engines generate
                 with timer("offload"):
-                    offloaded_gib = await asyncio.to_thread(trainer.offload)
+                    offloaded_gib = await on_trainer(trainer.offload)
             if colocate:
                 with timer("sync"):  # the engines' KV cache last, in the room the trainer left
                     await asyncio.to_thread(engines.resume_memory, ["kv_cache"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import threading
 
 import pytest
 
@@ -173,6 +174,9 @@ def test_an_offloaded_trainer_is_on_the_device_only_while_the_engines_kv_cache_i
 
     record(TrainerRole, "onload", onload)
     record(TrainerRole, "offload", offload)
+    threads = {}  # a step's trainer calls -> the threads they ran on
+    for name in ("train", "log_probs", "release_memory"):
+        record(TrainerRole, name, lambda self, *a, _n=name, **k: threads.setdefault(_n, set()).add(threading.get_ident()))
     metrics = tmp_path / "run" / "metrics.jsonl"
     record(TrainerRole, "save", lambda self, path: events.append(f"save {len(metrics.read_text().splitlines())}"))
     record(EngineRole, "release_memory", tagged("release", True))
@@ -189,6 +193,8 @@ def test_an_offloaded_trainer_is_on_the_device_only_while_the_engines_kv_cache_i
     rows = _run(tmp_path, engine_url, phases, **sections)  # an engine of the run's own: external ones cannot be colocated
     _check(rows)
     assert events[:2] == ["offload", "engines"]
+    # every step's trainer calls on one thread of their own: one cuBLAS handle and workspace, not one per pool thread
+    assert len(set.union(*threads.values())) == 1 and threading.get_ident() not in threads["train"], threads
     assert phases[:4] == ["model", "init_checkpoint", "offload", "engines"]  # each start-up part timed apart
     # back for the first push, each step, each checkpoint and the final export; away after each
     assert events.count("onload") == events.count("offload") - 1 == 6, events

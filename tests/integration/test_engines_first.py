@@ -76,5 +76,5 @@ def test_the_engines_start_before_the_trainer_and_load_the_fresh_checkpoint(tmp_
                       r"model ([\d.]+) s, tokenizer ([\d.]+) s\)", logs)
     assert ready, logs[-2000:]
     age, *parts = map(float, ready.groups())
-    assert parts[0] > 0 and age >= sum(parts)
+    assert age >= sum(parts) and parts[1] > 0  # (the wait may be 0: imports that outlast the build find it there)
 

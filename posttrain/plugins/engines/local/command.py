@@ -90,7 +90,7 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
     if api_key is None and not no_api_key:
         raise UsageError(f"set {API_KEY_ENV} to the API key clients will send (Authorization: Bearer KEY), "
                          "or pass --no-api-key to serve without one")
-    waited_s = 0.0
+    waited_s = None
     if wait_for_model:  # started beside the trainer that writes it: the imports run meanwhile
         waited_s = wait_for_checkpoint(model_dir, wait_for_model)
         check_checkpoint(model_dir)

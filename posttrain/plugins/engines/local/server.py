@@ -463,11 +463,12 @@ def startup_text(parts: dict[str, float], age_s: float | None) -> str:
     return f"ready after {age_s:.1f} s" + (f": {shown}" if shown else "")
 
 
-def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, waited_s: float = 0.0, **kwargs: Any) -> None:
+def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, waited_s: float | None = None,
+          **kwargs: Any) -> None:
     """Run the server until interrupted (``rl-cli engine serve``); ``waited_s``: how long the command waited for
-    ``model_dir`` to appear (reported with the start's other parts)."""
+    ``model_dir`` to appear (``--wait-for-model``; reported with the start's other parts)."""
     server = EngineServer(model_dir, host=host, port=port, **kwargs)
-    server.startup_s = {**({"waited": waited_s} if waited_s else {}), **server.startup_s}
+    server.startup_s = {**({"waited": waited_s} if waited_s is not None else {}), **server.startup_s}
     settle_heap()  # the model and its modules leave the collector; a request's objects die unscanned
     ready = startup_text(server.startup_s, process_age_s())
     print(f"posttrain engine serving {server.model_dir} on http://{host}:{port}"
