@@ -57,9 +57,9 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
     each start-up phase, ``on_step(step, metrics, samples)`` each step's end."""
     phase = on_phase or (lambda name, detail="": None)
     executor = EXECUTORS[cfg.resources.executor](cfg, **plugins.load_args)
-    # A step's trainer calls run on one thread of their own, not on asyncio's pool: CUDA gives each thread that
-    # runs a matmul its own cuBLAS handle and PyTorch each handle a workspace (32 MiB on an H100), so pool threads
-    # taking turns left a new one allocated step after step (bench/RESULTS.md)
+    # A step's trainer calls run on one thread of their own, not on asyncio's pool: PyTorch gives each thread that
+    # runs a matmul its own cuBLAS handle and each handle a workspace (32 MiB on Hopper); with the pool's threads
+    # taking turns, the trainer's memory grew by one workspace a step (bench/RESULTS.md)
     trainer_thread = ThreadPoolExecutor(1, thread_name_prefix="posttrain-trainer")
 
     def on_trainer(fn, *args):
