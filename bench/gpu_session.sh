@@ -97,7 +97,8 @@
 #             offload, each phase's GPU memory
 #   offloadab17 offload17's colocated runs with the offload and without (no tests); offloadtests17 its tests alone
 #   pintests17 the host buffer's and the offload's GPU tests; offload4_17 offloadab17's run with the offload alone
-#             (OFFLOAD_EXTRA: more overrides, e.g. trainer.max_tokens_per_micro_batch=8192 to fit an H100)
+#             (OFFLOAD_EXTRA, here and in offloadab17: more overrides, e.g.
+#             trainer.max_tokens_per_micro_batch=8192 to fit an H100)
 #   pin17     a 28.8 GiB pinned host buffer made four ways (bench/pin_memory.py; PIN_METHODS picks): seconds, bytes
 #             pinned, copy bandwidth
 #   offloadrun17 the small colocated GPU run with the offload (tests/gpu), then the same with the allocator's
@@ -276,9 +277,10 @@ print('ropecheck ok: compiled THD rotary equals eager on cuda (bf16 tolerance) f
     e2e colocated4 ${COLOCATED4_S:-220} resources.colocate=true rollout.num_rollouts=4
     phase_table colocated4 ;;
   offloadab17)  # offload17's runs with and without the offload, its tests left out (one call's room on an H200)
-    e2e colocated4_offload ${COLOCATED4_S:-220} resources.colocate=true rollout.num_rollouts=4 resources.offload_trainer=true
+    e2e colocated4_offload ${COLOCATED4_S:-220} resources.colocate=true rollout.num_rollouts=4 resources.offload_trainer=true \
+      ${OFFLOAD_EXTRA:-}
     phase_table colocated4_offload
-    e2e colocated4 ${COLOCATED4_S:-220} resources.colocate=true rollout.num_rollouts=4
+    e2e colocated4 ${COLOCATED4_S:-220} resources.colocate=true rollout.num_rollouts=4 ${OFFLOAD_EXTRA:-}
     phase_table colocated4 ;;
   pintests17) step pin_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/train/test_host_memory.py \
                 tests/unit/train/test_offload.py ;;
