@@ -58,7 +58,7 @@ def one(method: str, nbytes: int) -> dict:
     t0 = time.perf_counter()
     if method in ("cudahostalloc", "torch_register"):
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        row["pinned_gib"] = round(torch.cuda.host_memory_stats().get("reserved_bytes.current", 0) / 2**30, 2)
+        row["pinned_gib"] = round(torch.cuda.host_memory_stats()["allocated_bytes.current"] / 2**30, 2)
     else:
         host, release, parts = pinned_empty(nbytes, threads=1 if method == "register1" else None)
         row.update({k: round(v, 2) if isinstance(v, float) else v for k, v in parts.items()})
@@ -92,7 +92,8 @@ def main() -> None:
         done = subprocess.run([sys.executable, __file__, "--gib", str(args.gib), "--one", method], env=env,
                               capture_output=True, text=True)
         if done.returncode:
-            print(json.dumps({"bench": "pin_memory", "method": method, "error": done.stderr.strip()[-500:]}), flush=True)
+            error = done.stderr.strip()[-500:]
+            print(json.dumps({"bench": "pin_memory", "method": method, "error": error}), flush=True)
         else:
             sys.stdout.write(done.stdout)
         print(json.dumps({"bench": "pin_memory_process", "method": method,

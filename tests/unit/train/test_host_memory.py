@@ -11,7 +11,9 @@ from posttrain.plugins.trainers.megatron.host_memory import advise_huge_pages, p
 
 def _recorders():
     calls = []
-    return calls, (lambda ptr, n: calls.append(("register", ptr, n)) or 0), (lambda ptr: calls.append(("unregister", ptr)) or 0)
+    register = lambda ptr, n: calls.append(("register", ptr, n)) or 0  # noqa: E731
+    unregister = lambda ptr: calls.append(("unregister", ptr)) or 0  # noqa: E731
+    return calls, register, unregister
 
 
 @pytest.mark.parametrize("threads", [1, 3, 8])

@@ -8,7 +8,8 @@ Megatron workers move parameters, gradients and optimizer state by flags. Here i
 
 - a storage whose values must survive (weights, fp32 master copies, Adam's moments, snapshots) is copied into
   pinned host memory (one buffer of the exact size, kept from one step to the next: host_memory.py makes it) and
-  then freed on the device with ``untyped_storage().resize_(0)``; :meth:`HostOffload.onload` re-allocates it and copies it back;
+  then freed on the device with ``untyped_storage().resize_(0)``; :meth:`HostOffload.onload` re-allocates it and
+  copies it back;
 - a storage whose values need not survive (gradient buffers: every train step zeroes them first) is freed and
   comes back zeroed, never copied.
 
