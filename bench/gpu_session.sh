@@ -116,6 +116,7 @@
 #             program against four and eight
 #   autotune17 decode at the benchmark shape with inductor's max-autotune (Triton matmul templates against cuBLAS)
 #   gpuruns17 tests/gpu's runs, then its trainer-engine equivalence variants (each with its own limit)
+#   offloadtest1 the trainer-offloaded colocated GPU run test alone (two qwen3-0.6B runs; OFFLOADED_TEST_S, default 560)
 #   colocated_test, compiled_gpu_tests: the colocated GPU run tests alone (three qwen3-0.6B runs: 150 s was short on an
 #             H200, COLOCATED_TEST_S, default 330); the compiled decode variants' GPU tests
 #   trl_gpu   TRL's GRPOTrainer on that workload (bench/trl_gpu.py; wheels in .whl/trl/: trl, datasets, dill,
@@ -209,14 +210,16 @@ import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 phases = list(dict.fromkeys(k[len("perf/time_"):] for r in rows for k in r if k.startswith("perf/time_")))
 print("step | " + " | ".join(f"{p} s / GPU peak GiB" for p in phases) + " | trainer peak | engine peak | offloaded GiB"
-      " | trainer reserved GiB | optimizer state wait s | host buffers made s")
+      " | trainer reserved GiB | trainer allocated GiB | optimizer state wait s | host buffers made s")
 for r in rows:
     print(r["step"], "|", " | ".join(f"{r.get('perf/time_' + p, 0):.2f} / {r.get('perf/gpu_peak_gib_' + p, float('nan')):.1f}"
                                      for p in phases), "|", round(r.get("perf/trainer_peak_gib", 0), 1), "|",
           round(r.get("perf/engine_peak_gib", 0), 1), "|", round(r.get("perf/trainer_offloaded_gib", 0), 1), "|",
           round(r.get("perf/trainer_reserved_gib", float("nan")), 2), "|",
+          round(r.get("perf/trainer_allocated_gib", float("nan")), 3), "|",
           round(r.get("train/offload_wait_s", float("nan")), 3), "|", round(r.get("train/offload_pin_s", float("nan")), 2))
 PY
+  grep -h "ready after" "$LOGS"/runs/$1*engine*.log 2>/dev/null | tail -n 2 | cut -c1-300  # the engine's start-up parts
 }
 PARTS=(); for p in "$@"; do if [ "$p" = moe ]; then PARTS+=(moe_train moe_rollout moe_grpo); else PARTS+=("$p"); fi; done
 for part in "${PARTS[@]}"; do case $part in
@@ -474,6 +477,8 @@ why = vmm_supported(0); print('vmm:', why or 'supported'); raise SystemExit(1 if
              python3 -c "import json; rows = [json.loads(l) for l in open('$LOGS/runs/colocated5-metrics.jsonl')]; \
                [print(r['step'], *(round(r.get(k, -1), 2) for k in ('perf/step_time', 'perf/time_generate', \
                'perf/time_train', 'engine/prefill_s', 'engine/graph_capture_s'))) for r in rows]" ;;
+  offloadtest1) step offloaded_run_test ${OFFLOADED_TEST_S:-560} python3 -m pytest -q -x -rf --durations=0 -p no:cacheprovider \
+                  tests/gpu/test_runs_gpu.py -k offloaded ;;
   colocated_test) step colocated_test ${COLOCATED_TEST_S:-330} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_runs_gpu.py -k colocated ;;
   compiled_gpu_tests) step compiled_gpu_tests 170 python3 -m pytest -q -p no:cacheprovider -m gpu \
                         tests/unit/rollout/test_decode_variants.py -k compile ;;
