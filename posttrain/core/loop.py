@@ -10,11 +10,11 @@ staleness 1: the engines keep step N-1's weights until both are done, then get s
 ``rollout.mode: fully_async`` never stops generating (``core.async_rollout``: a background producer, a
 bounded queue of finished groups, the staleness bound; pushes pause the engines, ``core.rollout.preempt``).
 Engines whose backend can wait for their checkpoint (``waits_for_checkpoint``) start while the trainer builds and
-writes it, unless they share its GPUs. ``resources.colocate`` shares the GPUs: the engines release their memory
-after generating and take it back (weights, the update, then the KV cache) before the next generation; with
-``resources.offload_trainer`` the trainer's state waits in host memory meanwhile, from before the engines start
-(they size themselves in its room): it is on the device only while their KV cache is released (its turn, the first
-push, a checkpoint).
+writes it. ``resources.colocate`` shares the GPUs: the engines release their memory after generating and take it
+back (weights, the update, then the KV cache) before the next generation; with ``resources.offload_trainer`` the
+trainer's state waits in host memory meanwhile, from before the engines load (the checkpoint appears after the
+offload, so they size themselves in its room): it is on the device only while their KV cache is released (its
+turn, the first push, a checkpoint).
 
     rl-cli run examples/quickstart.yaml
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
@@ -69,11 +70,11 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         stack.callback(executor.close)
         stack.callback(trainer_thread.shutdown)  # after trainer.close (callbacks run last-in first-out)
         # -- roles: the trainer builds the model; engines start from its weights as an HF checkpoint. Engines
-        # that can wait for it start first and get ready meanwhile, unless they will share the trainer's GPUs
+        # that can wait for it start first and import meanwhile; they load it once it appears, in the room the
+        # trainer leaves them (colocated: beside the built trainer, or after its offload)
         colocate, offload = cfg.resources.colocate, cfg.resources.offload_trainer
         init_dir = run.fresh_dir("hf-init")
-        first = executor.engines_before_trainer and not colocate and cfg.rollout.engine.create(
-            plugins).waits_for_checkpoint
+        first = executor.engines_before_trainer and cfg.rollout.engine.create(plugins).waits_for_checkpoint
         if first:
             engines = executor.engines(init_dir, run.logs, model_pending=True)
             stack.callback(engines.close)
@@ -83,13 +84,16 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         phase("model", "the engines start beside it" if first else "")
         trainer = executor.trainer(run.logs)  # one rank in this process, or a group of ranks
         phase("init_checkpoint")
-        trainer.save_hf(init_dir, replace=True)  # appears whole
+        written = run.fresh_dir("hf-init.staged") if first and offload else init_dir
+        trainer.save_hf(written, replace=True)  # appears whole
         ckpt = run.latest_checkpoint() if resume else None
         if ckpt is not None:  # another model's checkpoint is refused before the first push
-            run.check_resume(ckpt, cfg.to_dict(), init_dir)
-        if offload:  # the engines start in the room the trainer's state leaves, as they will generate in it
+            run.check_resume(ckpt, cfg.to_dict(), written)
+        if offload:  # the engines load in the room the trainer's state leaves, as they will generate in it
             phase("offload")
             trainer.offload()
+        if written != init_dir:  # only now may the engines that wait for it load it
+            os.replace(written, init_dir)
         if not first:
             phase("engines")
             engines = executor.engines(init_dir, run.logs)

@@ -133,8 +133,9 @@ def test_old_log_probs_from_the_train_step_skip_the_pass_and_change_no_number(tm
 
 def test_an_offloaded_trainer_is_on_the_device_only_while_the_engines_kv_cache_is_away(tmp_path, engine_url,
                                                                                         monkeypatch):
-    """``resources.offload_trainer``: the engines start after the trainer's state left (so they size themselves,
-    and step 0 generates, in its room); every time it comes back (the first push, each step's turn, each
+    """``resources.offload_trainer``: the engines start first and import while the trainer builds, but their
+    checkpoint appears only after the trainer's state left (so they load and size themselves, and step 0
+    generates, in its room); every time it comes back (the first push, each step's turn, each
     checkpoint, the final export, a resume's load) the engines' KV cache is released, and the cache comes back
     only once the trainer's state is away again. Checkpoints are saved after the step's metrics, as without the
     offload."""
@@ -143,7 +144,8 @@ def test_an_offloaded_trainer_is_on_the_device_only_while_the_engines_kv_cache_i
     from posttrain.core.loop import train
     from posttrain.core.run_dir import RunDirectory
 
-    events, state = [], {"kv_away": False, "trainer_away": False, "engines": False}
+    events, state = [], {"kv_away": False, "trainer_away": False}
+    init_dir = tmp_path / "run" / "hf-init"
 
     def record(cls, name, before):
         real = getattr(cls, name)
@@ -161,6 +163,8 @@ def test_an_offloaded_trainer_is_on_the_device_only_while_the_engines_kv_cache_i
 
     def offload(self):
         if not self.offloaded:
+            if "offload" not in events:  # the first: the engines, waiting, have no checkpoint to load yet
+                assert not init_dir.exists(), "the engines' checkpoint appeared before the trainer's state left"
             events.append("offload")
             state["trainer_away"] = True
 
@@ -181,9 +185,8 @@ def test_an_offloaded_trainer_is_on_the_device_only_while_the_engines_kv_cache_i
     record(TrainerRole, "save", lambda self, path: events.append(f"save {len(metrics.read_text().splitlines())}"))
     record(EngineRole, "release_memory", tagged("release", True))
     record(EngineRole, "resume_memory", tagged("resume", False))
-    record(EngineRole, "__init__", lambda self, *a, **k: (
-        events.append("engines"), state.update(engines=True),
-        None if state["trainer_away"] else pytest.fail("the engines started beside the trainer's state")))
+    record(EngineRole, "__init__", lambda self, config, model_path, log_dir, load_args=None, model_pending=False: (
+        events.append("engines" if model_pending else "engines, on an existing checkpoint")))
     rollout = {"rollout_batch_size": 4, "n_samples_per_prompt": 4, "num_rollouts": 2, "max_new_tokens": 2,
                "seed_sampling": True, "use_router": False, "weight_sync": "disk",
                "engine": {"name": "local", "device": "cpu", "context_length": 64, "max_running_requests": 16}}
@@ -192,10 +195,11 @@ def test_an_offloaded_trainer_is_on_the_device_only_while_the_engines_kv_cache_i
     phases = []
     rows = _run(tmp_path, engine_url, phases, **sections)  # an engine of the run's own: external ones cannot be colocated
     _check(rows)
-    assert events[:2] == ["offload", "engines"]
+    assert events[:2] == ["engines", "offload"] and init_dir.is_dir(), events
+    assert not (tmp_path / "run" / "hf-init.staged").exists()
     # every step's trainer calls on one thread of their own: one cuBLAS handle and workspace, not one per pool thread
     assert len(set.union(*threads.values())) == 1 and threading.get_ident() not in threads["train"], threads
-    assert phases[:4] == ["model", "init_checkpoint", "offload", "engines"]  # each start-up part timed apart
+    assert phases[:5] == ["model", "init_checkpoint", "offload", "data", "engines"]  # each start-up part timed apart
     # back for the first push, each step, each checkpoint and the final export; away after each
     assert events.count("onload") == events.count("offload") - 1 == 6, events
     # a step's metrics are on disk before its checkpoint: a kill between them cannot lose the row on resume
@@ -208,5 +212,5 @@ def test_an_offloaded_trainer_is_on_the_device_only_while_the_engines_kv_cache_i
     state.update(kv_away=False, trainer_away=False)
     cfg, plugins = _config(engine_url, **sections)
     asyncio.run(train(cfg, plugins, RunDirectory(tmp_path / "run"), resume=True))  # _run holds its lock
-    assert events[:2] == ["offload", "engines"] and "release kv_cache" in events, events
+    assert events[:2] == ["engines", "offload"] and "release kv_cache" in events, events
     assert events.count("onload") == events.count("offload") - 1 == 2, events

@@ -1,7 +1,7 @@
 """Engines that can wait for their checkpoint (``EngineBackend.waits_for_checkpoint``) start before the trainer
 builds: the loop launches them on ``hf-init`` before it exists, and the trainer renames it into place whole.
-Colocated runs and external engines keep the order trainer, then engines: ``test_components_in_loop`` runs both
-(its offload test checks the order)."""
+Colocated runs start them first too; with the trainer offloaded the checkpoint appears only after the offload
+(``test_components_in_loop``'s offload test checks that order). External engines are running already."""
 
 from __future__ import annotations
 
