@@ -117,7 +117,7 @@ def start_training(cfg: Any, plugins: Any, run: Any, **kwargs: Any) -> None:
 
 def plan_run(config: Path | None, run_dir: Path | None, resume: Path | None, resume_or_start: Path | None) -> Plan:
     """Decide what ``rl-cli run`` starts from; a run that cannot be resumed is a UsageError here."""
-    from posttrain.core.config import read_yaml
+    from posttrain.core.config_source import read_yaml
     from posttrain.core.run_dir import RunDirectory
 
     if resume is not None and resume_or_start is not None:
@@ -145,7 +145,8 @@ def plan_run(config: Path | None, run_dir: Path | None, resume: Path | None, res
 
 def check(plan: Plan, overrides: list[str], plugins: Any, scan_data: bool = False) -> tuple[Any, Any]:
     """The validated config and the preflight findings; every error found raises one ConfigError."""
-    from posttrain.core.config import apply_overrides, load_config
+    from posttrain.core.config import load_config
+    from posttrain.core.config_source import apply_overrides
     from posttrain.core.preflight import check_run
 
     errors: list[str] = []

@@ -19,8 +19,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
+from posttrain.core.config_source import apply_overrides, moved_keys, read_yaml, resolve_files
 from posttrain.core.errors import ConfigError
 from posttrain.core.registry import KINDS
 from posttrain.core.rewards import RewardRunnerConfig
@@ -561,7 +560,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     raw = copy.deepcopy(data) if data is not None else read_yaml(path)
     errors = apply_overrides(raw, overrides)
     errors += moved_keys(raw)
-    errors += _resolve_files(raw, Path(path).parent if path else Path("."))
+    errors += resolve_files(raw, Path(path).parent if path else Path("."))
     _fully_async_correction(raw, plugins)
     config, errs = build(RunConfig, raw, "", context=plugins)
     errors += errs
@@ -582,120 +581,3 @@ def mode_generates(raw: dict[str, Any], plugins: Any) -> bool:
     parse = next(f for f in fields(RunConfig) if f.name == "mode").metadata["parse"]
     mode, errors = parse(raw.get("mode", {}), "mode", plugins)
     return errors != [] or mode is None or mode.cls.generates
-
-
-# keys that moved into a backend's section: an old config gets the new name, not "unknown key"
-MOVED = {
-    "rollout.engine_urls": "rollout.engine.urls (with the external engine backend)",
-    "rollout.engine_device": "rollout.engine.device", "rollout.engine_compile": "rollout.engine.compile",
-    "rollout.engine_max_running_requests": "rollout.engine.max_running_requests",
-    "rollout.engine_decode_attention": "rollout.engine.decode_attention",
-    "rollout.engine_context_length": "rollout.engine.context_length",
-    "rollout.mem_fraction_static": "rollout.engine.mem_fraction_static (with the SGLang engine backend)",
-    "rollout.sglang": "rollout.engine.args (with the SGLang engine backend)",
-    **{f"trainer.{key}": f"trainer.backend.{key}" for key in (
-        "tp", "pp", "attention", "compile", "sequence_packing", "log_probs_chunk_size", "log_probs_recompute",
-        "use_distributed_optimizer", "fused_adam")},
-    "trainer.megatron": "trainer.backend.megatron",
-}
-
-
-def moved_keys(raw: Any) -> list[str]:
-    """One ``old.key: moved to new.key`` error per moved key in ``raw`` (which loses them, so they are not
-    reported twice as unknown)."""
-    errors = []
-    for old, new in MOVED.items():
-        section, key = old.split(".")
-        node = raw.get(section) if isinstance(raw, dict) else None
-        if isinstance(node, dict) and key in node:
-            del node[key]
-            errors.append(f"{old}: moved to {new}")
-    return errors
-
-
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    """The YAML mapping in ``path``; a missing file or a syntax error is a one-line ConfigError."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError([f"{p}: no such config file"])
-    try:
-        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{p}:{mark.line + 1}" if mark else str(p)
-        raise ConfigError([f"{where}: invalid YAML: {getattr(exc, 'problem', exc)}"]) from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError([f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start})"]) from None
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise ConfigError([f"{p}: the top level must be a mapping of sections, got {type(raw).__name__}"])
-    return raw
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> list[str]:
-    """Apply ``a.b.c=value`` (value parsed as YAML; list items by index: ``rewards.0.weight=0.5``).
-
-    ``section.name=other`` that switches a component section to another component drops the keys the
-    file gave that section (they configured the one it named: ``trainer.backend.name=fsdp`` on a
-    file with ``backend: {name: megatron, tp: 2}``); keys set by earlier overrides stay."""
-    errors = []
-    overridden: set[tuple[int, Any]] = set()  # (id(section), key) set on the command line
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep or not key:
-            errors.append(f"{item}: an override must look like key.sub=value")
-            continue
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError:
-            value = text
-        node: Any = raw
-        parts = key.split(".")
-        for i, part in enumerate(parts):
-            last = i == len(parts) - 1
-            if isinstance(node, list):
-                if not part.isdigit() or int(part) >= len(node):
-                    errors.append(f"{key}: {'.'.join(parts[:i]) or 'config'} has no item {part} "
-                                  f"(it has {len(node)})")
-                    break
-                part = int(part)
-            elif not isinstance(node, dict):
-                errors.append(f"{key}: {'.'.join(parts[:i])} is not a section")
-                break
-            if last:
-                if part == "name" and isinstance(node, dict) and node.get("name") not in (None, value):
-                    for k in [k for k in node if k != "name" and (id(node), k) not in overridden]:
-                        del node[k]
-                node[part] = value
-                overridden.add((id(node), part))
-            else:
-                if isinstance(node, dict) and not isinstance(node.get(part), (dict, list)):
-                    node[part] = {"name": node[part]} if isinstance(node.get(part), str) else {}
-                node = node[part]
-    return errors
-
-
-def _resolve_files(raw: dict[str, Any], base: Path) -> list[str]:
-    """Input files: missing ones are errors (checked on the raw mapping, so they are reported with the
-    others); a path found only relative to the config's folder is made absolute there, so every process
-    (and a resumed run) reads the same file wherever it starts."""
-    errors = []
-    data = raw.get("data")
-    entries = [(data, "data.path")] if isinstance(data, dict) else []
-    evals = raw.get("eval", {}).get("datasets") if isinstance(raw.get("eval"), dict) else None
-    entries += [(d, f"eval.datasets.{i}.path") for i, d in enumerate(evals or []) if isinstance(d, dict)]
-    if isinstance(raw.get("teacher"), dict):
-        entries.append((raw["teacher"], "teacher.path"))
-    for section, where in entries:
-        path = section.get("path")
-        if not isinstance(path, str) or "://" in path:
-            continue
-        local, _, slicing = path.partition("@[")
-        if Path(local).exists():
-            continue
-        if (base / local).exists():
-            section["path"] = str((base / local).resolve()) + (f"@[{slicing}" if slicing else "")
-        else:
-            errors.append(f"{where}: no such file or directory: {local}")
-    return errors

@@ -440,7 +440,8 @@ def inspect_config_data(config_path: str | Path | None, overrides: list[str] | t
     checked. A missing file or an invalid ``data:`` section is left to ``load_config`` (no duplicates), and
     so is the data of a run mode that does not read prompts (``RunMode.inspect_data``; needs ``plugins``).
     """
-    from posttrain.core.config import DataConfig, apply_overrides, mode_generates, read_yaml
+    from posttrain.core.config import DataConfig, mode_generates
+    from posttrain.core.config_source import apply_overrides, read_yaml
     from posttrain.core.schema import build
 
     try:

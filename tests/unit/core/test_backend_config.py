@@ -2,7 +2,8 @@
 
 import pytest
 
-from posttrain.core.config import MOVED, load_config
+from posttrain.core.config import load_config
+from posttrain.core.config_source import MOVED
 from posttrain.core.errors import ConfigError
 from posttrain.core.plugins import load_plugins
 

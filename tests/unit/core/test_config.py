@@ -1,6 +1,7 @@
 import pytest
 
-from posttrain.core.config import apply_overrides, load_config
+from posttrain.core.config import load_config
+from posttrain.core.config_source import apply_overrides
 from posttrain.core.errors import ConfigError
 from posttrain.core.plugins import load_plugins
 
