@@ -44,6 +44,10 @@ The model ``build`` returns implements (shapes: ``[B, T]`` tensors aligned with 
   ``onload()``: the model's device state to host memory while colocated engines generate, and back in place
   (the model is not used in between: the trainer role brings it back first for any call, a save included).
 
+A backend may name, in ``memory_keys``, its config keys that make a pass take less memory: when a pass runs out of
+GPU memory the run ends with one line naming them and the core's micro-batch keys, with their values
+(:mod:`posttrain.core.out_of_memory`).
+
 ``posttrain.testing.TrainerContract`` checks all of it on the tiny model.
 """
 
@@ -59,6 +63,9 @@ class TrainerBackend:
 
     name = ""
     offloads = False  # whether its models implement offload()/onload() (resources.offload_trainer)
+    # dotted config keys that make a pass take less memory, named with their values when one runs out of it
+    # (core.out_of_memory; the core's micro-batch keys come first)
+    memory_keys: tuple[str, ...] = ()
 
     @dataclass
     class Config:

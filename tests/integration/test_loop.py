@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from tests.conftest import ROOT
 
@@ -303,3 +304,33 @@ def posttrain_register_rewards(registry):
     assert rows[0]["train/kl"] == 0.0  # the policy is the reference before the first update
     assert rows[-1]["train/kl"] > 0  # and has moved away from it after
     assert rows[0]["train/ref_policy_logprob_abs_diff"] == 0.0 < rows[-1]["train/ref_policy_logprob_abs_diff"]
+
+
+def test_a_train_pass_out_of_gpu_memory_ends_the_run_with_one_line_naming_the_keys(tmp_path, monkeypatch, capsys):
+    """PyTorch's out-of-memory error in a trainer pass (raised here by the train step, as a GPU would) ends
+    ``rl-cli run`` with exit code 1 and one line: what it tried to allocate, the keys that make the pass smaller with
+    their values, and how to resume. No traceback, and the engines it started are stopped."""
+    from posttrain.cli.main import main
+    from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
+
+    def out_of_memory(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.32 GiB. GPU 0 has a total capacity of "
+                                     "79.19 GiB of which 1.20 GiB is free.")
+    monkeypatch.setattr(MegatronTrainer, "train_step", out_of_memory)
+    run = tmp_path / "oom"
+    monkeypatch.setattr(sys, "argv", ["rl-cli", "run", str(QUICKSTART), "--run-dir", str(run), *SMALL,
+                                      "trainer.max_tokens_per_micro_batch=4096"])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert lines[0].startswith("error: trainer: out of GPU memory in the train pass (tried to allocate 2.32 GiB)")
+    assert "trainer.max_tokens_per_micro_batch (4096), trainer.micro_batch_size (32)" in lines[0]
+    assert "trainer.backend.log_probs_chunk_size (" in lines[0] and "--resume RUN_DIR" in lines[0]
+    assert jsonl(run / "metrics.jsonl") == []  # step 0 never finished
+    deadline = time.monotonic() + 30
+    while leftovers(run) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not leftovers(run)

@@ -51,17 +51,25 @@ class TrainerRole:
         self.offloaded = False  # the models' state in host memory (offload), until a call needs it (onload)
 
     # ---------------------------------------------------------------- forward passes
+    def _pass(self, what: str):
+        """Around a pass: out of GPU memory, the run ends with one line naming the keys that shrink it."""
+        from posttrain.core.out_of_memory import passes_report_memory
+
+        return passes_report_memory(what, self.cfg, self.backend.memory_keys)
+
     def log_probs(self, batch: Any, weights: str | None = None, with_entropy: bool = False) -> Any:
         """``[B, T]`` log-probs of ``batch.tokens`` under the current (or a snapshot's) weights;
         with ``with_entropy``, ``(log_probs, entropy [B, T])``."""
         self.onload()
-        log_probs, entropy = self.policy.log_probs(batch, weights=weights, with_entropy=with_entropy)
+        with self._pass("log-prob"):
+            log_probs, entropy = self.policy.log_probs(batch, weights=weights, with_entropy=with_entropy)
         return (log_probs, entropy) if with_entropy else log_probs
 
     def values(self, batch: Any) -> Any:
         """``[B, T]`` critic values."""
         self.onload()
-        return self.critic.values(batch)
+        with self._pass("critic value"):
+            return self.critic.values(batch)
 
     def importance_weights(self, batch: Any, rollout_log_probs: Any) -> tuple[Any, dict[str, float]]:
         """The configured correction's ``is_weights [B, T]`` from ``batch.old_log_probs`` vs the engine's."""
@@ -85,14 +93,15 @@ class TrainerRole:
         for i in range(steps):
             part = batch.select(i * size, (i + 1) * size)
             metrics = {}
-            if self.critic is not None:
-                metrics.update({f"critic/{k}": v for k, v in self.critic.train_step(part).items()})
-            if keep_log_probs and getattr(self.policy, "trains_with_log_probs", False):
-                policy_metrics, *kept = self.policy.train_step(part, self.loss, keep_log_probs=True)
-            else:
-                if keep_log_probs:
-                    kept = self.policy.log_probs(part, with_entropy=True)
-                policy_metrics = self.policy.train_step(part, self.loss)
+            with self._pass("train"):
+                if self.critic is not None:
+                    metrics.update({f"critic/{k}": v for k, v in self.critic.train_step(part).items()})
+                if keep_log_probs and getattr(self.policy, "trains_with_log_probs", False):
+                    policy_metrics, *kept = self.policy.train_step(part, self.loss, keep_log_probs=True)
+                else:
+                    if keep_log_probs:
+                        kept = self.policy.log_probs(part, with_entropy=True)
+                    policy_metrics = self.policy.train_step(part, self.loss)
             metrics.update(policy_metrics)
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value / steps

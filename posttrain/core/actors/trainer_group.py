@@ -138,8 +138,8 @@ class _Ranks:
         if failures:
             rank = min(failures)
             name, usage, message = failures[rank]
-            if usage:
-                raise UsageError(message)
+            if usage:  # one line, no traceback; a failed run (out of memory) keeps its exit code
+                raise (RunFailed if name == RunFailed.__name__ else UsageError)(message)
             raise RuntimeError(f"trainer rank {rank}: {name}: {message} (traceback in {self.logs[rank]})")
         return [results[r] for r in ranks] if every else results[ranks[0]]
 

@@ -118,6 +118,14 @@ class TrainerContract(ComponentContract):
         batch.ref_log_probs = policy.log_probs(batch, weights="ref")[0]
         return batch
 
+    def test_memory_keys_are_keys_of_its_run_config(self, trainer_backend, run):
+        """``memory_keys``, named with their values when a pass runs out of GPU memory, exist in the run config."""
+        from posttrain.core.out_of_memory import config_value
+
+        config = run.to_dict()
+        missing = [key for key in type(trainer_backend).memory_keys if config_value(config, key) is None]
+        assert not missing, f"{trainer_backend.name}.memory_keys not in its run config: {missing}"
+
     # ------------------------------------------------------------------ forward
     def test_log_probs_shape_masking_and_range(self, policy, batch, spec):
         import torch

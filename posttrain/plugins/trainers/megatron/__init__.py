@@ -94,6 +94,8 @@ class MegatronBackend(TrainerBackend):
             return []
 
     offloads = True  # MegatronTrainer.offload/onload (offload.HostOffload)
+    # named, with their values, when a pass runs out of GPU memory (core.out_of_memory)
+    memory_keys = ("trainer.backend.log_probs_chunk_size", "trainer.backend.log_probs_recompute", "trainer.backend.tp")
 
     @property
     def needs_routed_experts(self) -> bool:
