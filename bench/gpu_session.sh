@@ -219,7 +219,8 @@ for r in rows:
           round(r.get("perf/trainer_allocated_gib", float("nan")), 3), "|",
           round(r.get("train/offload_wait_s", float("nan")), 3), "|", round(r.get("train/offload_pin_s", float("nan")), 2))
 PY
-  grep -h "ready after" "$LOGS"/runs/$1*engine*.log 2>/dev/null | tail -n 2 | cut -c1-300  # the engine's start-up parts
+  # the engine's start-up parts, and its first generation (the readiness check: the prefill's compiles)
+  grep -h "ready after\|first generation" "$LOGS"/runs/$1*engine*.log 2>/dev/null | tail -n 3 | cut -c1-300
 }
 PARTS=(); for p in "$@"; do if [ "$p" = moe ]; then PARTS+=(moe_train moe_rollout moe_grpo); else PARTS+=("$p"); fi; done
 for part in "${PARTS[@]}"; do case $part in

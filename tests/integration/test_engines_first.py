@@ -77,4 +77,5 @@ def test_the_engines_start_before_the_trainer_and_load_the_fresh_checkpoint(tmp_
     assert ready, logs[-2000:]
     age, *parts = map(float, ready.groups())
     assert age >= sum(parts) and parts[1] > 0  # (the wait may be 0: imports that outlast the build find it there)
+    assert re.search(r"first generation \(the fleet's readiness check\) in [\d.]+ s", logs), logs[-2000:]
 

@@ -116,6 +116,7 @@ class EngineServer:
         self.host, self.port, self.device = host, port, device
         t0 = time.perf_counter()
         self.startup_s: dict[str, float] = {}  # seconds of each part of the start (the serving line, /server_info)
+        self._first_health: float | None = None  # when the first /health_generate came
         self.runner = ModelRunner(self.model_dir, device=device, dtype=dtype, max_slots=max_running_requests,
                                   context_length=context_length, cuda_graphs=cuda_graphs,
                                   decode_attention=decode_attention, compile=compile, compile_mode=compile_mode,
@@ -316,11 +317,16 @@ class EngineServer:
             return web.Response(status=503, text="engine thread is dead")
         if self.engine.paused or self.released:
             return web.Response(status=200)
+        start = time.perf_counter()
+        self._first_health = self._first_health or start  # a check that timed out still counts from its start
         try:
             await asyncio.wait_for(self._run_one([0], parse_sampling({"max_new_tokens": 1, "temperature": 0}),
                                                  False, None), timeout=60)
         except asyncio.TimeoutError:
             return web.Response(status=503, text="health generation timed out")
+        if "first_generation" not in self.startup_s:  # a run's readiness check: its prefill's compiles, on a GPU
+            self.startup_s["first_generation"] = took = time.perf_counter() - self._first_health
+            print(f"first generation (the fleet's readiness check) in {took:.1f} s", flush=True)
         return web.Response(status=200)
 
     async def flush_cache(self, request: web.Request) -> web.Response:
