@@ -12,7 +12,7 @@ from typing import Any
 
 from posttrain.core.errors import RunFailed
 
-CORE_KEYS = ("trainer.max_tokens_per_micro_batch", "trainer.micro_batch_size")
+TOKENS, SAMPLES = "trainer.max_tokens_per_micro_batch", "trainer.micro_batch_size"
 
 
 def config_value(config: dict[str, Any], dotted: str) -> Any:
@@ -25,14 +25,18 @@ def config_value(config: dict[str, Any], dotted: str) -> Any:
     return node
 
 
-def device_text(device: Any = None) -> str:
-    """``cuda:0 held 73.4 GiB (this process's tensors), 1.2 of 79.2 GiB free``; empty without CUDA."""
+def device_text() -> str:
+    """``cuda:0 held 73.4 GiB (this process's tensors), 1.2 of 79.2 GiB free`` for the current device; empty
+    without CUDA (or when the driver cannot say)."""
     import torch
 
     if not torch.cuda.is_available():
         return ""
-    index = torch.cuda.current_device() if device is None else torch.device(device).index or 0
-    free, total = torch.cuda.mem_get_info(index)
+    index = torch.cuda.current_device()
+    try:
+        free, total = torch.cuda.mem_get_info(index)
+    except RuntimeError:
+        return ""
     held = torch.cuda.memory_allocated(index)
     return f"cuda:{index} held {held / 2**30:.1f} GiB (this process's tensors), {free / 2**30:.1f} of " \
            f"{total / 2**30:.1f} GiB free"
@@ -40,10 +44,12 @@ def device_text(device: Any = None) -> str:
 
 def out_of_memory_text(what: str, exc: BaseException, config: dict[str, Any], backend_keys: Sequence[str] = (),
                        device: str = "") -> str:
-    """The one line for ``exc`` (PyTorch's out-of-memory error) raised in the trainer's ``what`` pass."""
+    """The one line for ``exc`` (PyTorch's out-of-memory error) raised in the trainer's ``what`` pass. The core key
+    named is the one that bounds a pass: the token budget when there is one (the sample count then does not)."""
     asked = re.search(r"[Tt]ried to allocate ([\d.]+ [KMGT]?i?B)", str(exc))
     facts = [f"tried to allocate {asked.group(1)}" if asked else "", device]
-    keys = [f"{key} ({config_value(config, key)})" for key in (*CORE_KEYS, *backend_keys)
+    core = TOKENS if config_value(config, TOKENS) is not None else SAMPLES
+    keys = [f"{key} ({config_value(config, key)})" for key in (core, *backend_keys)
             if config_value(config, key) is not None]
     return (f"trainer: out of GPU memory in the {what} pass" + (f" ({'; '.join(f for f in facts if f)})"
             if any(facts) else "") + (f"; smaller passes take less: {', '.join(keys)}" if keys else "")

@@ -327,7 +327,7 @@ def test_a_train_pass_out_of_gpu_memory_ends_the_run_with_one_line_naming_the_ke
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
     assert lines[0].startswith("error: trainer: out of GPU memory in the train pass (tried to allocate 2.32 GiB)")
-    assert "trainer.max_tokens_per_micro_batch (4096), trainer.micro_batch_size (32)" in lines[0]
+    assert "take less: trainer.max_tokens_per_micro_batch (4096), trainer.backend.log_probs_chunk_size" in lines[0]
     assert "trainer.backend.log_probs_chunk_size (" in lines[0] and "--resume RUN_DIR" in lines[0]
     assert jsonl(run / "metrics.jsonl") == []  # step 0 never finished
     deadline = time.monotonic() + 30

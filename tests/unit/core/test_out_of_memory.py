@@ -27,7 +27,8 @@ def test_the_line_names_the_allocation_the_device_and_each_key_with_its_value():
                               "cuda:0 held 73.4 GiB (this process's tensors), 1.2 of 79.2 GiB free")
     assert "\n" not in text
     assert text.startswith("trainer: out of GPU memory in the train pass (tried to allocate 2.32 GiB; cuda:0 held 73.4")
-    assert "trainer.max_tokens_per_micro_batch (16384), trainer.micro_batch_size (" in text
+    assert "take less: trainer.max_tokens_per_micro_batch (16384), trainer.backend" in text
+    assert "micro_batch_size" not in text  # the token budget bounds the pass, not the sample count
     assert "trainer.backend.log_probs_chunk_size (4096)" in text and "trainer.backend.tp (1)" in text
     assert text.endswith("rl-cli run --resume RUN_DIR continues from the last checkpoint")
 
@@ -35,7 +36,7 @@ def test_the_line_names_the_allocation_the_device_and_each_key_with_its_value():
 def test_keys_the_config_lacks_are_left_out_and_so_is_an_allocation_torch_did_not_name():
     config = {"trainer": {"micro_batch_size": 8, "max_tokens_per_micro_batch": None}}
     text = out_of_memory_text("log-prob", RuntimeError("out of memory"), config, ("trainer.backend.tp",))
-    assert "trainer.micro_batch_size (8)" in text and "max_tokens" not in text and "tp" not in text
+    assert "take less: trainer.micro_batch_size (8);" in text and "max_tokens" not in text and "tp" not in text
     assert "tried to allocate" not in text and "()" not in text
     assert config_value(config, "trainer.micro_batch_size") == 8 and config_value(config, "trainer.x.y") is None
 
