@@ -26,9 +26,24 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from posttrain.core.errors import RunFailed
 from posttrain.core.rollout.backend import EngineSlot, gpu_ids
 from posttrain.core.rollout.procs import ManagedServer, free_port, port_free
 from posttrain.core.rollout.router import RouterProcess
+
+
+def last_line(log_path: str | Path | None, limit: int = 300) -> str:
+    """``: LINE``, the last non-blank line of a server's log (what it said as it died: an error, an exception's
+    message), at most ``limit`` characters; empty without one."""
+    if log_path is None:
+        return ""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 8192))
+            lines = [line.strip() for line in f.read().decode(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return f": {lines[-1][:limit]}" if lines else ""
 
 
 def visible_device(index: int) -> str:
@@ -119,16 +134,23 @@ class EngineFleet:
         """Wait for engine ``i``. Its port came from ``free_port`` seconds before the engine binds it, and
         another process (a parallel run, an xdist worker) may take it in between: the engine then exits
         and the port is held by someone else. Such an engine starts again on a fresh port, up to
-        ``attempts`` times; any other failure is raised."""
+        ``attempts`` times; any other exit, or no answer in time, is a RunFailed naming its log."""
         for attempt in range(attempts):
             s = self.servers[i]
             try:
                 return s.wait_ready()
-            except RuntimeError:  # the process exited before it answered
+            except RuntimeError as exc:  # the process exited before it answered
                 if attempt + 1 == attempts or port_free(s.base_url):
-                    raise
+                    raise self._failed(i, s, exc) from exc
+            except TimeoutError as exc:
+                raise self._failed(i, s, exc) from exc
             self.servers[i] = self._server(i)
             self.servers[i].start(wait=False)
+
+    def _failed(self, i: int, server: ManagedServer, exc: BaseException) -> RunFailed:
+        """One line for engine ``i`` that could not start: what happened, its log, and the log's last line."""
+        log = f"; its log: {server.log_path}{last_line(server.log_path)}" if server.log_path else ""
+        return RunFailed(f"engine {i}: {exc}{log}")
 
     @property
     def engine_urls(self) -> list[str]:
@@ -212,7 +234,10 @@ class EngineFleet:
             except (RuntimeError, TimeoutError):  # it cannot (or could not) start on its old port
                 s.stop()
                 s = self.servers[i] = self._server(i)
-                s.start(wait=True)
+                try:
+                    s.start(wait=True)
+                except (RuntimeError, TimeoutError) as exc:
+                    raise self._failed(i, s, exc) from exc
             self._dropped.discard(old)
             restarted.append(s.base_url)
             if self.router is not None:

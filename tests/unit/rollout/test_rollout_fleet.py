@@ -108,3 +108,21 @@ def test_an_engine_whose_port_was_taken_before_it_bound_starts_on_a_fresh_one(ti
             assert fleet.servers[0].healthy()
     finally:
         holder.close()
+
+
+def test_an_engine_that_exits_while_starting_is_one_line_naming_its_log_and_its_last_words(tmp_path):
+    """An engine that dies before it answers (here: no checkpoint where it was pointed) ends the start with a
+    RunFailed (one line, exit code 1): the engine, how it ended, its log and the log's last line. The fleet is
+    stopped."""
+    from posttrain.core.errors import RunFailed
+
+    missing = tmp_path / "no-checkpoint"
+    fleet = fleet_of(config(use_router=False), str(missing), log_dir=tmp_path)  # two engines: the first fails first
+    with pytest.raises(RunFailed) as caught:
+        fleet.start()
+    text = str(caught.value)
+    assert caught.value.exit_code == 1 and "\n" not in text
+    assert text.startswith("engine 0: process exited with code 2 before ") and "answered" in text
+    assert text.endswith(f"its log: {tmp_path / 'engine-0.log'}: error: {missing}: not a HF checkpoint directory "
+                         "(no config.json)"), text
+    assert all(s.proc is None for s in fleet.servers)
