@@ -141,16 +141,27 @@ class RayExecutor:
 
 
 class _RemoteHandle:
-    """Calls an actor's methods synchronously (``ray.get``), so the loop reads the same under both."""
+    """Calls an actor's methods synchronously (``ray.get``), so the loop reads the same under both. An actor's
+    one-line error (a UsageError: a failed run, a bad input) is raised as itself, not inside Ray's ``RayTaskError``
+    with the actor's traceback in its text (``--debug`` shows it under the local executor)."""
 
     def __init__(self, actor: Any):
         self._actor = actor
 
     def __getattr__(self, name: str):
-        import ray
-
         method = getattr(self._actor, name)
-        return lambda *args, **kwargs: ray.get(method.remote(*args, **kwargs))
+        return lambda *args, **kwargs: _get(method.remote(*args, **kwargs))
+
+
+def _get(ref: Any) -> Any:
+    import ray
+
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, UsageError):
+            raise exc.cause from exc
+        raise
 
 
 def _cpus() -> int:

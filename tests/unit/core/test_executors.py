@@ -60,3 +60,33 @@ def test_ray_engines_of_a_one_rank_trainer_take_no_placement_group(plugins):
     executor, reserved, actors = _unstarted(cfg)
     executor.engines("/run/hf-init", Path("logs"), model_pending=True)
     assert reserved == [] and actors == [(EngineRole, cfg.resources.rollout_gpus, None)]
+
+
+def test_an_actors_one_line_error_comes_back_as_itself(monkeypatch):
+    """Under Ray, an actor's RunFailed (or any UsageError) reaches the loop as itself, so the CLI prints its one line
+    (Ray's RayTaskError carries the actor's traceback in its text); other errors stay Ray's."""
+    import ray
+    from ray.exceptions import RayTaskError
+
+    from posttrain.core.errors import RunFailed
+    from posttrain.core.executors import _RemoteHandle
+
+    failures = {"train": RunFailed("trainer: out of GPU memory in the train pass"), "push": ValueError("bad bucket")}
+
+    class Method:
+        def __init__(self, name):
+            self.name = name
+
+        def remote(self, *args, **kwargs):
+            return self.name
+
+    def get(name):
+        raise RayTaskError(name, "Traceback (most recent call last): ...", failures[name], proctitle="actor", pid=1,
+                           ip="127.0.0.1")
+    monkeypatch.setattr(ray, "get", get)
+    handle = _RemoteHandle(type("Actor", (), {"train": Method("train"), "push": Method("push")})())
+    with pytest.raises(RunFailed) as caught:
+        handle.train()
+    assert str(caught.value) == "trainer: out of GPU memory in the train pass" and caught.value.exit_code == 1
+    with pytest.raises(RayTaskError):
+        handle.push()
