@@ -28,22 +28,8 @@ from typing import Any
 
 from posttrain.core.errors import RunFailed
 from posttrain.core.rollout.backend import EngineSlot, gpu_ids
-from posttrain.core.rollout.procs import ManagedServer, free_port, port_free
+from posttrain.core.rollout.procs import ManagedServer, free_port, last_line, port_free
 from posttrain.core.rollout.router import RouterProcess
-
-
-def last_line(log_path: str | Path | None, limit: int = 300) -> str:
-    """``: LINE``, the last non-blank line of a server's log (what it said as it died: an error, an exception's
-    message), at most ``limit`` characters; empty without one."""
-    if log_path is None:
-        return ""
-    try:
-        with open(log_path, "rb") as f:
-            f.seek(max(0, f.seek(0, 2) - 8192))
-            lines = [line.strip() for line in f.read().decode(errors="replace").splitlines() if line.strip()]
-    except OSError:
-        return ""
-    return f": {lines[-1][:limit]}" if lines else ""
 
 
 def visible_device(index: int) -> str:

@@ -159,6 +159,20 @@ def stop_process(proc: subprocess.Popen | None, grace_s: float = 10.0) -> None:
         proc.wait(grace_s)
 
 
+def last_line(log_path: str | Path | None, limit: int = 300) -> str:
+    """``: LINE``, the last non-blank line of a server's log (what it said as it died: an error, an exception's
+    message), at most ``limit`` characters; empty without one."""
+    if log_path is None:
+        return ""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 8192))
+            lines = [line.strip() for line in f.read().decode(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return f": {lines[-1][:limit]}" if lines else ""
+
+
 class ManagedServer:
     """A server process with readiness (``health_path``, SGLang's ``/health_generate`` by default) and
     restart-on-failure: what every engine backend that starts servers gets from the fleet."""

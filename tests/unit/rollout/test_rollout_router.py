@@ -66,3 +66,18 @@ def test_router_command_line():
     assert cmd[i + 1:i + 3] == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     assert cmd[cmd.index("--port") + 1] == "3000" and cmd[cmd.index("--host") + 1] == "127.0.0.1"
     assert cmd[cmd.index("--model-path") + 1] == "/m" and cmd[-2:] == ["--retry-max-retries", "7"]
+
+
+def test_a_router_that_exits_while_starting_is_one_line_naming_its_log(tmp_path):
+    """The real router, given an argument it does not know, exits at once: the start is a RunFailed (one line, exit
+    code 1) with how it ended, its log and the log's last line (the router's own complaint); nothing is left."""
+    from posttrain.core.errors import RunFailed
+
+    router = RouterProcess(["http://127.0.0.1:1"], log_path=tmp_path / "router.log", extra_args=["--no-such-flag"])
+    with pytest.raises(RunFailed) as caught:
+        router.start(timeout_s=60)
+    text = str(caught.value)
+    assert caught.value.exit_code == 1 and "\n" not in text
+    assert text.startswith("router: process exited with code ") and f"its log: {tmp_path / 'router.log'}: " in text
+    assert "--no-such-flag" in text.split("its log: ")[1], text  # the router's last line names what it refused
+    assert router.proc is None
