@@ -28,7 +28,7 @@ from typing import Any
 
 from posttrain.core.errors import RunFailed
 from posttrain.core.rollout.backend import EngineSlot, gpu_ids
-from posttrain.core.rollout.procs import ManagedServer, free_port, last_line, port_free
+from posttrain.core.rollout.procs import ManagedServer, free_port, port_free, where_logged
 from posttrain.core.rollout.router import RouterProcess
 
 
@@ -135,8 +135,7 @@ class EngineFleet:
 
     def _failed(self, i: int, server: ManagedServer, exc: BaseException) -> RunFailed:
         """One line for engine ``i`` that could not start: what happened, its log, and the log's last line."""
-        log = f"; its log: {server.log_path}{last_line(server.log_path)}" if server.log_path else ""
-        return RunFailed(f"engine {i}: {exc}{log}")
+        return RunFailed(f"engine {i}: {exc}{where_logged(server.log_path)}")
 
     @property
     def engine_urls(self) -> list[str]:

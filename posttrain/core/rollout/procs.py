@@ -159,9 +159,9 @@ def stop_process(proc: subprocess.Popen | None, grace_s: float = 10.0) -> None:
         proc.wait(grace_s)
 
 
-def last_line(log_path: str | Path | None, limit: int = 300) -> str:
-    """``: LINE``, the last non-blank line of a server's log (what it said as it died: an error, an exception's
-    message), at most ``limit`` characters; empty without one."""
+def where_logged(log_path: str | Path | None, limit: int = 300) -> str:
+    """``; its log: PATH: LINE`` for a server that failed, LINE the last non-blank line of its log (what it said as
+    it died: an error, an exception's message), at most ``limit`` characters; empty without a log."""
     if log_path is None:
         return ""
     try:
@@ -169,8 +169,8 @@ def last_line(log_path: str | Path | None, limit: int = 300) -> str:
             f.seek(max(0, f.seek(0, 2) - 8192))
             lines = [line.strip() for line in f.read().decode(errors="replace").splitlines() if line.strip()]
     except OSError:
-        return ""
-    return f": {lines[-1][:limit]}" if lines else ""
+        lines = []
+    return f"; its log: {log_path}" + (f": {lines[-1][:limit]}" if lines else "")
 
 
 class ManagedServer:

@@ -30,7 +30,7 @@ from typing import Any
 
 from posttrain.core.rollout.backend import API_KEY_ENV
 from posttrain.core.errors import RunFailed
-from posttrain.core.rollout.procs import free_port, last_line, spawn, stop_process, wait_http_ok
+from posttrain.core.rollout.procs import free_port, spawn, stop_process, wait_http_ok, where_logged
 
 
 class RouterProcess:
@@ -74,8 +74,7 @@ class RouterProcess:
             self.wait_workers(len(self.worker_urls), timeout_s)
         except (RuntimeError, TimeoutError) as exc:  # it exited, or never answered: one line naming its log
             self.stop()
-            log = f"; its log: {self.log_path}{last_line(self.log_path)}" if self.log_path else ""
-            raise RunFailed(f"router: {exc}{log}") from exc
+            raise RunFailed(f"router: {exc}{where_logged(self.log_path)}") from exc
         except Exception:
             self.stop()
             raise
