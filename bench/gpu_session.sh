@@ -75,6 +75,8 @@
 #             defaults again (the device's clocks sampled)
 #   decode17q decode at the benchmark shape with the defaults twice (answered requests freed after the answers), then
 #             colocated5
+#   recompile17 the compiled trainer meets a small micro-batch after large ones without recompiling (and with torch's
+#             defaults it does: the control)
 #   decode17r decode at the benchmark shape with the defaults three times (the step's copies against its graph in
 #             one power state: step_io_ms, step_graph_ms)
 #   sampling17 the sampling kernel's GPU tests, the one-pass sampler alone (BASELINE_KERNEL=path: another
@@ -175,8 +177,10 @@ step() {  # step NAME TIMEOUT_S CMD...: run, keep the log, remember the exit cod
 }
 e2e() {  # the run stops itself 15 s before the step's limit and reports the steps it finished
   local name=$1 limit=$2; shift 2
-  step "$name" "$limit" python3 bench/e2e.py --config $CFG --name "$name" --keep "$LOGS/runs" --timeout $((limit - 15)) "$@"
+  # TORCH_LOGS=recompiles: a guard that fails mid-run says which one, in the run's .out (stderr)
+  step "$name" "$limit" env TORCH_LOGS=${TORCH_LOGS:-recompiles} python3 bench/e2e.py --config $CFG --name "$name" --keep "$LOGS/runs" --timeout $((limit - 15)) "$@"
   grep -h "^step \|^\[" "$LOGS/runs/$name.out" 2>/dev/null | tail -n 12 | cut -c1-300
+  grep -h -A3 "Recompiling function" "$LOGS/runs/$name.out" 2>/dev/null | head -n 24 | cut -c1-300
 }
 engine_tests() {  # the kernels' and the engine's GPU tests (the decode parts' common first steps)
   step kernel_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
@@ -210,14 +214,16 @@ import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 phases = list(dict.fromkeys(k[len("perf/time_"):] for r in rows for k in r if k.startswith("perf/time_")))
 print("step | " + " | ".join(f"{p} s / GPU peak GiB" for p in phases) + " | trainer peak | engine peak | offloaded GiB"
-      " | trainer reserved GiB | trainer allocated GiB | optimizer state wait s | host buffers made s")
+      " | trainer reserved GiB | trainer allocated GiB | optimizer state wait s | host buffers made s"
+      " | trainer alloc retries | trainer compiled graphs")
 for r in rows:
     print(r["step"], "|", " | ".join(f"{r.get('perf/time_' + p, 0):.2f} / {r.get('perf/gpu_peak_gib_' + p, float('nan')):.1f}"
                                      for p in phases), "|", round(r.get("perf/trainer_peak_gib", 0), 1), "|",
           round(r.get("perf/engine_peak_gib", 0), 1), "|", round(r.get("perf/trainer_offloaded_gib", 0), 1), "|",
           round(r.get("perf/trainer_reserved_gib", float("nan")), 2), "|",
           round(r.get("perf/trainer_allocated_gib", float("nan")), 3), "|",
-          round(r.get("train/offload_wait_s", float("nan")), 3), "|", round(r.get("train/offload_pin_s", float("nan")), 2))
+          round(r.get("train/offload_wait_s", float("nan")), 3), "|", round(r.get("train/offload_pin_s", float("nan")), 2),
+          "|", r.get("perf/trainer_alloc_retries", "-"), "|", r.get("perf/trainer_compiled_graphs", "-"))
 PY
   # the engine's start-up parts, and its first generation (the readiness check: the prefill's compiles)
   grep -h "ready after\|first generation" "$LOGS"/runs/$1*engine*.log 2>/dev/null | tail -n 3 | cut -c1-300
@@ -499,6 +505,8 @@ why = vmm_supported(0); print('vmm:', why or 'supported'); raise SystemExit(1 if
   moe_grpo) step moe_grpo 210 python3 bench/e2e.py --config $MOE_CFG --name moe_grpo --keep "$LOGS/runs" \
               model.overrides.num_hidden_layers=$MOE_LAYERS ;;
   halves17) step halves 120 python3 bench/decode_parts.py --overlap ;;
+  recompile17) step trainer_recompile_test 240 python3 -m pytest -q -rf -p no:cacheprovider tests/unit/train/test_gpu.py \
+                 -k small_micro_batch ;;
   memory17) step graphs_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/rollout/test_graphs.py
             e2e colocated5 ${COLOCATED5_S:-250} resources.colocate=true rollout.num_rollouts=5
             phase_table colocated5 ;;

@@ -275,14 +275,23 @@ class TrainerRole:
             torch.cuda.empty_cache()
 
     def memory_stats(self) -> dict[str, float]:
-        """Peak and current GPU memory of this process (GiB); empty on CPU."""
+        """Peak and current GPU memory of this process (GiB), and two counts since the start that explain a
+        slow train phase: ``alloc_retries`` (the allocator found no free block, gave its whole cache back to
+        the driver and asked again: a device-wide wait each time, from fragmentation near the memory's limit)
+        and ``compiled_graphs`` (graphs Dynamo compiled in this process: one that rises after the first steps
+        is a recompile). Empty on CPU."""
+        import sys
+
         import torch
 
         if not torch.cuda.is_available():
             return {}
+        dynamo = sys.modules.get("torch._dynamo.utils")  # loaded only by a compiled trainer
         return {"peak_gib": torch.cuda.max_memory_allocated() / 2**30,
                 "allocated_gib": torch.cuda.memory_allocated() / 2**30,
-                "reserved_gib": torch.cuda.memory_reserved() / 2**30}  # allocated + the allocator's cache
+                "reserved_gib": torch.cuda.memory_reserved() / 2**30,  # allocated + the allocator's cache
+                "alloc_retries": float(torch.cuda.memory_stats().get("num_alloc_retries", 0)),
+                "compiled_graphs": float(dynamo.counters["stats"]["unique_graphs"]) if dynamo else 0.0}
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, ckpt_dir: str) -> None:

@@ -14,16 +14,35 @@ from posttrain.plugins.trainers.megatron import compiled
 from tests.unit.train.test_trainer import _batch, _trainer
 
 REAL_COMPILE = torch.compile  # each count below patches torch.compile over it
+options_seen: list = []  # the Inductor options of each compile in the last count
 
 
-def test_a_one_sample_batch_gets_the_standard_layout_as_a_view():
-    embedded = torch.randn(1, 7, 16)  # [b, s, h], transposed to [s, b, h] as Megatron's embedding does
+def test_a_one_sample_batch_gets_the_standard_layout_in_its_own_memory_and_not_as_a_view():
+    embedded = torch.randn(1, 7, 16, requires_grad=True)  # [b, s, h], transposed to [s, b, h] as Megatron's embedding does
     hidden = embedded.transpose(0, 1)
     assert hidden.stride() == (16, 112, 1)  # a size-1 dimension's stride: s * h here, h out of a layer
     std = compiled._standard(hidden)
     assert std.stride() == (16, 16, 1) and std.data_ptr() == hidden.data_ptr() and torch.equal(std, hidden)
+    assert std._base is None  # Dynamo guards on a view's base: the embedding's is unlike every later layer's input
+    (std * torch.arange(16.0)).sum().backward()  # the gradient reaches the embedding unchanged
+    assert torch.equal(embedded.grad, torch.arange(16.0).expand(1, 7, 16))
+    fresh = torch.randn(7, 1, 16)  # a layer's output: already standard and not a view, handed on as it is
+    assert compiled._standard(fresh) is fresh
+    with torch.no_grad():  # a log-prob pass
+        view = compiled._standard(torch.randn(1, 7, 16).transpose(0, 1))
+    assert view._base is None and view.stride() == (16, 16, 1) and not view.requires_grad
     batch = torch.randn(7, 3, 16).transpose(0, 1).transpose(0, 1)  # b = 3: its strides are kept
     assert compiled._standard(batch).stride() == batch.stride()
+
+
+def test_the_layers_compile_without_the_mix_order_reductions_size_guard():
+    """Strict mix-order reductions guard the symbolic token count (``5120 <= tokens`` at Qwen3-1.7B on an H100):
+    a step's small last micro-batch then recompiled every layer. The option is one this torch knows."""
+    import torch._inductor.config as inductor
+
+    options = compiled.inductor_options()
+    assert options == {"triton.mix_order_reduction_non_strict_mode": True}
+    assert inductor.triton.mix_order_reduction_non_strict_mode is False  # torch's default, which the layers change
 
 
 @pytest.fixture
@@ -55,13 +74,16 @@ def _frames(tiny_ckpts, monkeypatch, wrap, restore) -> int:
     restore()
     torch._dynamo.reset()
     counter = CompileCounter()
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: REAL_COMPILE(fn, **{**kw, "backend": counter}))
+    options_seen.clear()  # Inductor's options (the counting backend takes none)
+    monkeypatch.setattr(torch, "compile", lambda fn, options=None, **kw: (
+        options_seen.append(options), REAL_COMPILE(fn, **{**kw, "backend": counter}))[1])
     monkeypatch.setattr("posttrain.plugins.trainers.megatron.trainer.compiled_layer", wrap)
     options = {"sequence_packing": True, "attention": "sdpa"}
     trainer, plain = _trainer(tiny_ckpts, compile=True, **options), _trainer(tiny_ckpts, **options)
     for seed in (7, 8, 9):
         _, batch = _batch(seed=seed)
         torch.testing.assert_close(trainer.log_probs(batch)[0], plain.log_probs(batch)[0], atol=1e-5, rtol=1e-5)
+    assert options_seen and all(o == compiled.inductor_options() for o in options_seen if wrap is compiled.compiled_layer)
     return counter.frame_count
 
 

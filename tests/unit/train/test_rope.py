@@ -25,6 +25,30 @@ def _packed(lengths, heads=4, dim=16, seed=0):
 def test_positions_restart_at_every_sample():
     cu = torch.tensor([0, 3, 4, 8], dtype=torch.int32)
     assert rope.thd_positions(cu, 8).tolist() == [0, 1, 2, 0, 0, 1, 2, 3]
+    empty = torch.tensor([0, 0, 2, 2, 5], dtype=torch.int32)  # empty samples first and inside
+    assert rope.thd_positions(empty, 5).tolist() == [0, 1, 0, 1, 2]
+    assert rope.thd_positions(torch.tensor([0, 4]), 4).tolist() == [0, 1, 2, 3]
+
+
+def test_one_graph_serves_every_number_of_samples_a_micro_batch():
+    """The trainer marks the token count and ``cu_seqlens`` symbolic from the first call (``compiled.py``). The
+    positions once came from the slice ``cu_seqlens[1:-1]``, of one element for two samples, which Dynamo
+    guards apart: a layer compiled at three samples or more recompiled at the first two-sample micro-batch (an
+    H100 run's train phase of 21 s instead of 7.6) and again at one sample. AOTAutograd's tracing (which
+    raised that guard) counts the graphs."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    fn = torch.compile(lambda cu, x: rope.thd_positions(cu, x.shape[0]) + x, backend="aot_eager", fullgraph=True)
+    for lengths in ([5, 7, 3, 9], [4, 6, 2], [10, 3], [13], [6, 0, 7]):
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        x = torch.zeros(sum(lengths), dtype=torch.int64)
+        torch._dynamo.maybe_mark_dynamic(cu, 0)
+        torch._dynamo.maybe_mark_dynamic(x, 0)
+        want = torch.cat([torch.arange(n) for n in lengths])
+        assert torch.equal(fn(cu, x), want), lengths
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 @pytest.mark.parametrize("lengths", LENGTH_SETS)

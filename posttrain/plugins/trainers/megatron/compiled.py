@@ -5,9 +5,20 @@ dimension, which no computation reads. A packed micro-batch is one sequence of `
 the first layer gets Megatron's embedding output, a transposed view whose ``b`` stride is ``s * h``, while every
 later layer gets a fresh tensor whose ``b`` stride is ``h``: each compiled frame of the layer (and of the frames
 after its graph breaks) compiled once for each layout, and again for each once the token count changed. The
-wrapper hands every layer the ``(h, h, 1)`` layout (a view: no copy), and, where the token count changes with
-every micro-batch (packed sequences), marks it symbolic from the first call, so each frame compiles once
-instead of static first and symbolic after (bench/RESULTS.md: a colocated run's first train step).
+wrapper hands every layer the ``(h, h, 1)`` layout, and, where the token count changes with every micro-batch
+(packed sequences), marks it symbolic from the first call, so each frame compiles once instead of static first
+and symbolic after (bench/RESULTS.md: a colocated run's first train step). The first layer's input is given as a
+tensor that is not a view (Megatron's ``make_viewless_tensor``: the same memory, no copy): Dynamo guards on a
+view's base too, and the embedding's base (``[s, 1, h]`` with a ``b`` stride of ``s * h`` in training) failed the
+guard of every later layer's input, a recompile of both once a micro-batch met a new guard.
+
+The layers compile with Inductor's ``triton.mix_order_reduction_non_strict_mode``. Its default (strict) fuses a
+norm's two backward reductions (over each token's channels, over the tokens for the weight's gradient) only
+when the tensor is large enough, and that size check becomes a guard on the symbolic token count: on an H100 at
+Qwen3-1.7B, ``5120 <= tokens``, so the first micro-batch of fewer than 5120 tokens (a step's last, under
+``trainer.max_tokens_per_micro_batch``) recompiled every layer frame mid-run: a train phase of 33.6 s instead
+of 7.7 (bench/RESULTS.md, 2026-12-05 night). Non-strict, the choice does not depend on the size and leaves no
+guard.
 
 Megatron-core 0.16's ``RowParallelLinear.forward`` (the attention's output projection, the MLP's down projection)
 hands its matmul ``tp_group=None``, so every call asks ``get_tensor_model_parallel_group_if_none`` for the default
@@ -29,7 +40,7 @@ def compiled_layer(forward: Callable[..., Any], symbolic_tokens: bool) -> Callab
     import torch
 
     quiet_group_lookups()
-    compiled = torch.compile(forward)
+    compiled = torch.compile(forward, options=inductor_options())
 
     def run(*args: Any, **kwargs: Any) -> Any:
         if "hidden_states" in kwargs:
@@ -43,13 +54,29 @@ def compiled_layer(forward: Callable[..., Any], symbolic_tokens: bool) -> Callab
     return run
 
 
+def inductor_options() -> dict[str, Any]:
+    """Inductor's options for a compiled layer: mix-order reductions without their size guard (module docstring),
+    where this torch has the option."""
+    import torch._inductor.config as inductor
+
+    return {"triton.mix_order_reduction_non_strict_mode": True} if hasattr(
+        inductor.triton, "mix_order_reduction_non_strict_mode") else {}
+
+
 def _standard(hidden: Any) -> Any:
-    """``hidden`` ``[s, 1, h]`` with strides ``(h, h, 1)``, whatever the size-1 dimension's was (a view)."""
+    """``hidden`` ``[s, 1, h]`` with strides ``(h, h, 1)``, whatever the size-1 dimension's was, and not a view (its
+    memory, no copy; gradients pass through unchanged); other tensors as they are."""
     import torch
 
-    if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 and hidden.shape[1] == 1:
-        return hidden.squeeze(1).unsqueeze(1)
-    return hidden
+    if not (isinstance(hidden, torch.Tensor) and hidden.dim() == 3 and hidden.shape[1] == 1):
+        return hidden
+    if hidden.stride(1) != hidden.shape[2] * hidden.stride(2):  # s * h out of the embedding; h out of a layer
+        hidden = hidden.squeeze(1).unsqueeze(1)
+    if hidden._base is None:
+        return hidden
+    from megatron.core.utils import make_viewless_tensor
+
+    return make_viewless_tensor(hidden, requires_grad=hidden.requires_grad, keep_graph=True)
 
 
 def _symbolic_tokens(inputs: tuple[Any, ...], packed: Any) -> None:

@@ -6,9 +6,11 @@ compile``) every new set of lengths then recompiles the layer, until dynamo's li
 layer runs eagerly: on an H200 (2026-12-02) the first train phases of a GRPO run took 63, 16, 12 and 8.2 s
 before settling at 7.9 s. Here each token's position inside its sample comes from ``cu_seqlens`` as
 tensors (no ``searchsorted``: Inductor of torch 2.11 could not lower it on a slice), so one graph serves
-every set of lengths::
+every set of lengths, and every number of samples (the marks go at all of ``cu_seqlens``, not at a slice of it:
+a slice ``cu_seqlens[1:-1]`` is one element long for two samples, a size Dynamo treats apart, so a compiled
+layer that first met three or more samples a micro-batch recompiled at the first with two, mid-run)::
 
-    seg[i] = #{b >= 1 : cu_seqlens[b] <= i}       (a cumulative sum of marks)   i = 0 .. t - 1
+    seg[i] = #{b : cu_seqlens[b] <= i} - 1        (a cumulative sum of marks)   i = 0 .. t - 1
     pos[i] = i - cu_seqlens[seg[i]]
     out    = rope_bshd(x[:, None], freqs[pos])[:, 0]      x [t, h, d], freqs [max_s, 1, 1, d]
 
@@ -30,9 +32,10 @@ def thd_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """Position of each of ``total`` packed tokens inside its sample (``[total]`` int64), from
     ``cu_seqlens [B + 1]`` (offsets, starting at 0), on ``cu_seqlens``' device with no host copy."""
     cu = cu_seqlens.to(torch.int64)
-    starts = cu[1:-1]  # where samples 1 .. B - 1 begin: a mark there, and the running count is the sample
-    marks = torch.zeros(total + 1, dtype=torch.int64, device=cu.device).index_add(0, starts, torch.ones_like(starts))
-    return torch.arange(total, device=cu.device) - cu[marks[:total].cumsum(0)]
+    # a mark where each sample begins (and one at ``total``, past the tokens): the running count less one is the
+    # sample; an empty sample's mark adds to the next one's, which its tokens then follow
+    marks = torch.zeros(total + 1, dtype=torch.int64, device=cu.device).index_add(0, cu, torch.ones_like(cu))
+    return torch.arange(total, device=cu.device) - cu[marks[:total].cumsum(0) - 1]
 
 
 def apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor,
