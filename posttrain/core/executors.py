@@ -88,8 +88,9 @@ class RayExecutor:
 
     def trainer(self, log_dir: str | Path = "logs") -> _RemoteHandle | TrainerGroup:
         r = self.cfg.resources
-        if r.trainer_world_size == 1:
-            return self._actor(TrainerRole, self.cfg.to_dict(), self.load_args, num_gpus=r.trainer_gpus_per_node)
+        if r.trainer_world_size == 1:  # colocated: in the bundle its engine role shares (one node, whatever the cluster)
+            return self._actor(TrainerRole, self.cfg.to_dict(), self.load_args, num_gpus=r.trainer_gpus_per_node,
+                               strategy=self._in_group(self._trainer_placement()) if r.colocate else None)
         gpus = 1 if r.trainer_gpus_per_node else 0
         ranks = RayRanks(r.trainer_world_size, r.procs_per_node, self.cfg.to_dict(), self.load_args, log_dir,
                          self._trainer_placement(), gpus_per_rank=gpus)
@@ -109,19 +110,27 @@ class RayExecutor:
                                                   "trainer's placement group")
         return self._trainer_group
 
+    @staticmethod
+    def _in_group(group: Any) -> Any:
+        """Ray's scheduling strategy for an actor in ``group``'s first bundle."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
+
     def engines(self, model_path: str, log_dir: Path, model_pending: bool = False) -> _RemoteHandle:
+        """The engine role's actor. Colocated, it shares node 0's bundle of the trainer's placement group (also for
+        one rank: on a cluster of several nodes, an actor without one could land away from the trainer's GPUs);
+        beside a trainer group, a bundle of its own made after the group's; beside one rank, no placement group."""
         r = self.cfg.resources
         strategy = None
-        if r.trainer_world_size > 1:  # a trainer group: its group first, then the engines' bundle (or node 0's)
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
+        if r.trainer_world_size > 1 or r.colocate:  # the trainer's group first, then the engines' bundle (or node 0's)
             trainer_group = self._trainer_placement()
             group = trainer_group if r.colocate else self._placement(
                 [{"CPU": 1.0, **({"GPU": float(r.rollout_gpus)} if r.rollout_gpus else {})}], "PACK",
                 "engines' placement group")
-            strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
+            strategy = self._in_group(group)
         return self._actor(EngineRole, self.cfg.to_dict(), model_path, str(log_dir), self.load_args, model_pending,
-                           num_gpus=0 if r.colocate and strategy is not None else r.rollout_gpus, strategy=strategy)
+                           num_gpus=0 if r.colocate else r.rollout_gpus, strategy=strategy)
 
     def teacher(self, log_dir: Path) -> _RemoteHandle:
         """The teacher's fleet in an actor of its own (GPU engines name their device: ``cuda:N``)."""

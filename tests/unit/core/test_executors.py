@@ -62,6 +62,23 @@ def test_ray_engines_of_a_one_rank_trainer_take_no_placement_group(plugins):
     assert reserved == [] and actors == [(EngineRole, cfg.resources.rollout_gpus, None)]
 
 
+def test_ray_puts_a_colocated_one_rank_trainer_and_its_engines_in_one_bundle(plugins):
+    """Colocated, the engine role must run where the trainer's GPU is: on a cluster of several nodes an actor
+    without a placement group could land on any of them. Both share one bundle, the engines' actor first."""
+    from posttrain.core.actors.trainer import TrainerRole
+
+    cfg = load_config(ROOT / "examples" / "quickstart.yaml", ["resources.executor=ray", "resources.colocate=true"],
+                      plugins)
+    executor, reserved, actors = _unstarted(cfg)
+    executor.engines("/run/hf-init", Path("logs"), model_pending=True)
+    executor.trainer()
+    assert reserved == ["trainer's placement group"] and executor._trainer_group[1] == [{"CPU": 2.0}]
+    (engine, engine_gpus, engine_at), (trainer, _, trainer_at) = actors
+    assert engine is EngineRole and trainer is TrainerRole and engine_gpus == 0
+    assert engine_at.placement_group == trainer_at.placement_group == executor._trainer_group
+    assert engine_at.placement_group_bundle_index == trainer_at.placement_group_bundle_index == 0
+
+
 def test_an_actors_one_line_error_comes_back_as_itself(monkeypatch):
     """Under Ray, an actor's RunFailed (or any UsageError) reaches the loop as itself, so the CLI prints its one line
     (Ray's RayTaskError carries the actor's traceback in its text); other errors stay Ray's."""
