@@ -7,6 +7,7 @@ also has ``step``. ``read_metrics(run_dir)`` reads them back (``rl-cli plot``, r
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.core.gpu_memory import GIB
+
+log = logging.getLogger("posttrain.metrics")
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -156,13 +159,20 @@ class ServerMetrics:
       ``perf/time_generate`` then shows whether prefills, decode steps or captures took the time.
 
     Engines on CPU are not asked (``engines.server_states`` gives them empty), so CPU runs have neither. An
-    engine whose totals went down was restarted: its figures count from zero again."""
+    engine whose totals went down was restarted: its figures count from zero again.
+
+    The trainer's two counts since its start, ``compiled_graphs`` and ``alloc_retries``, are also said in one
+    warning each when they rise after the process's first step: a recompile (a train phase slower by the compile)
+    or the GPU allocator's retries (memory near its limit) would otherwise show only as a slow step."""
 
     def __init__(self):
         self.last: list[dict[str, float]] = []
+        self.trainer_counts: dict[str, float] | None = None  # the last step's; None before the first
 
     def __call__(self, trainer: Any, engines: Any) -> dict[str, float]:
-        out = {f"perf/trainer_{k}": v for k, v in trainer.memory_stats().items()}
+        stats = trainer.memory_stats()
+        self._warn_on_rises(stats)
+        out = {f"perf/trainer_{k}": v for k, v in stats.items()}
         states = engines.server_states()
         peaks = [s["memory"]["peak_gib"] for s in states if "peak_gib" in s.get("memory", {})]
         if peaks:
@@ -184,3 +194,18 @@ class ServerMetrics:
             out["engine/decode_step_ms"] = 1e3 * done.get("decode_s", 0.0) / steps
             out["engine/mean_batch"] = done.get("decode_rows", 0.0) / steps
         return out
+
+    def _warn_on_rises(self, stats: dict[str, float]) -> None:
+        counts = {k: stats[k] for k in ("compiled_graphs", "alloc_retries") if k in stats}
+        before, self.trainer_counts = self.trainer_counts, counts
+        if before is None:  # the first step compiles and settles its memory: nothing to compare with
+            return
+        graphs = counts.get("compiled_graphs", 0) - before.get("compiled_graphs", 0)
+        if graphs > 0:
+            log.warning("trainer: %d more graph(s) compiled after the first step, a recompile that slows this step "
+                        "by its compile (TORCH_LOGS=recompiles names the guard that failed)", graphs)
+        retries = counts.get("alloc_retries", 0) - before.get("alloc_retries", 0)
+        if retries > 0:
+            log.warning("trainer: the GPU allocator found no free block %d time(s) this step and gave its cache "
+                        "back each time (memory near its limit: a smaller trainer.max_tokens_per_micro_batch, or "
+                        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)", retries)

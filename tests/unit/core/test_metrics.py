@@ -114,3 +114,37 @@ def test_server_metrics_without_engine_figures_report_the_trainer_only():
     idle(_Trainer(), engines)
     quiet = idle(_Trainer(), engines)  # nothing ran between the two steps: zeros, and no mean of no steps
     assert quiet["engine/decode_steps"] == 0 and "engine/decode_step_ms" not in quiet
+
+
+class _CountingTrainer:
+    """``memory_stats`` with the trainer's two counts since its start, one step's figures at a time."""
+
+    def __init__(self, *steps):
+        self.steps = list(steps)
+
+    def memory_stats(self):
+        graphs, retries = self.steps.pop(0)
+        return {"peak_gib": 1.0, "compiled_graphs": float(graphs), "alloc_retries": float(retries)}
+
+
+def test_a_recompile_or_allocator_retries_after_the_first_step_are_said_once_each(caplog):
+    """The first step compiles (and may retry) as it settles: nothing is said. After it, a rise in either count
+    is one warning naming what to look at, and steps without a rise say nothing."""
+    import logging
+
+    metrics, engines = ServerMetrics(), _Engines(*[[] for _ in range(4)])
+    trainer = _CountingTrainer((3, 2), (3, 2), (5, 2), (5, 6))
+    with caplog.at_level(logging.WARNING, logger="posttrain.metrics"):
+        first = metrics(trainer, engines)
+        assert caplog.records == [] and first["perf/trainer_compiled_graphs"] == 3.0
+        metrics(trainer, engines)
+        assert caplog.records == []
+        metrics(trainer, engines)
+        (recompile,) = caplog.records
+        assert "2 more graph(s) compiled after the first step" in recompile.getMessage()
+        assert "TORCH_LOGS=recompiles" in recompile.getMessage()
+        caplog.clear()
+        last = metrics(trainer, engines)
+    (retries,) = caplog.records
+    assert "no free block 4 time(s) this step" in retries.getMessage()
+    assert "trainer.max_tokens_per_micro_batch" in retries.getMessage() and last["perf/trainer_alloc_retries"] == 6.0
