@@ -89,7 +89,8 @@ class RayExecutor:
     def trainer(self, log_dir: str | Path = "logs") -> _RemoteHandle | TrainerGroup:
         r = self.cfg.resources
         if r.trainer_world_size == 1:  # colocated: in the bundle its engine role shares (one node, whatever the cluster)
-            return self._actor(TrainerRole, self.cfg.to_dict(), self.load_args, num_gpus=r.trainer_gpus_per_node,
+            return self._actor(TrainerRole, self.cfg.to_dict(), self.load_args,
+                               num_gpus=self._colocated_share() or r.trainer_gpus_per_node,
                                strategy=self._in_group(self._trainer_placement()) if r.colocate else None)
         gpus = 1 if r.trainer_gpus_per_node else 0
         ranks = RayRanks(r.trainer_world_size, r.procs_per_node, self.cfg.to_dict(), self.load_args, log_dir,
@@ -109,6 +110,14 @@ class RayExecutor:
             self._trainer_group = self._placement(bundles, "STRICT_SPREAD" if r.trainer_nodes > 1 else "PACK",
                                                   "trainer's placement group")
         return self._trainer_group
+
+    def _colocated_share(self) -> float:
+        """Of a colocated one-rank trainer's GPU, the part its actor and the engine role's each ask Ray for: half,
+        so that Ray hands both the same GPU (``CUDA_VISIBLE_DEVICES``) and the engines sit on the trainer's, on a
+        node whose other GPUs other jobs hold too. 0 elsewhere (a colocated trainer group's engine role asks for
+        none and sees the node's GPUs, ``cuda:i`` being the node's i-th)."""
+        r = self.cfg.resources
+        return 0.5 if r.colocate and r.trainer_world_size == 1 and r.trainer_gpus_per_node else 0.0
 
     @staticmethod
     def _in_group(group: Any) -> Any:
@@ -130,7 +139,7 @@ class RayExecutor:
                 "engines' placement group")
             strategy = self._in_group(group)
         return self._actor(EngineRole, self.cfg.to_dict(), model_path, str(log_dir), self.load_args, model_pending,
-                           num_gpus=0 if r.colocate else r.rollout_gpus, strategy=strategy)
+                           num_gpus=self._colocated_share() if r.colocate else r.rollout_gpus, strategy=strategy)
 
     def teacher(self, log_dir: Path) -> _RemoteHandle:
         """The teacher's fleet in an actor of its own (GPU engines name their device: ``cuda:N``)."""

@@ -79,6 +79,60 @@ def test_ray_puts_a_colocated_one_rank_trainer_and_its_engines_in_one_bundle(plu
     assert engine_at.placement_group_bundle_index == trainer_at.placement_group_bundle_index == 0
 
 
+def test_ray_gives_a_colocated_one_rank_trainer_and_its_engines_half_of_one_gpu_each(plugins):
+    """On a GPU, each asks for half of the bundle's one GPU, so Ray hands both the same one (the next test runs
+    it); a trainer group's engine role asks for none, as before."""
+    from posttrain.core.actors.trainer import TrainerRole
+
+    gpu = ["resources.executor=ray", "resources.colocate=true", "resources.trainer_gpus_per_node=1"]
+    executor, reserved, actors = _unstarted(load_config(ROOT / "examples" / "quickstart.yaml", gpu, plugins))
+    executor.engines("/run/hf-init", Path("logs"), model_pending=True)
+    executor.trainer()
+    assert executor._trainer_group[1] == [{"CPU": 2.0, "GPU": 1.0}]
+    assert [(cls, gpus) for cls, gpus, _ in actors] == [(EngineRole, 0.5), (TrainerRole, 0.5)]
+    group = load_config(ROOT / "examples" / "quickstart.yaml", gpu[:2] + ["resources.trainer_gpus_per_node=2"],
+                        plugins)
+    executor, _, actors = _unstarted(group)
+    executor.engines("/run/hf-init", Path("logs"), model_pending=True)
+    assert actors[0][:2] == (EngineRole, 0)
+
+
+PROBE = """
+import os, sys, ray
+from posttrain.core import executors
+from posttrain.core.config import load_config
+
+class Probe:  # stands in for TrainerRole and EngineRole: what Ray gave the actor
+    def __init__(self, *args): pass
+    def visible(self): return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+blocker = ray.remote(num_gpus=1)(Probe).remote()  # another job's actor holds the node's first GPU
+held = ray.get(blocker.visible.remote())
+executors.TrainerRole = executors.EngineRole = Probe
+cfg = load_config(sys.argv[1], ["resources.executor=ray", "resources.colocate=true", "resources.trainer_gpus_per_node=1"])
+executor = executors.RayExecutor(cfg)
+engines = executor.engines("/run/hf-init", "logs", model_pending=True)
+trainer = executor.trainer()
+print(held, engines.visible(), trainer.visible())
+executor.close()
+"""
+
+
+def test_a_colocated_one_rank_trainer_and_its_engines_get_the_same_gpu_from_ray():
+    """A Ray instance with four (declared) GPUs, the first held by another actor: the trainer's actor and the
+    engine role's get one and the same GPU, not the held one. Ray sets ``CUDA_VISIBLE_DEVICES`` from its own
+    resource ids, so no GPU is needed to see its choice."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", PROBE, str(ROOT / "examples" / "quickstart.yaml")],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    held, engines, trainer = out.stdout.split()[-3:]
+    assert engines == trainer and engines != held and engines in {"0", "1", "2", "3"}, out.stdout
+
+
 def test_an_actors_one_line_error_comes_back_as_itself(monkeypatch):
     """Under Ray, an actor's RunFailed (or any UsageError) reaches the loop as itself, so the CLI prints its one line
     (Ray's RayTaskError carries the actor's traceback in its text); other errors stay Ray's."""
