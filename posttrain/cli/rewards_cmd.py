@@ -19,18 +19,15 @@ def _group() -> None:
 
 
 def _parse_settings(name: str, items: list[str]) -> dict:
-    import yaml
+    from posttrain.core.config_source import split_setting
 
     out, errors = {}, []
     for item in items:
-        key, sep, text = item.partition("=")
-        if not sep or not key:
+        setting = split_setting(item)
+        if setting is None:
             errors.append(f"{item}: a reward setting must look like key=value")
             continue
-        try:
-            out[key] = yaml.safe_load(text)
-        except yaml.YAMLError:
-            out[key] = text
+        out[setting[0]] = setting[1]
     if errors:
         raise ConfigError(errors, f"rl-cli rewards try {name}")
     return out

@@ -61,6 +61,18 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return raw
 
 
+def split_setting(item: str) -> tuple[str, Any] | None:
+    """``key=value`` as ``(key, value)``, the value parsed as YAML (its text where YAML cannot read it); None when
+    ``item`` has no ``=`` or no key."""
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+        return None
+    try:
+        return key, yaml.safe_load(text)
+    except yaml.YAMLError:
+        return key, text
+
+
 def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> list[str]:
     """Apply ``a.b.c=value`` (value parsed as YAML; list items by index: ``rewards.0.weight=0.5``).
 
@@ -70,14 +82,11 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
     errors = []
     overridden: set[tuple[int, Any]] = set()  # (id(section), key) set on the command line
     for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep or not key:
+        setting = split_setting(item)
+        if setting is None:
             errors.append(f"{item}: an override must look like key.sub=value")
             continue
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError:
-            value = text
+        key, value = setting
         node: Any = raw
         parts = key.split(".")
         for i, part in enumerate(parts):
