@@ -56,7 +56,8 @@ def ensure_venv(venv: Path, trl: str) -> Path:
 def ours(steps: int, run: Path) -> dict:
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "run", str(ROOT / "examples" / "quickstart.yaml"),
-                          f"rollout.num_rollouts={steps}", "--run-dir", str(run)], capture_output=True, text=True)
+                          f"rollout.num_rollouts={steps}", "checkpoint.hf_init_weights=true",  # TRL starts from them
+                          "--run-dir", str(run)], capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if out.returncode:
         sys.exit(f"rl-cli run failed:\n{out.stderr[-3000:]}")

@@ -26,6 +26,7 @@ COLUMNS = [("reward", "rollout/reward_mean", "{:.3f}"), ("kl", "train/kl", "{:.4
 PHASES = ("generate", "log_probs", "train", "sync")
 # what the loop's on_phase(name) means to a user; unknown names are shown as they are
 STARTUP = {"model": "building the model (trainer)", "init_checkpoint": "writing its weights for the engines",
+           "model_files": "writing the model's config and tokenizer for the engines",
            "offload": "moving the trainer's state to host memory", "engines": "starting the engines and the router",
            "connect": "joining the trainer and the engines (weight updates)", "data": "loading the prompts",
            "resume": "loading the checkpoint", "weights": "first weight push", "train": "training"}

@@ -356,6 +356,10 @@ class LoggingConfig:
 class CheckpointConfig:
     interval: int = option(0, ge=0, help="steps between checkpoints; 0 disables")
     keep: int = option(2, ge=1, help="checkpoints kept")
+    hf_init_weights: bool = option(
+        False, help="also write the initial policy's weights to RUN_DIR/hf-init (a copy of the model on disk, written "
+                    "at start; the engines then load them). Off: hf-init holds config.json and the tokenizer, and "
+                    "the engines take their weights from the first push")
 
 
 @dataclass

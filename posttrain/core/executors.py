@@ -34,8 +34,10 @@ class LocalExecutor:
                                  log_dir)
         return TrainerGroup(self._ranks)
 
-    def engines(self, model_path: str, log_dir: Path, model_pending: bool = False) -> EngineRole:
-        return EngineRole(self.cfg.to_dict(), model_path, str(log_dir), self.load_args, model_pending)
+    def engines(self, model_path: str, log_dir: Path, model_pending: bool = False, weights_from_push: bool = False,
+                wait: bool | None = None) -> EngineRole:
+        return EngineRole(self.cfg.to_dict(), model_path, str(log_dir), self.load_args, model_pending,
+                          weights_from_push, wait)
 
     def teacher(self, log_dir: Path) -> TeacherRole:
         return TeacherRole(self.cfg.to_dict(), str(log_dir), self.load_args)
@@ -126,7 +128,8 @@ class RayExecutor:
 
         return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
 
-    def engines(self, model_path: str, log_dir: Path, model_pending: bool = False) -> _RemoteHandle:
+    def engines(self, model_path: str, log_dir: Path, model_pending: bool = False, weights_from_push: bool = False,
+                wait: bool | None = None) -> _RemoteHandle:
         """The engine role's actor. Colocated, it shares node 0's bundle of the trainer's placement group (also for
         one rank: on a cluster of several nodes, an actor without one could land away from the trainer's GPUs);
         beside a trainer group, a bundle of its own made after the group's; beside one rank, no placement group."""
@@ -139,7 +142,7 @@ class RayExecutor:
                 "engines' placement group")
             strategy = self._in_group(group)
         return self._actor(EngineRole, self.cfg.to_dict(), model_path, str(log_dir), self.load_args, model_pending,
-                           num_gpus=self._colocated_share() if r.colocate else r.rollout_gpus, strategy=strategy)
+                           weights_from_push, wait, num_gpus=self._colocated_share() if r.colocate else r.rollout_gpus, strategy=strategy)
 
     def teacher(self, log_dir: Path) -> _RemoteHandle:
         """The teacher's fleet in an actor of its own (GPU engines name their device: ``cuda:N``)."""

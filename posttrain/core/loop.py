@@ -38,6 +38,7 @@ from posttrain.core.evaluation import evaluate
 from posttrain.core.executors import EXECUTORS
 from posttrain.core.flops import throughput_metrics
 from posttrain.core.gcutil import settle_heap
+from posttrain.core.hf_init import write_model_files
 from posttrain.core.losses import kl_penalty_rewards
 from posttrain.core.metrics import MetricsWriter, PhaseTimer, ServerMetrics
 from posttrain.core.rewards import RewardRunner, reward_metrics
@@ -69,23 +70,38 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
     async with AsyncExitStack() as stack:
         stack.callback(executor.close)
         stack.callback(trainer_thread.shutdown)  # after trainer.close (callbacks run last-in first-out)
-        # -- roles: the trainer builds the model; engines start from its weights as an HF checkpoint. Engines
-        # that can wait for it start first and import meanwhile; they load it once it appears, in the room the
-        # trainer leaves them (colocated: beside the built trainer, or after its offload)
+        # -- roles: the trainer builds the model; engines start from RUN_DIR/hf-init (core.hf_init): the model's
+        # config and tokenizer, their weights coming with the first push, or (checkpoint.hf_init_weights, or a
+        # backend that must read weights) the trainer's initial weights too. Engines that need not size their memory
+        # beside the trainer start on it at once; those that can wait for it start first and import meanwhile, and
+        # load it once it appears, in the room the trainer leaves them (colocated: beside it, or after its offload)
         colocate, offload = cfg.resources.colocate, cfg.resources.offload_trainer
-        init_dir = run.fresh_dir("hf-init")
-        first = executor.engines_before_trainer and cfg.rollout.engine.create(plugins).waits_for_checkpoint
+        backend = cfg.rollout.engine.create(plugins)
+        weightless = backend.starts_without_weights and not cfg.checkpoint.hf_init_weights
+        init_dir, spec = run.fresh_dir("hf-init"), cfg.model.create(plugins)
+        early = weightless and not colocate  # hf-init before the trainer builds
+        first = executor.engines_before_trainer and (early or backend.waits_for_checkpoint)
+        pending = first and backend.waits_for_checkpoint  # launched before hf-init exists (imports meanwhile)
+        if early and not pending:
+            write_model_files(spec, init_dir)
         if first:
-            engines = executor.engines(init_dir, run.logs, model_pending=True)
+            engines = executor.engines(init_dir, run.logs, model_pending=pending, weights_from_push=weightless,
+                                       wait=False)
             stack.callback(engines.close)
+        if early and pending:
+            write_model_files(spec, init_dir)
         teacher_role = launch_teacher(cfg, plugins, executor, run.logs)  # or None; loads its own checkpoint meanwhile
         if teacher_role is not None:
             stack.callback(teacher_role.close)
         phase("model", "the engines start beside it" if first else "")
         trainer = executor.trainer(run.logs)  # one rank in this process, or a group of ranks
-        phase("init_checkpoint")
-        written = run.fresh_dir("hf-init.staged") if first and offload else init_dir
-        trainer.save_hf(written, replace=True)  # appears whole
+        written = run.fresh_dir("hf-init.staged") if first and offload and not early else init_dir
+        if not early and weightless:
+            phase("model_files")
+            write_model_files(spec, written)
+        elif not early:
+            phase("init_checkpoint")
+            trainer.save_hf(written, replace=True)  # appears whole
         ckpt = run.latest_checkpoint() if resume else None
         if ckpt is not None:  # another model's checkpoint is refused before the first push
             run.check_resume(ckpt, cfg.to_dict(), written)
@@ -96,7 +112,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
             os.replace(written, init_dir)
         if not first:
             phase("engines")
-            engines = executor.engines(init_dir, run.logs)
+            engines = executor.engines(init_dir, run.logs, weights_from_push=weightless)
             stack.callback(engines.close)
         stack.callback(trainer.close)  # runs first: leaves the weight-update group while engines still answer
 

@@ -12,8 +12,9 @@
       tensorboard/  logs/  # TensorBoard events; engine, router and trainer logs
       checkpoints/step_000010/   # trainer state (Megatron dist-checkpointing) + state.json
       checkpoints/latest         # name of the newest complete checkpoint
-      hf-init/  hf-final/  # HF checkpoints of the initial and the final policy (rl-cli models export: any step's);
-                           # hf-init is written as hf-init.partial and renamed: engines started first wait for it
+      hf-init/             # what the engines start from: config.json and the tokenizer (core.hf_init), the initial
+                           # weights too with checkpoint.hf_init_weights; appears whole (written as hf-init.partial)
+      hf-final/            # HF checkpoint of the final policy (rl-cli models export: any checkpoint's)
       curves.png           # written at the end (rl-cli plot RUN_DIR redraws it)
 
 A checkpoint is written into ``checkpoints/.tmp-step_N`` and renamed into place, and ``latest`` is
@@ -189,8 +190,9 @@ class RunDirectory:
         save_trainer(str(tmp / "trainer"))
         if "config" in state:
             state = {**state, "config": secrets.redact(state["config"])}
-        shapes = hf_shapes(self.path / "hf-init")
-        (tmp / "state.json").write_text(json.dumps({"step": step, **state, "model_shapes": shapes, "rng": _rng_state()}))
+        init = self.path / "hf-init"
+        (tmp / "state.json").write_text(json.dumps({"step": step, **state, "model_shapes": hf_shapes(init),
+                                                    "model_config": hf_config_of(init), "rng": _rng_state()}))
         final = self.checkpoints / name
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -203,12 +205,17 @@ class RunDirectory:
 
     def check_resume(self, ckpt: Path, config: dict[str, Any], model_dir: str | Path) -> list[str]:
         """Before resuming from ``ckpt``: refuse it (UsageError) when the model it holds differs from
-        ``config``'s (the ``model`` section, or any tensor name or shape of the HF checkpoint in
-        ``model_dir``); log every other config key changed since it was written. Returns those changes."""
+        ``config``'s (the ``model`` section, a key of ``model_dir``'s ``config.json``, or any tensor name or shape of
+        the weights there); log every other config key changed since it was written. Returns those changes."""
         state = json.loads((ckpt / "state.json").read_text())
         changes = config_changes(state["config"], secrets.redact(config)) if "config" in state else []
         saved, now = state.get("model_shapes"), hf_shapes(model_dir)
         problems = [c for c in changes if c.startswith("model.")]
+        saved_hf, now_hf = state.get("model_config"), hf_config_of(model_dir)
+        if saved_hf and now_hf and saved_hf != now_hf:
+            keys = sorted(k for k in set(saved_hf) | set(now_hf) if saved_hf.get(k) != now_hf.get(k))
+            problems.append(f"config.json {keys[0]}: {saved_hf.get(keys[0], 'absent')} in the checkpoint, "
+                            f"{now_hf.get(keys[0], 'absent')} in this model ({len(keys)} differ)")
         if saved and now and saved != now:
             diff = sorted(set(saved) ^ set(now)) or sorted(k for k in now if saved[k] != now[k])
             first = diff[0]
@@ -225,6 +232,13 @@ class RunDirectory:
         state = json.loads((path / "state.json").read_text())
         _set_rng_state(state.pop("rng"))
         return state
+
+
+def hf_config_of(model_dir: str | Path) -> dict[str, Any]:
+    """The ``config.json`` of an HF checkpoint directory (the model's shape, whether or not weights are there);
+    empty where there is none."""
+    path = Path(model_dir) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def hf_shapes(model_dir: str | Path) -> dict[str, list[int]]:

@@ -185,7 +185,7 @@ def test_an_offloaded_trainer_is_on_the_device_only_while_the_engines_kv_cache_i
     record(TrainerRole, "save", lambda self, path: events.append(f"save {len(metrics.read_text().splitlines())}"))
     record(EngineRole, "release_memory", tagged("release", True))
     record(EngineRole, "resume_memory", tagged("resume", False))
-    record(EngineRole, "__init__", lambda self, config, model_path, log_dir, load_args=None, model_pending=False: (
+    record(EngineRole, "__init__", lambda self, config, model_path, log_dir, load_args=None, model_pending=False, *_: (
         events.append("engines" if model_pending else "engines, on an existing checkpoint")))
     rollout = {"rollout_batch_size": 4, "n_samples_per_prompt": 4, "num_rollouts": 2, "max_new_tokens": 2,
                "seed_sampling": True, "use_router": False, "weight_sync": "disk",
@@ -199,7 +199,7 @@ def test_an_offloaded_trainer_is_on_the_device_only_while_the_engines_kv_cache_i
     assert not (tmp_path / "run" / "hf-init.staged").exists()
     # every step's trainer calls on one thread of their own: one cuBLAS handle and workspace, not one per pool thread
     assert len(set.union(*threads.values())) == 1 and threading.get_ident() not in threads["train"], threads
-    assert phases[:5] == ["model", "init_checkpoint", "offload", "data", "engines"]  # each start-up part timed apart
+    assert phases[:5] == ["model", "model_files", "offload", "data", "engines"]  # each start-up part timed apart
     # back for the first push, each step, each checkpoint and the final export; away after each
     assert events.count("onload") == events.count("offload") - 1 == 6, events
     # a step's metrics are on disk before its checkpoint: a kill between them cannot lose the row on resume

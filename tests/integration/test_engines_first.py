@@ -35,9 +35,13 @@ def _config(**sections):
     return load_config(None, data=data, plugins=plugins), plugins
 
 
-def test_the_engines_start_before_the_trainer_and_load_the_fresh_checkpoint(tmp_path, monkeypatch):
+@pytest.mark.parametrize("init_weights", [False, True], ids=["weights-from-push", "hf-init-weights"])
+def test_the_engines_start_before_the_trainer_and_load_the_fresh_checkpoint(tmp_path, monkeypatch, init_weights):
     """The engine role is made (``model_pending``) before the trainer; an ``hf-init`` left by an earlier start of
-    the run is gone before they launch (they would load it), and no ``hf-init.partial`` is left."""
+    the run is gone before they launch (they would load it), and no ``hf-init.partial`` is left. By default
+    ``hf-init`` holds the model's files alone, written before the trainer builds, and the engines read no weights
+    (their first push gives them all); with ``checkpoint.hf_init_weights`` the trainer writes its weights there and
+    the engines load them."""
     from posttrain.core.actors.engines import EngineRole
     from posttrain.core.actors.trainer import TrainerRole
     from posttrain.core.loop import train
@@ -57,21 +61,25 @@ def test_the_engines_start_before_the_trainer_and_load_the_fresh_checkpoint(tmp_
     stale = run.path / "hf-init" / "left-by-an-earlier-start"
     stale.parent.mkdir(parents=True)
     stale.write_text("x")
+    init = run.path / "hf-init"
 
-    def engines(config, model_path, log_dir, load_args=None, model_pending=False):
-        return ("engines", model_pending, (run.path / "hf-init").exists())
+    def engines(config, model_path, log_dir, load_args=None, model_pending=False, weights_from_push=False, wait=None):
+        return ("engines", model_pending, weights_from_push, init.exists())
     record(EngineRole, engines)
-    record(TrainerRole, lambda *a, **k: ("trainer",))
-    cfg, plugins = _config()
+    record(TrainerRole, lambda *a, **k: ("trainer", (init / "config.json").is_file()))
+    cfg, plugins = _config(checkpoint={"hf_init_weights": init_weights})
     asyncio.run(train(cfg, plugins, run))
-    assert events == [("engines", True, False), ("trainer",)], events
-    assert (run.path / "hf-init" / "config.json").is_file() and not stale.exists()
+    # without weights, hf-init is there before the trainer builds; with them, the trainer writes it
+    assert events == [("engines", True, not init_weights, False), ("trainer", not init_weights)], events
+    assert (init / "config.json").is_file() and (init / "tokenizer.json").is_file() and not stale.exists()
+    assert any(init.glob("*.safetensors")) == init_weights
     assert not (run.path / "hf-init.partial").exists()
     rows = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0] and math.isfinite(rows[0]["train/loss"])
     assert rows[0]["train_rollout_logprob_abs_diff"] < 1e-3  # the engines serve the trainer's weights
     # the engine's log says how long each part of its start took, the wait for the checkpoint first
     logs = "".join(p.read_text() for p in run.path.rglob("engine*.log"))
+    assert ("random weights until the first push" in logs) == (not init_weights), logs[-2000:]
     ready = re.search(r"posttrain engine serving .* \(ready after ([\d.]+) s: waiting for the checkpoint ([\d.]+) s, "
                       r"model ([\d.]+) s, tokenizer ([\d.]+) s\)", logs)
     assert ready, logs[-2000:]

@@ -15,7 +15,8 @@ from tests.conftest import ROOT
 pytestmark = pytest.mark.slow
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"
 SMALL = ["rollout.rollout_batch_size=8", "rollout.n_samples_per_prompt=4", "trainer.global_batch_size=32",
-         "trainer.micro_batch_size=32", "rollout.num_rollouts=2", "checkpoint.interval=1"]
+         "trainer.micro_batch_size=32", "rollout.num_rollouts=2", "checkpoint.interval=1",
+         "checkpoint.hf_init_weights=true"]  # the initial weights, to tell the trained ones from
 
 
 def rl_cli(*args):
@@ -52,6 +53,7 @@ def test_run_ends_with_hf_final_that_transformers_loads_with_the_trainers_log_pr
 
     final = run / "hf-final"
     assert (final / "config.json").is_file() and AutoTokenizer.from_pretrained(final) is not None
+    assert tensors(run / "hf-init"), "checkpoint.hf_init_weights: the initial weights are in hf-init"
     assert not same(tensors(final), tensors(run / "hf-init")), "hf-final must hold the trained weights"
     # the trainer as the run left it: its last checkpoint (after step 2) loaded into a fresh one
     trainer = TrainerRole(yaml.safe_load((run / "config.yaml").read_text()))

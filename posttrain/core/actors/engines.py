@@ -10,11 +10,14 @@ class EngineRole:
     """Starts the fleet from the resolved run config; the loop asks it for URLs and restarts.
 
     ``model_pending``: ``model_path`` is still being written (the engine backend must have
-    ``waits_for_checkpoint``): the engines are launched and :meth:`wait_ready` waits for them; otherwise they
-    answer when this returns."""
+    ``waits_for_checkpoint``). ``weights_from_push``: the engines read ``model_path``'s config and tokenizer,
+    no weights (the backend must have ``starts_without_weights``), and take them from the first push.
+    ``wait``: the engines answer when this returns; False: they are launched and :meth:`wait_ready` waits
+    for them (default: False when ``model_pending``)."""
 
     def __init__(self, config: dict[str, Any], model_path: str, log_dir: str,
-                 load_args: dict[str, list[str]] | None = None, model_pending: bool = False):
+                 load_args: dict[str, list[str]] | None = None, model_pending: bool = False,
+                 weights_from_push: bool = False, wait: bool | None = None):
         from posttrain.core.config import load_config
         from posttrain.core.plugins import load_plugins
         from posttrain.core.rollout.fleet import EngineFleet
@@ -22,8 +25,9 @@ class EngineRole:
         plugins = load_plugins(**(load_args or {}))
         cfg = load_config(None, data=config, plugins=plugins)
         self.fleet = EngineFleet(cfg.rollout, cfg.resources, cfg.rollout.engine.create(plugins), model_path,
-                                 log_dir=log_dir, seed=cfg.seed).launch(model_pending)
-        if not model_pending:
+                                 log_dir=log_dir, seed=cfg.seed, weights_from_push=weights_from_push)
+        self.fleet.launch(model_pending)
+        if (not model_pending) if wait is None else wait:
             self.fleet.wait_ready()
 
     def wait_ready(self) -> None:

@@ -125,6 +125,8 @@ class TrainerRole:
         data-parallel replica 0 gathers the shards (a collective over its ranks) and rank 0 writes.
         ``replace``: written beside ``out_dir`` and renamed to it (a directory there before is removed), so
         ``out_dir`` appears whole: engines launched before it exists wait for it and load it then."""
+        from posttrain.core.hf_init import write_tokenizer
+
         if self.replica != 0:  # the other replicas hold the same weights
             return str(out_dir)
         final, out_dir = str(out_dir), f"{out_dir}.partial" if replace else str(out_dir)
@@ -134,22 +136,11 @@ class TrainerRole:
             self.policy.save_hf(out_dir)
         if self.rank != 0:
             return final
-        self._save_tokenizer(out_dir)
+        write_tokenizer(self.spec, out_dir)
         if replace:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(out_dir, final)  # atomic: a reader sees no directory, or all of it
         return final
-
-    def _save_tokenizer(self, out_dir: str) -> None:
-        tokenizer = self.spec.config.tokenizer
-        if tokenizer == "char" and not (Path(out_dir) / "tokenizer.json").exists():
-            from posttrain.testing.tiny import make_tokenizer
-
-            make_tokenizer(out_dir)
-        elif tokenizer and tokenizer != "char":
-            from transformers import AutoTokenizer
-
-            AutoTokenizer.from_pretrained(tokenizer).save_pretrained(out_dir)
 
     def connect_engines(self, engine_urls: list[str], backend: str | None = None, api_key: str | None = None) -> None:
         """Open the weight-update group with every engine (the trainer is rank 0; each engine adds its

@@ -66,6 +66,7 @@ class EngineSlot:
     gpus: list[int] = field(default_factory=list)
     api_key: str = field(default="", repr=False)
     model_pending: bool = False  # model_path is not written yet (a backend with waits_for_checkpoint only)
+    weights_from_push: bool = False  # read model_path's config and tokenizer only (a backend with starts_without_weights)
 
 
 @dataclass
@@ -94,6 +95,11 @@ class EngineBackend:
       that directory appears. The loop then starts them while the trainer builds and writes it (runs that
       are not colocated; the trainer writes the directory under another name and renames it in, so it
       appears whole).
+    - ``starts_without_weights``: its servers can build the model from ``model_path``'s ``config.json`` and
+      tokenizer alone, reading no weights (``EngineSlot.weights_from_push``; SGLang's ``--load-format dummy``),
+      and take every weight from the run's first push, which comes before any generation. The run's
+      ``hf-init`` then holds no weights (``core.hf_init``), and engines not colocated start before the
+      trainer builds. Servers so started should refuse to generate after a push that left a weight unwritten.
     """
 
     name = ""
@@ -101,6 +107,7 @@ class EngineBackend:
     seeds_batch_rows = False
     flat_weight_buckets = False
     waits_for_checkpoint = False
+    starts_without_weights = False
 
     @dataclass
     class Config:
@@ -144,7 +151,8 @@ class EngineBackend:
         """The server for engine ``slot.index``: argv and environment. The fleet starts it in its own
         session (dying with the driver), waits for ``health_path``, and restarts it when it dies. With
         ``slot.model_pending`` (only for a backend with ``waits_for_checkpoint``), the server must wait for
-        ``slot.model_path`` to appear."""
+        ``slot.model_path`` to appear; with ``slot.weights_from_push`` (only for a backend with
+        ``starts_without_weights``), it must not read weights from it."""
         raise NotImplementedError(f"engine backend {self.name!r} starts no servers; give urls() instead")
 
     # ---------------------------------------------------------------- weights

@@ -49,7 +49,13 @@ class EngineFleet:
     """Starts, watches and stops the engines of one run (and their router)."""
 
     def __init__(self, rollout: Any, resources: Any, backend: Any, model_path: str, log_dir: str | Path | None = None,
-                 seed: int = 0, host: str = "127.0.0.1", env: dict[str, str] | None = None):
+                 seed: int = 0, host: str = "127.0.0.1", env: dict[str, str] | None = None,
+                 weights_from_push: bool = False):
+        """``weights_from_push``: the servers read ``model_path``'s config and tokenizer, no weights (the
+        backend must have ``starts_without_weights``); the run pushes every weight before generating."""
+        if weights_from_push and not backend.starts_without_weights:
+            raise ValueError(f"rollout.engine: backend {backend.name!r} cannot start without weights")
+        self.weights_from_push = weights_from_push
         self.rollout, self.resources, self.backend, self.model_path = rollout, resources, backend, str(model_path)
         self.log_dir = Path(log_dir) if log_dir else None
         self.seed, self.host, self.env = seed, host, env
@@ -71,7 +77,8 @@ class EngineFleet:
         gpus = gpu_ids(self.resources, i) if self.backend.on_gpu(self.resources) else []
         launch = self.backend.launch(EngineSlot(index=i, port=port, host=self.host, model_path=self.model_path,
                                                 seed=self.seed, resources=self.resources, gpus=gpus,
-                                                api_key=self.api_key, model_pending=self._model_pending))
+                                                api_key=self.api_key, model_pending=self._model_pending,
+                                                weights_from_push=self.weights_from_push))
         return ManagedServer(launch.command, f"http://{self.host}:{port}", log_path=self._log(f"engine-{i}.log"),
                              env={**(self.env or {}), **launch.env}, health_path=launch.health_path)
 

@@ -16,6 +16,7 @@ class ExternalEngines(EngineBackend):
     """Running servers at ``urls`` (SGLang, or posttrain's ``rl-cli engine serve``)."""
 
     name = "external"
+    starts_without_weights = True  # running already: nothing of the run's hf-init is read, the first push updates them
 
     @dataclass
     class Config:

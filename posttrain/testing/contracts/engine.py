@@ -16,13 +16,16 @@ that checkpoint exists, which is then renamed into place (as a run does). It che
   ``stop_token_ids`` stop (the stop token is the last output id); a bad request is a 4xx, not a crash;
 - sglang-router fronts the server;
 - (``disk`` in ``weight_sync_modes``) ``/update_weights_from_disk`` with other weights changes the
-  log-probs to the new checkpoint's and reports the given ``weight_version`` (restored afterwards).
+  log-probs to the new checkpoint's and reports the given ``weight_version`` (restored afterwards);
+- (``starts_without_weights``, with ``disk``) a server started on the model's config and tokenizer alone
+  serves the weights of its first update exactly.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -78,10 +81,6 @@ def _http(url: str, payload: Any = None, timeout: float = 120.0, api_key: str | 
 
 
 def _start(backend: Any, workdir: Path) -> LiveEngine:
-    from posttrain.core.config import ResourcesConfig
-    from posttrain.core.rollout.backend import EngineSlot, gpu_ids
-    from posttrain.core.rollout.procs import ManagedServer, free_port
-    from posttrain.testing.engine import ENGINE_ENV
     from posttrain.testing.tiny import make_tiny_checkpoint
 
     urls = backend.urls()
@@ -93,20 +92,9 @@ def _start(backend: Any, workdir: Path) -> LiveEngine:
         assert status == 200 and isinstance(info, dict), f"{urls[0]}/model_info: HTTP {status}: {info}"
         return LiveEngine(urls[0].rstrip("/"), info["model_path"], workdir, api_key=key)
     ckpt = workdir / "tiny-qwen3"
-    resources = ResourcesConfig()
-    port = free_port()
-    import os
-    import secrets
-
-    key = secrets.token_urlsafe(16)  # as the fleet makes one per run
     pending = bool(backend.waits_for_checkpoint)  # then launched first, as a run does, and the checkpoint renamed in
-    slot = EngineSlot(index=0, port=port, host="127.0.0.1", model_path=str(ckpt), seed=0, resources=resources,
-                      gpus=gpu_ids(resources, 0) if backend.on_gpu(resources) else [], api_key=key,
-                      model_pending=pending)
-    launch = backend.launch(slot)
     log = workdir / "engine.log"
-    server = ManagedServer(launch.command, f"http://127.0.0.1:{port}", log_path=log, env={**ENGINE_ENV, **launch.env},
-                           ready_timeout_s=300, health_path=launch.health_path)
+    server, key = _server(backend, ckpt, log, model_pending=pending)
     try:
         if pending:
             server.start(wait=False)
@@ -120,6 +108,26 @@ def _start(backend: Any, workdir: Path) -> LiveEngine:
         tail = log.read_text()[-3000:] if log.exists() else ""
         raise AssertionError(f"{backend.name}: the engine server did not become ready ({exc}); log:\n{tail}") from None
     return LiveEngine(server.base_url, str(ckpt), workdir, server, api_key=key)
+
+
+def _server(backend: Any, model_path: Path, log: Path, **slot: Any) -> tuple[Any, str]:
+    """``backend``'s server for engine 0 on ``model_path`` (``slot``: more ``EngineSlot`` fields), not started, and
+    its API key."""
+    import secrets
+
+    from posttrain.core.config import ResourcesConfig
+    from posttrain.core.rollout.backend import EngineSlot, gpu_ids
+    from posttrain.core.rollout.procs import ManagedServer, free_port
+    from posttrain.testing.engine import ENGINE_ENV
+
+    resources, port = ResourcesConfig(), free_port()
+    key = secrets.token_urlsafe(16)  # as the fleet makes one per run
+    launch = backend.launch(EngineSlot(index=0, port=port, host="127.0.0.1", model_path=str(model_path), seed=0,
+                                       resources=resources, api_key=key, **slot,
+                                       gpus=gpu_ids(resources, 0) if backend.on_gpu(resources) else []))
+    server = ManagedServer(launch.command, f"http://127.0.0.1:{port}", log_path=log, env={**ENGINE_ENV, **launch.env},
+                           ready_timeout_s=300, health_path=launch.health_path)
+    return server, key
 
 
 def live_engine(backend: Any, request: Any, tmp_path_factory: Any) -> LiveEngine:
@@ -308,3 +316,34 @@ class EngineContract(ComponentContract):
                                                                      "weight_version": old_version})
         assert status == 200, f"restoring the original weights: HTTP {status}: {body}"
         assert _tokens(engine.generate(PROMPTS[0], temperature=0.0, max_new_tokens=4)) == _tokens(before)
+
+    def test_starts_without_weights_and_serves_its_first_push(self, engine, engine_backend, tmp_path):
+        """``starts_without_weights``: a server launched with ``weights_from_push`` on a directory holding only
+        ``config.json`` and the tokenizer (a run's ``hf-init``) answers its readiness check, and after one update
+        that writes every weight serves them exactly (the update here: from disk)."""
+        if not engine_backend.starts_without_weights:
+            pytest.skip(f"{engine_backend.name} reads its weights at start")
+        if "disk" not in engine_backend.weight_sync_modes or engine.server is None:
+            pytest.skip(f"{engine_backend.name}: no server of this contract's own, or no update from disk")
+        import shutil
+
+        files = tmp_path / "model-files"
+        files.mkdir()
+        for f in Path(engine.model_path).iterdir():
+            if f.is_file() and not f.name.endswith(".safetensors"):
+                shutil.copy(f, files / f.name)
+        server, key = _server(engine_backend, files, tmp_path / "engine.log", weights_from_push=True)
+        try:
+            server.start()
+            live = LiveEngine(server.base_url, str(files), tmp_path, server, api_key=key)
+            assert live.get("/health_generate")[0] == 200
+            status, body = live.post("/update_weights_from_disk", {"model_path": engine.model_path,
+                                                                   "weight_version": "1"})
+            assert status == 200 and body.get("success", True) is not False, f"update: HTTP {status}: {body}"
+            for prompt in PROMPTS:
+                tokens, logprobs = _tokens(live.generate(prompt, temperature=0.0, max_new_tokens=6))
+                reference = _hf_log_probs(engine.model_path, prompt, tokens)
+                assert max(abs(a - b) for a, b in zip(logprobs, reference)) < 1e-3, "the pushed weights serve"
+                assert tokens == _tokens(engine.generate(prompt, temperature=0.0, max_new_tokens=6))[0]
+        finally:
+            server.stop()

@@ -120,6 +120,25 @@ def test_resume_refuses_another_models_checkpoint_and_names_changes(tmp_path, ca
         run.check_resume(ckpt, {**config, "model": {"name": "llama3", "preset": "tiny"}}, same)
 
 
+def test_resume_compares_the_models_config_where_hf_init_holds_no_weights(tmp_path):
+    """A run's hf-init holds config.json and the tokenizer alone (core.hf_init): its config stands for the shapes."""
+    run = RunDirectory.create(tmp_path / "r", "x")
+    (run.path / "hf-init").mkdir()
+    (run.path / "hf-init" / "config.json").write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 2}))
+    config = {"model": {"name": "qwen3", "path": "/ckpt"}}
+    ckpt = run.save_checkpoint(1, lambda d: os.makedirs(d), {"config": config}, keep=2)
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["model_shapes"] == {} and state["model_config"]["hidden_size"] == 64
+    same = tmp_path / "same"
+    same.mkdir()
+    (same / "config.json").write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 2}))
+    assert run.check_resume(ckpt, config, same) == []
+    (same / "config.json").write_text(json.dumps({"hidden_size": 128, "num_hidden_layers": 2}))
+    with pytest.raises(UsageError, match=r"another model than the config: config.json hidden_size: 64 in the "
+                                         r"checkpoint, 128 in this model \(1 differ\)"):
+        run.check_resume(ckpt, config, same)
+
+
 def test_config_changes_walk_lists_and_new_keys():
     assert config_changes({"a": [{"w": 1}], "b": 1}, {"a": [{"w": 2}], "b": 1, "c": 3}) == ["a.0.w: 1 -> 2",
                                                                                         "c: None -> 3"]

@@ -109,6 +109,40 @@ def test_only_a_backend_that_waits_for_its_checkpoint_is_launched_before_it():
         EngineFleet(None, ResourcesConfig(), SGLangEngine(), "/m").launch(model_pending=True)
 
 
+def test_backends_that_start_without_weights_say_so_on_their_command_line():
+    """``EngineSlot.weights_from_push``: the local engine gets ``--load-format dummy``, and SGLang too unless its
+    ``args`` choose how it loads (then it reads weights, and a fleet refuses to start it without them)."""
+    from posttrain.core.config import ResourcesConfig
+    from posttrain.core.rollout.backend import EngineSlot
+    from posttrain.core.rollout.fleet import EngineFleet
+    from posttrain.plugins.engines.external import ExternalEngines
+    from posttrain.plugins.engines.local import LocalEngine
+    from posttrain.plugins.engines.sglang import SGLangEngine
+
+    slot = dict(index=0, port=30001, host="127.0.0.1", model_path="/m", seed=0, resources=ResourcesConfig())
+    for backend in (LocalEngine(), SGLangEngine()):
+        assert backend.starts_without_weights
+        weightless = backend.launch(EngineSlot(**slot, weights_from_push=True)).command
+        assert weightless[weightless.index("--load-format") + 1] == "dummy", weightless
+        assert "--load-format" not in backend.launch(EngineSlot(**slot)).command
+    chosen = SGLangEngine(SGLangEngine.Config(args={"load-format": "safetensors"}))
+    assert not chosen.starts_without_weights and ExternalEngines.starts_without_weights  # they read no hf-init
+    with pytest.raises(ValueError, match="'sglang' cannot start without weights"):
+        EngineFleet(None, ResourcesConfig(), chosen, "/m", weights_from_push=True)
+
+
+def test_engine_serve_without_weights_needs_only_the_config(tmp_path):
+    """``--load-format dummy`` reads no safetensors, so a directory without them is no error; one without
+    ``config.json`` still is, and an unknown format is one line."""
+    out = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "engine", "serve", str(tmp_path),
+                          "--load-format", "dummy"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "no config.json" in out.stderr and "Traceback" not in out.stderr
+    (tmp_path / "config.json").write_text("{}")
+    out = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "engine", "serve", str(tmp_path),
+                          "--load-format", "pt"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--load-format: expected auto or dummy, got 'pt'" in out.stderr
+
+
 def test_managed_server_reports_a_server_that_exits_before_it_is_ready(tmp_path):
     server = ManagedServer([sys.executable, "-c", "import sys; sys.exit(3)"], f"http://127.0.0.1:{free_port()}",
                            ready_timeout_s=30)

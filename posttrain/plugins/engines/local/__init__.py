@@ -44,6 +44,7 @@ class LocalEngine(EngineBackend):
     seeds_batch_rows = True
     flat_weight_buckets = True
     waits_for_checkpoint = True  # rl-cli engine serve --wait-for-model: imports torch and transformers meanwhile
+    starts_without_weights = True  # rl-cli engine serve --load-format dummy: the model built from config.json
 
     @dataclass
     class Config:
@@ -110,8 +111,8 @@ class LocalEngine(EngineBackend):
             compile_mode=None if cfg.compile_mode == "default" else cfg.compile_mode,
             no_fused_sampling=not cfg.fused_sampling, prefill_tokens=cfg.prefill_tokens or None,
             stable_memory=device == "cuda" and cfg.stable_memory and slot.resources.colocate,
-            dtype=None if cfg.dtype == "auto" else cfg.dtype, wait_for_model=MODEL_WAIT_S if slot.model_pending else None),
-            env)
+            dtype=None if cfg.dtype == "auto" else cfg.dtype, wait_for_model=MODEL_WAIT_S if slot.model_pending else None,
+            load_format="dummy" if slot.weights_from_push else None), env)
 
 
 def local_engine_command(model_dir: str, port: int, host: str = "127.0.0.1", **options: Any) -> list[str]:

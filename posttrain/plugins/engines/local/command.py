@@ -17,7 +17,8 @@ app = typer.Typer(help="Serve a HF checkpoint over SGLang's native HTTP API (CPU
 
 
 DECODE_ATTENTION = ("auto", "sdpa", "bmm", "triton")
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")  # model_runner.COMPILE_MODES, without importing torch here
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+LOAD_FORMATS = ("auto", "dummy")  # SGLang's names for the two it shares with this server  # model_runner.COMPILE_MODES, without importing torch here
 
 
 class HTTP2ProbeFilter(logging.Filter):
@@ -57,6 +58,7 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
           no_fused_sampling: bool = typer.Option(False, "--no-fused-sampling", help="GPU: draw with torch (multinomial) instead of the one-pass Triton kernel (inverse-CDF, same distribution)"),
           prefill_tokens: int = typer.Option(0, "--prefill-tokens", help="prompt tokens per prefill batch (bounds its activation memory); 0: 8192 on CPU, 32768 on GPU"),
           no_api_key: bool = typer.Option(False, "--no-api-key", help="serve without an API key: any process that reaches the port may load weights (and run code) in the engine"),
+          load_format: str = typer.Option("auto", "--load-format", help="auto: the weights in MODEL_DIR | dummy: the model built from its config.json with random weights, none read (a run pushes every weight before it generates; until a push has written them all, /generate is refused after the first push)"),
           wait_for_model: float = typer.Option(0, "--wait-for-model", help="seconds to wait for MODEL_DIR to appear (a run starts its engines while the trainer writes their checkpoint; torch and transformers are imported meanwhile); 0: it must exist")) -> None:
     """Serve MODEL_DIR: /generate, /health_generate, abort/pause, weight updates, /model_info, /server_info.
 
@@ -64,8 +66,11 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
     POSTTRAIN_ENGINE_API_KEY (never on the command line, where other users can read it)."""
     if wait_for_model < 0:
         raise UsageError(f"--wait-for-model: must be >= 0 seconds, got {wait_for_model:g}")
+    if load_format not in LOAD_FORMATS:
+        raise UsageError(f"--load-format: expected {' or '.join(LOAD_FORMATS)}, got {load_format!r}")
+    weights = load_format != "dummy"
     if not wait_for_model:
-        check_checkpoint(model_dir)
+        check_checkpoint(model_dir, weights)
     if not 0 < port < 65536:
         raise UsageError(f"--port: {port} is not a TCP port")
     if max_running_requests < 1:
@@ -93,14 +98,14 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
     waited_s = None
     if wait_for_model:  # started beside the trainer that writes it: the imports run meanwhile
         waited_s = wait_for_checkpoint(model_dir, wait_for_model)
-        check_checkpoint(model_dir)
+        check_checkpoint(model_dir, weights)
     from posttrain.plugins.engines.local.server import serve as run
 
     run(str(model_dir), host=host, port=port, waited_s=waited_s, device=device, dtype=dtype,
         max_running_requests=max_running_requests, context_length=context_length or None, cuda_graphs=cuda_graphs,
         decode_attention=decode_attention, compile=compile, stable_memory=stable_memory, overlap=not no_overlap,
         api_key=api_key, fused_sampling=not no_fused_sampling, prefill_tokens=prefill_tokens or None,
-        compile_mode=compile_mode)
+        compile_mode=compile_mode, from_config=not weights)
     # Stopped (SIGTERM/SIGINT) and shut down (the engine thread joined): nothing is left to write, so skip the
     # interpreter's teardown, which frees every model object (a run's stop waits for it) and, after settle_heap
     # froze the heap, has triton's bindings print leak reports.
@@ -110,10 +115,12 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
     os._exit(0)
 
 
-def check_checkpoint(model_dir: Path) -> None:
+def check_checkpoint(model_dir: Path, weights: bool = True) -> None:
+    """A one-line error for a ``model_dir`` without ``config.json`` or, when its ``weights`` are read, without
+    safetensors files."""
     if not (model_dir / "config.json").is_file():
         raise UsageError(f"{model_dir}: not a HF checkpoint directory (no config.json)")
-    if not any(model_dir.glob("*.safetensors")):
+    if weights and not any(model_dir.glob("*.safetensors")):
         raise UsageError(f"{model_dir}: no *.safetensors weights")
 
 

@@ -90,6 +90,42 @@ def _weight_view(params: dict[str, torch.Tensor], name: str) -> torch.Tensor | N
     return stacked[e, :half] if kind == "gate_proj" else stacked[e, half:]
 
 
+def _hf_model(model_dir: str, device: torch.device, dtype: torch.dtype, from_config: bool) -> Any:
+    """The HF model of ``model_dir``: its weights read, or (``from_config``) built from its ``config.json`` on
+    ``device``, where transformers' random init takes milliseconds on a GPU."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not from_config:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    with device:
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
+
+
+def _load_problems(named: dict[str, torch.Tensor], targets: dict[str, torch.Tensor | None],
+                   params: dict[str, torch.Tensor], groups: list[list[str]] | None) -> list[str]:
+    """What keeps ``named`` from loading into ``targets`` (``ModelRunner.load_weights``): unknown names, other
+    shapes, integer tensors, and (``groups``: every tensor of the model must be covered) the tensors it misses."""
+    problems = [f"unknown weight name {n!r}" for n, v in targets.items() if v is None]
+    problems += [f"{n}: shape {tuple(t.shape)} does not match the model's {tuple(targets[n].shape)}"
+                 for n, t in named.items() if targets[n] is not None and tuple(t.shape) != tuple(targets[n].shape)]
+    problems += [f"{n}: dtype {t.dtype} is not a floating-point type" for n, t in named.items()
+                 if targets[n] is not None and not t.is_floating_point()]
+    missing = [names[0] for names in _uncovered(groups, params, targets)] if groups is not None else []
+    if missing:
+        problems.append(f"covers {len(groups) - len(missing)} of {len(groups)} tensors of the model; "
+                        f"missing {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+    return problems
+
+
+def _uncovered(groups: list[list[str]], params: dict[str, torch.Tensor], targets: dict[str, torch.Tensor | None]
+               ) -> list[list[str]]:
+    """The name lists of ``groups`` (``ModelRunner.required_weights``) whose tensor no target of ``targets`` (HF
+    name -> the view a load writes) starts at. By address, not storage: fused Q/K/V are blocks of one storage (expert
+    0's view of a stacked expert tensor starts at the stacked tensor's address, as every parameter does at its own)."""
+    covered = {v.data_ptr() for v in targets.values() if v is not None}
+    return [names for names in groups if params[names[0]].data_ptr() not in covered]
+
+
 def _compiled(fn, mode: str, combo: bool = False, pdl: bool = False):
     """``fn`` under ``torch.compile``: one graph (``fullgraph``), no Inductor CUDA graphs (ours wrap the
     whole step), and automatic dynamic shapes: the second batch size seen recompiles ``fn`` with the batch
@@ -155,7 +191,8 @@ class ModelRunner:
                  fuse_projections: bool | None = None, attention_writes_kv: bool | None = None,
                  float_logits: bool = True, join_layers: bool | None = None, combo_kernels: bool | None = None,
                  attention_launch: dict | None = None, rope_in_attention: bool | None = None,
-                 pdl: bool = False, prefill_kv_kernel: bool | None = None, warm_graphs: bool = True):
+                 pdl: bool = False, prefill_kv_kernel: bool | None = None, warm_graphs: bool = True,
+                 from_config: bool = False):
         """``decode_attention``: ``"sdpa"``, ``"bmm"``, ``"triton"`` (see the module docstring) or ``"auto"``
         (``triton`` on CUDA when Triton imports, else ``sdpa``); ``compile``:
         ``torch.compile`` the per-layer decode parts, with Inductor ``compile_mode`` (``"default"`` or
@@ -185,9 +222,10 @@ class ModelRunner:
         values go into the slot cache through one Triton launch per layer (``cache_write.write_prompt_kv``; None: where
         it runs, CUDA with Triton; True where it cannot run: a ValueError), else torch's copies; ``warm_graphs``:
         with ``cuda_graphs``, the first step at a temperature captures every batch bucket's graph (``graphs.warm``:
-        the kernels a small batch needs compile then, not in a later step), else each bucket at its first step."""
-        from transformers import AutoModelForCausalLM
-
+        the kernels a small batch needs compile then, not in a later step), else each bucket at its first step;
+        ``from_config``: the model built from ``model_dir``'s ``config.json`` with transformers' random init on the
+        device, no weight read (a run's engine, which gets every weight from the first push); until updates have
+        written every tensor, :meth:`unwritten_weights` names those left."""
         if decode_attention == "auto":  # the measured fastest on an H200 (bench/RESULTS.md)
             from posttrain.plugins.engines.local.decode_kernel import triton_available
 
@@ -202,13 +240,16 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = getattr(torch, resolve_dtype(dtype, self.device, self.model_dir))
         if model is None:  # ``model``: an already built HF model (benchmarks of random large shapes)
-            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
+            model = _hf_model(self.model_dir, self.device, self.dtype, from_config)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.hf_config = self.model.config
         cfg = self.hf_config
         self.layers = self.model.model.layers
         fuse = self.device.type == "cuda" if fuse_projections is None else bool(fuse_projections)
         self.fused_groups = fuse_layers(self.layers) if fuse else 0
+        # a model built from its config: the tensors no update has written yet (one name list per tensor)
+        self._unwritten = self.required_weights() if from_config else []
+        self.weight_updates = 0  # load_weights calls that changed the model
         self.num_layers = len(self.layers)
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
@@ -322,29 +363,23 @@ class ModelRunner:
         of tensors copied."""
         params = self.named_weights()
         targets = {n: _weight_view(params, n) for n in named}
-        problems = [f"unknown weight name {n!r}" for n, v in targets.items() if v is None]
-        problems += [f"{n}: shape {tuple(t.shape)} does not match the model's {tuple(targets[n].shape)}"
-                     for n, t in named.items() if targets[n] is not None and tuple(t.shape) != tuple(targets[n].shape)]
-        problems += [f"{n}: dtype {t.dtype} is not a floating-point type" for n, t in named.items()
-                     if targets[n] is not None and not t.is_floating_point()]
-        if require_all:
-            groups = self.required_weights()
-            # by address, not storage: fused Q/K/V are blocks of one storage (expert 0's view of a stacked
-            # expert tensor starts at the stacked tensor's address, as every parameter does at its own)
-            covered = {v.data_ptr() for v in targets.values() if v is not None}
-            missing = [names[0] for names in groups if params[names[0]].data_ptr() not in covered]
-            if missing:
-                problems.append(f"covers {len(groups) - len(missing)} of {len(groups)} tensors of the model; "
-                                f"missing {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+        problems = _load_problems(named, targets, params, self.required_weights() if require_all else None)
         if problems:
             more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
             raise ValueError("; ".join(problems[:3]) + more + "; no weight was changed")
         for name, tensor in named.items():
             target = targets[name]
             target.data.copy_(tensor.to(device=target.device, dtype=target.dtype))
+        self._unwritten = _uncovered(self._unwritten, params, targets)
+        self.weight_updates += bool(named)
         # In-place copies keep every parameter's storage, so captured graphs stay valid. (Dropping them
         # here and capturing again into the same memory pool trips an allocator assertion in PyTorch.)
         return len(named)
+
+    def unwritten_weights(self) -> list[str]:
+        """For a model built ``from_config``: the first HF name of each tensor no :meth:`load_weights` has written
+        since; empty once every one has been, and for a model read from its checkpoint."""
+        return [names[0] for names in self._unwritten]
 
     def weight_checksums(self) -> dict[str, str]:
         """SHA-256 of every tensor's bytes as the engine holds them (its dtype, row-major), by HF name."""

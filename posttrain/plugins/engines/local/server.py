@@ -106,7 +106,7 @@ class EngineServer:
                  cuda_graphs: bool = False, decode_attention: str = "auto", compile: bool = False,
                  stable_memory: bool = False, overlap: bool = True, api_key: str | None = None,
                  generate_body_limit: int = GENERATE_BODY_LIMIT, fused_sampling: bool = True,
-                 prefill_tokens: int | None = None, compile_mode: str = "default"):
+                 prefill_tokens: int | None = None, compile_mode: str = "default", from_config: bool = False):
         from transformers import AutoTokenizer
 
         from posttrain.plugins.engines.local.engine import LocalEngine
@@ -120,7 +120,8 @@ class EngineServer:
         self.runner = ModelRunner(self.model_dir, device=device, dtype=dtype, max_slots=max_running_requests,
                                   context_length=context_length, cuda_graphs=cuda_graphs,
                                   decode_attention=decode_attention, compile=compile, compile_mode=compile_mode,
-                                  float_logits=not str(device).startswith("cuda"))  # sampling upcasts on a GPU
+                                  float_logits=not str(device).startswith("cuda"),  # sampling upcasts on a GPU
+                                  from_config=from_config)
         t1 = time.perf_counter()
         self.startup_s["model"] = t1 - t0
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
@@ -153,7 +154,7 @@ class EngineServer:
             "stable_memory": self.memory.stable, "overlap": self.engine.overlap,
             "prefill_tokens": self.engine.prefill_tokens, "fused_sampling": fused_sampling,
             "decode_attention": self.runner.decode_attention, "compile": bool(compile), "compile_mode": compile_mode,
-            "skip_tokenizer_init": False,
+            "skip_tokenizer_init": False, "load_format": "dummy" if from_config else "auto",
         }
 
     # -- helpers --------------------------------------------------------------------------------
@@ -269,6 +270,7 @@ class EngineServer:
         if self.released:
             raise BadRequest(f"engine memory is released ({', '.join(sorted(self.memory.released))}): "
                              "POST /resume_memory_occupation first")
+        self._check_weights_written()
         try:  # one shared sampling_params is parsed once
             params = parse_sampling_rows(sps) if isinstance(sp, list) else [parse_sampling(sp)] * n
         except SamplingError as exc:
@@ -287,6 +289,16 @@ class EngineServer:
         starts = self._logprob_starts(body.get("logprob_start_len", -1), prompts)
         outs = await self._run_rows(prompts, params, return_logprob, rids, starts, routed)
         return web.Response(body=jsonio.dumps_bytes(outs if batched else outs[0]), content_type="application/json")
+
+    def _check_weights_written(self) -> None:
+        """A server started without weights (``--load-format dummy``) generates from random ones until its first
+        weight update (the start's own ``/health_generate``), and after one only once updates have written every
+        tensor: a push that missed one would otherwise sample from a partly random model, silently."""
+        missing = self.runner.unwritten_weights() if self.runner.weight_updates else []
+        if missing:
+            raise BadRequest(f"this engine started without weights (--load-format dummy) and the weight updates since "
+                             f"have not written {len(missing)} of its tensors: {', '.join(missing[:3])}"
+                             f"{' ...' if len(missing) > 3 else ''}; push every tensor before generating")
 
     async def _run_rows(self, prompts, params, return_logprob: bool, rids, starts, routed: bool) -> list[dict]:
         """Every row of one ``/generate`` into the engine at once (``submit_many``), one future each (no task per row); a
@@ -477,7 +489,8 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, waited_s: 
     server.startup_s = {**({"waited": waited_s} if waited_s is not None else {}), **server.startup_s}
     settle_heap()  # the model and its modules leave the collector; a request's objects die unscanned
     ready = startup_text(server.startup_s, process_age_s())
-    print(f"posttrain engine serving {server.model_dir} on http://{host}:{port}"
+    weights = " (random weights until the first push)" if kwargs.get("from_config") else ""
+    print(f"posttrain engine serving {server.model_dir}{weights} on http://{host}:{port}"
           f"{'' if server.api_key else ' WITHOUT an API key (any local process may load weights into it)'}"
           f"{f' ({ready})' if ready else ''}", flush=True)
     web.run_app(server.app(), host=host, port=port, print=None, access_log=None, handler_cancellation=True)

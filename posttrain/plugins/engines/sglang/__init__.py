@@ -25,6 +25,9 @@ class SGLangEngine(EngineBackend):
     Seeded sampling needs ``args: {enable_deterministic_inference: true}``; seeded groups are then sent one
     request per sample (SGLang seeds a whole batched request alike). Routing replay (MoE) needs
     ``args: {enable_return_routed_experts: true}``: SGLang answers ``return_routed_experts`` only then.
+
+    The servers start with ``--load-format dummy`` (random weights, none read) and take every weight from the
+    run's first push, unless ``args`` sets ``load_format`` (the run then writes the initial weights for them).
     """
 
     name = "sglang"
@@ -45,6 +48,10 @@ class SGLangEngine(EngineBackend):
             errors.append("rollout.engine.args.enable_return_routed_experts: must be true when the trainer replays "
                           "MoE routing (trainer.backend.routing_replay)")
         return errors
+
+    @property
+    def starts_without_weights(self) -> bool:  # unless the user chose how SGLang loads
+        return "load_format" not in {key.replace("-", "_") for key in self.config.args}
 
     def on_gpu(self, resources: Any) -> bool:
         return True
@@ -78,6 +85,8 @@ class SGLangEngine(EngineBackend):
         spec = sglang_spec_from_config(self.config, slot.resources, slot.model_path, slot.port,
                                        engine_index=slot.index, seed=slot.seed)
         spec.host = slot.host
+        if slot.weights_from_push:
+            spec.extra["load_format"] = "dummy"
         cmd = sglang_command(spec)
         if slot.api_key:  # the key goes by environment; the wrapper hands it to SGLang as --api-key
             cmd[cmd.index("sglang.launch_server")] = "posttrain.plugins.engines.sglang.serve"

@@ -31,12 +31,11 @@ import torch
 import torch.distributed as dist
 
 from posttrain.core.errors import UsageError
+from posttrain.core.hf_init import HF_EXTRA_FILES, config_json
 from posttrain.plugins.trainers.megatron import cpu_shims
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
-HF_EXTRA_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                  "vocab.json", "merges.txt", "chat_template.jinja")
 
 
 def _free_port() -> int:
@@ -435,14 +434,6 @@ def buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Ite
         yield bucket
 
 
-def hf_config_to_write(spec: Any, hf: dict[str, Any], dtype: str) -> dict[str, Any]:
-    out = dict(hf)
-    out.setdefault("architectures", [spec.hf_architecture])
-    out.setdefault("model_type", spec.model_types[0] if spec.model_types else spec.name)
-    out["torch_dtype"] = dtype
-    return out
-
-
 def save_hf(model: Any, spec: Any, hf: dict[str, Any], out_dir: str | Path, *, dtype: str | None = None,
             source_dir: str | Path | None = None, shard_bytes: int = 5 << 30) -> Path | None:
     """Write an HF checkpoint (``config.json`` + safetensors shards + index) from rank 0; tokenizer files
@@ -479,7 +470,7 @@ def save_hf(model: Any, spec: Any, hf: dict[str, Any], out_dir: str | Path, *, d
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     first = next(iter(next(iter(shards)).values()), None)
     written_dtype = dtype or (str(first.dtype).removeprefix("torch.") if first is not None else "float32")
-    (out / "config.json").write_text(json.dumps(hf_config_to_write(spec, hf, written_dtype), indent=2))
+    (out / "config.json").write_text(json.dumps(config_json(spec, hf, written_dtype), indent=2))
     if source_dir:
         for fname in HF_EXTRA_FILES:
             if (Path(source_dir) / fname).is_file():
