@@ -101,6 +101,10 @@
 #   pintests17 the host buffer's and the offload's GPU tests; offload4_17 offloadab17's run with the offload alone
 #             (OFFLOAD_EXTRA, here and in offloadab17: more overrides, e.g.
 #             trainer.max_tokens_per_micro_batch=8192 to fit an H100)
+#   startup17 colocated GRPO with the trainer offloaded for 2 steps, the engines starting on hf-init's model files (the
+#             default: weights from the first push), then on the trainer's initial weights (checkpoint.hf_init_weights;
+#             it runs second, on warm compile caches); each run's start-up lines (OFFLOAD_EXTRA as in offload4_17)
+#   startupdisagg17 the same for the disaggregated example (two GPUs: the engines start before the trainer builds)
 #   pin17     a 28.8 GiB pinned host buffer made four ways (bench/pin_memory.py; PIN_METHODS picks): seconds, bytes
 #             pinned, copy bandwidth
 #   offloadrun17 the small colocated GPU run with the offload (tests/gpu), then the same with the allocator's
@@ -309,6 +313,14 @@ print('ropecheck ok: compiled THD rotary equals eager on cuda (bf16 tolerance) f
     e2e colocated4_offload_noprefetch ${COLOCATED4_S:-220} resources.colocate=true rollout.num_rollouts=4 \
       resources.offload_trainer=true trainer.backend.offload_overlap=false
     phase_table colocated4_offload_noprefetch ;;
+  startup17)  # the engines on hf-init's model files (the default) first, then on the trainer's initial weights
+    e2e startup_files ${STARTUP_S:-200} resources.colocate=true resources.offload_trainer=true rollout.num_rollouts=2 \
+      ${OFFLOAD_EXTRA:-}
+    e2e startup_weights ${STARTUP_S:-200} resources.colocate=true resources.offload_trainer=true rollout.num_rollouts=2 \
+      checkpoint.hf_init_weights=true ${OFFLOAD_EXTRA:-}
+    phase_table startup_files; phase_table startup_weights ;;
+  startupdisagg17) e2e startup_disagg_files 190 rollout.num_rollouts=2
+                   e2e startup_disagg_weights 190 rollout.num_rollouts=2 checkpoint.hf_init_weights=true ;;
   colocated5) e2e colocated5 ${COLOCATED5_S:-330} resources.colocate=true rollout.num_rollouts=5
               grep -rh "stable memory off" $LOGS/runs 2>/dev/null | head -2 ;;
   colocated5c) e2e colocated5c ${COLOCATED5_S:-330} resources.colocate=true rollout.num_rollouts=5 rollout.engine.compile=true
