@@ -67,6 +67,7 @@ class RayExecutor:
         self._actors: list[Any] = []
         self._groups: list[Any] = []  # placement groups
         self._trainer_group = None
+        self._bundle_devices: str | None = None  # CUDA_VISIBLE_DEVICES of its bundle 0, for colocated engines
 
     def _actor(self, cls: type, *args: Any, num_gpus: float = 0, strategy: Any = None) -> _RemoteHandle:
         import ray
@@ -111,13 +112,15 @@ class RayExecutor:
                 bundles[0]["CPU"] += 1
             self._trainer_group = self._placement(bundles, "STRICT_SPREAD" if r.trainer_nodes > 1 else "PACK",
                                                   "trainer's placement group")
+            if r.colocate and not self._colocated_share() and r.trainer_gpus_per_node:  # before a rank holds one
+                self._bundle_devices = self._bundle_gpus(self._trainer_group, r.procs_per_node)
         return self._trainer_group
 
     def _colocated_share(self) -> float:
         """Of a colocated one-rank trainer's GPU, the part its actor and the engine role's each ask Ray for: half,
         so that Ray hands both the same GPU (``CUDA_VISIBLE_DEVICES``) and the engines sit on the trainer's, on a
         node whose other GPUs other jobs hold too. 0 elsewhere (a colocated trainer group's engine role asks for
-        none and sees the node's GPUs, ``cuda:i`` being the node's i-th)."""
+        none and is given the GPUs of the group's bundle, :meth:`_bundle_gpus`)."""
         r = self.cfg.resources
         return 0.5 if r.colocate and r.trainer_world_size == 1 and r.trainer_gpus_per_node else 0.0
 
@@ -132,17 +135,30 @@ class RayExecutor:
                 wait: bool | None = None) -> _RemoteHandle:
         """The engine role's actor. Colocated, it shares node 0's bundle of the trainer's placement group (also for
         one rank: on a cluster of several nodes, an actor without one could land away from the trainer's GPUs);
-        beside a trainer group, a bundle of its own made after the group's; beside one rank, no placement group."""
+        beside a trainer group, a bundle of its own made after the group's; beside one rank, no placement group.
+        Colocated with a trainer group, it asks Ray for no GPU and sees the bundle's (:meth:`_bundle_gpus`)."""
         r = self.cfg.resources
-        strategy = None
+        strategy, devices = None, None
         if r.trainer_world_size > 1 or r.colocate:  # the trainer's group first, then the engines' bundle (or node 0's)
             trainer_group = self._trainer_placement()
             group = trainer_group if r.colocate else self._placement(
                 [{"CPU": 1.0, **({"GPU": float(r.rollout_gpus)} if r.rollout_gpus else {})}], "PACK",
                 "engines' placement group")
             strategy = self._in_group(group)
+            devices = self._bundle_devices if r.colocate else None
         return self._actor(EngineRole, self.cfg.to_dict(), model_path, str(log_dir), self.load_args, model_pending,
-                           weights_from_push, wait, num_gpus=self._colocated_share() if r.colocate else r.rollout_gpus, strategy=strategy)
+                           weights_from_push, wait, devices,
+                           num_gpus=self._colocated_share() if r.colocate else r.rollout_gpus, strategy=strategy)
+
+    def _bundle_gpus(self, group: Any, gpus: int) -> str:
+        """``CUDA_VISIBLE_DEVICES`` of the GPUs Ray reserved for bundle 0 of ``group`` (``gpus`` of them), from a task
+        there that asks for all of them. The trainer's ranks then take one each of those, and the colocated engines,
+        given the same list, sit on them too (engine ``i`` on its ``i``-th), not on the node's first ``gpus``."""
+        import ray
+
+        task = ray.remote(_visible_devices).options(num_cpus=0, num_gpus=gpus,
+                                                    scheduling_strategy=self._in_group(group))
+        return ray.get(task.remote())
 
     def teacher(self, log_dir: Path) -> _RemoteHandle:
         """The teacher's fleet in an actor of its own (GPU engines name their device: ``cuda:N``)."""
@@ -183,6 +199,12 @@ def _get(ref: Any) -> Any:
         if isinstance(exc.cause, UsageError):
             raise exc.cause from exc
         raise
+
+
+def _visible_devices() -> str:
+    import os
+
+    return os.environ.get("CUDA_VISIBLE_DEVICES", "")
 
 
 def _cpus() -> int:

@@ -13,15 +13,21 @@ class EngineRole:
     ``waits_for_checkpoint``). ``weights_from_push``: the engines read ``model_path``'s config and tokenizer,
     no weights (the backend must have ``starts_without_weights``), and take them from the first push.
     ``wait``: the engines answer when this returns; False: they are launched and :meth:`wait_ready` waits
-    for them (default: False when ``model_pending``)."""
+    for them (default: False when ``model_pending``). ``visible_devices``: this process's
+    ``CUDA_VISIBLE_DEVICES`` (an engine's ``cuda:i`` is its ``i``-th), where the executor knows the GPUs better
+    than the environment does (a Ray actor sharing a trainer group's bundle)."""
 
     def __init__(self, config: dict[str, Any], model_path: str, log_dir: str,
                  load_args: dict[str, list[str]] | None = None, model_pending: bool = False,
-                 weights_from_push: bool = False, wait: bool | None = None):
+                 weights_from_push: bool = False, wait: bool | None = None, visible_devices: str | None = None):
+        import os
+
         from posttrain.core.config import load_config
         from posttrain.core.plugins import load_plugins
         from posttrain.core.rollout.fleet import EngineFleet
 
+        if visible_devices is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
         plugins = load_plugins(**(load_args or {}))
         cfg = load_config(None, data=config, plugins=plugins)
         self.fleet = EngineFleet(cfg.rollout, cfg.resources, cfg.rollout.engine.create(plugins), model_path,

@@ -23,10 +23,11 @@ def _unstarted(cfg) -> tuple[RayExecutor, list[str], list[tuple]]:
     """A RayExecutor whose placement groups and actors are recorded, not made (no Ray instance)."""
     executor = object.__new__(RayExecutor)
     executor.cfg, executor.load_args = cfg, {}
-    executor._actors, executor._groups, executor._trainer_group = [], [], None
+    executor._actors, executor._groups, executor._trainer_group, executor._bundle_devices = [], [], None, None
     reserved, actors = [], []
     executor._placement = lambda bundles, strategy, what, timeout_s=120.0: reserved.append(what) or (what, bundles)
     executor._actor = lambda cls, *args, num_gpus=0, strategy=None: actors.append((cls, num_gpus, strategy)) or cls
+    executor._bundle_gpus = lambda group, gpus: reserved.append(f"{gpus} GPUs of {group[0]}'s bundle 0 probed")
     return executor, reserved, actors
 
 
@@ -92,9 +93,10 @@ def test_ray_gives_a_colocated_one_rank_trainer_and_its_engines_half_of_one_gpu_
     assert [(cls, gpus) for cls, gpus, _ in actors] == [(EngineRole, 0.5), (TrainerRole, 0.5)]
     group = load_config(ROOT / "examples" / "quickstart.yaml", gpu[:2] + ["resources.trainer_gpus_per_node=2"],
                         plugins)
-    executor, _, actors = _unstarted(group)
+    executor, reserved, actors = _unstarted(group)
     executor.engines("/run/hf-init", Path("logs"), model_pending=True)
-    assert actors[0][:2] == (EngineRole, 0)
+    assert actors[0][:2] == (EngineRole, 0)  # it sees the bundle's GPUs, which a probe asks Ray for (next tests)
+    assert reserved == ["trainer's placement group", "2 GPUs of trainer's placement group's bundle 0 probed"]
 
 
 PROBE = """
@@ -131,6 +133,52 @@ def test_a_colocated_one_rank_trainer_and_its_engines_get_the_same_gpu_from_ray(
     assert out.returncode == 0, out.stderr[-3000:]
     held, engines, trainer = out.stdout.split()[-3:]
     assert engines == trainer and engines != held and engines in {"0", "1", "2", "3"}, out.stdout
+
+
+GROUP_PROBE = """
+import os, sys, ray
+from posttrain.core import executors
+from posttrain.core.config import load_config
+
+class Probe:  # stands in for EngineRole and the trainer's ranks: the GPUs the actor sees
+    def __init__(self, *args):
+        if len(args) > 7 and args[7] is not None:  # EngineRole's visible_devices
+            os.environ["CUDA_VISIBLE_DEVICES"] = args[7]
+    def visible(self): return os.environ.get("CUDA_VISIBLE_DEVICES", "")
+
+ray.init(num_cpus=6, num_gpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+blocker = ray.remote(num_gpus=1)(Probe).remote()  # another job's actor holds one of the node's GPUs
+held = ray.get(blocker.visible.remote())
+executors.EngineRole = Probe
+cfg = load_config(sys.argv[1], ["resources.executor=ray", "resources.colocate=true", "resources.trainer_gpus_per_node=2",
+                                "resources.num_engines=2"])
+executor = executors.RayExecutor(cfg)
+engines_first = sys.argv[2] == "engines-first"
+engines = executor.engines("/run/hf-init", "logs", model_pending=True) if engines_first else None
+strategy = executor._in_group(executor._trainer_placement())
+ranks = [ray.remote(Probe).options(num_cpus=1, num_gpus=1, scheduling_strategy=strategy).remote() for _ in range(2)]
+ray.get([r.visible.remote() for r in ranks])  # the ranks hold their GPUs
+engines = engines or executor.engines("/run/hf-init", "logs")
+print("|".join([held, engines.visible(), ",".join(sorted(ray.get([r.visible.remote() for r in ranks])))]))
+executor.close()
+"""
+
+
+@pytest.mark.parametrize("order", ["engines-first", "trainer-first"])
+def test_a_colocated_trainer_groups_engines_see_the_gpus_its_ranks_get(order):
+    """Two ranks colocated with two engines, on a Ray instance with four (declared) GPUs, one held by another actor:
+    the engine role sees exactly the GPUs of the bundle its ranks take (engine ``i`` on the ``i``-th), not the node's
+    first two, whichever Ray reserved; also when the ranks hold them already (a backend that cannot wait for its
+    checkpoint starts after the trainer). A rank asks for one GPU of the bundle, as ``RayRanks`` does."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", GROUP_PROBE, str(ROOT / "examples" / "quickstart.yaml"), order],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    held, engines, ranks = out.stdout.split()[-1].split("|")
+    assert sorted(engines.split(",")) == ranks.split(",") and held not in engines.split(","), out.stdout
+    assert len(ranks.split(",")) == 2, out.stdout
 
 
 def test_an_actors_one_line_error_comes_back_as_itself(monkeypatch):
