@@ -43,7 +43,7 @@ class RouterProcess:
             raise ValueError("rollout.router_args: --api-key is the run's engine key, set by posttrain")
         self.api_key = api_key
         self.worker_urls = [u.rstrip("/") for u in worker_urls]
-        self.host, self.port = host, port or free_port(host)
+        self.host, self.port, self._own_port = host, port or free_port(host), port is None
         self.model_path, self.policy, self.extra_args = model_path, policy, list(extra_args)
         self.log_path = log_path
         self.prometheus_port = free_port(host)
@@ -65,20 +65,41 @@ class RouterProcess:
             cmd += ["--model-path", str(self.model_path)]
         return cmd + self.extra_args
 
-    def start(self, timeout_s: float = 120.0) -> RouterProcess:
-        """Start the router and wait until every initial worker is registered and healthy."""
+    def start(self, timeout_s: float = 120.0, attempts: int = 3) -> RouterProcess:
+        """Start the router and wait until every initial worker is registered and healthy. Its ports come from
+        ``free_port`` moments before it binds them, and another process (a parallel run, an xdist worker) may take
+        one in between: a router that exits with "Address already in use" starts again on fresh ports, up to
+        ``attempts`` times (a port given to it is kept)."""
         env = {"RUST_LOG": os.environ.get("RUST_LOG", "warn"), **({API_KEY_ENV: self.api_key} if self.api_key else {})}
-        self.proc = spawn(self.command(), self.log_path, env)
-        try:
-            wait_http_ok(self.url + "/health", timeout_s, self.proc)
-            self.wait_workers(len(self.worker_urls), timeout_s)
-        except (RuntimeError, TimeoutError) as exc:  # it exited, or never answered: one line naming its log
-            self.stop()
-            raise RunFailed(f"router: {exc}{where_logged(self.log_path)}") from exc
-        except Exception:
-            self.stop()
-            raise
+        for attempt in range(attempts):
+            logged = self._log_size()
+            self.proc = spawn(self.command(), self.log_path, env)
+            try:
+                wait_http_ok(self.url + "/health", timeout_s, self.proc)
+                self.wait_workers(len(self.worker_urls), timeout_s)
+                return self
+            except (RuntimeError, TimeoutError) as exc:  # it exited, or never answered: one line naming its log
+                self.stop()
+                if attempt + 1 < attempts and self._port_was_taken(logged):
+                    self.port = free_port(self.host) if self._own_port else self.port
+                    self.prometheus_port = free_port(self.host)
+                    continue
+                raise RunFailed(f"router: {exc}{where_logged(self.log_path)}") from exc
+            except Exception:
+                self.stop()
+                raise
         return self
+
+    def _log_size(self) -> int:
+        return Path(self.log_path).stat().st_size if self.log_path and Path(self.log_path).exists() else 0
+
+    def _port_was_taken(self, since: int) -> bool:
+        """Whether the router's log after byte ``since`` says a port it was to bind was in use."""
+        if not self.log_path or not Path(self.log_path).exists():
+            return False
+        with open(self.log_path, "rb") as log:
+            log.seek(since)
+            return b"Address already in use" in log.read()
 
     def _call(self, method: str, path: str, payload: dict[str, Any] | None = None) -> Any:
         headers = {"Content-Type": "application/json"}

@@ -52,6 +52,26 @@ async def test_router_routes_generate_and_survives_a_dead_engine(engine_url, eng
         victim.stop()
 
 
+@pytest.mark.slow
+def test_a_router_whose_port_was_taken_starts_again_on_fresh_ports(engine_url, engine_key, tiny_ckpt, tmp_path):
+    """Its ports come from ``free_port`` moments before it binds them: when another process took one meanwhile
+    (here: its metrics port, held by a socket), the router exits with "Address already in use" and starts again."""
+    import socket
+
+    router = RouterProcess([engine_url], model_path=str(tiny_ckpt), log_path=tmp_path / "router.log", api_key=engine_key)
+    with socket.socket() as taken:
+        taken.bind((router.host, 0))
+        taken.listen()
+        router.prometheus_port = taken.getsockname()[1]
+        try:
+            router.start(90)
+            assert router.prometheus_port != taken.getsockname()[1]
+            assert [w["url"] for w in router.workers()] == [engine_url]
+        finally:
+            router.stop()
+    assert "Address already in use" in (tmp_path / "router.log").read_text()
+
+
 def test_router_command_line():
     r = RouterProcess(["http://127.0.0.1:1/", "http://127.0.0.1:2"], port=3000, model_path="/m",
                       extra_args=["--retry-max-retries", "7"])
