@@ -95,11 +95,11 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
             stack.callback(teacher_role.close)
         phase("model", "the engines start beside it" if first else "")
         trainer = executor.trainer(run.logs)  # one rank in this process, or a group of ranks
-        written = run.fresh_dir("hf-init.staged") if first and offload and not early else init_dir
-        if not early and weightless:
+        written = run.fresh_dir("hf-init.staged") if first and offload else init_dir  # (offloads are colocated)
+        if weightless and not early:
             phase("model_files")
             write_model_files(spec, written)
-        elif not early:
+        elif not weightless:
             phase("init_checkpoint")
             trainer.save_hf(written, replace=True)  # appears whole
         ckpt = run.latest_checkpoint() if resume else None

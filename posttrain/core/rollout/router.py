@@ -30,7 +30,7 @@ from typing import Any
 
 from posttrain.core.rollout.backend import API_KEY_ENV
 from posttrain.core.errors import RunFailed
-from posttrain.core.rollout.procs import free_port, spawn, stop_process, wait_http_ok, where_logged
+from posttrain.core.rollout.procs import free_port, port_free, spawn, stop_process, wait_http_ok, where_logged
 
 
 class RouterProcess:
@@ -68,11 +68,10 @@ class RouterProcess:
     def start(self, timeout_s: float = 120.0, attempts: int = 3) -> RouterProcess:
         """Start the router and wait until every initial worker is registered and healthy. Its ports come from
         ``free_port`` moments before it binds them, and another process (a parallel run, an xdist worker) may take
-        one in between: a router that exits with "Address already in use" starts again on fresh ports, up to
-        ``attempts`` times (a port given to it is kept)."""
+        one in between: a router that failed while another process holds one of its ports starts again on fresh
+        ports, up to ``attempts`` times (a port given to it is kept), as the fleet's engines do."""
         env = {"RUST_LOG": os.environ.get("RUST_LOG", "warn"), **({API_KEY_ENV: self.api_key} if self.api_key else {})}
         for attempt in range(attempts):
-            logged = self._log_size()
             self.proc = spawn(self.command(), self.log_path, env)
             try:
                 wait_http_ok(self.url + "/health", timeout_s, self.proc)
@@ -80,7 +79,8 @@ class RouterProcess:
                 return self
             except (RuntimeError, TimeoutError) as exc:  # it exited, or never answered: one line naming its log
                 self.stop()
-                if attempt + 1 < attempts and self._port_was_taken(logged):
+                taken = not (port_free(self.url) and port_free(f"http://{self.host}:{self.prometheus_port}"))
+                if attempt + 1 < attempts and taken:
                     self.port = free_port(self.host) if self._own_port else self.port
                     self.prometheus_port = free_port(self.host)
                     continue
@@ -89,17 +89,6 @@ class RouterProcess:
                 self.stop()
                 raise
         return self
-
-    def _log_size(self) -> int:
-        return Path(self.log_path).stat().st_size if self.log_path and Path(self.log_path).exists() else 0
-
-    def _port_was_taken(self, since: int) -> bool:
-        """Whether the router's log after byte ``since`` says a port it was to bind was in use."""
-        if not self.log_path or not Path(self.log_path).exists():
-            return False
-        with open(self.log_path, "rb") as log:
-            log.seek(since)
-            return b"Address already in use" in log.read()
 
     def _call(self, method: str, path: str, payload: dict[str, Any] | None = None) -> Any:
         headers = {"Content-Type": "application/json"}
