@@ -79,7 +79,7 @@ def test_the_engines_start_before_the_trainer_and_load_the_fresh_checkpoint(tmp_
     assert rows[0]["train_rollout_logprob_abs_diff"] < 1e-3  # the engines serve the trainer's weights
     # the engine's log says how long each part of its start took, the wait for the checkpoint first
     logs = "".join(p.read_text() for p in run.path.rglob("engine*.log"))
-    assert ("random weights until the first push" in logs) == (not init_weights), logs[-2000:]
+    assert ("zero weights until the first push" in logs) == (not init_weights), logs[-2000:]
     ready = re.search(r"posttrain engine serving .* \(ready after ([\d.]+) s: waiting for the checkpoint ([\d.]+) s, "
                       r"model ([\d.]+) s, tokenizer ([\d.]+) s\)", logs)
     assert ready, logs[-2000:]

@@ -45,6 +45,24 @@ def test_a_runner_built_from_the_config_names_what_no_update_wrote(tiny_ckpt, tm
     torch.testing.assert_close(built.prefill([0], prompt), loaded.prefill([0], prompt), atol=0, rtol=0)
 
 
+def test_a_runner_built_from_the_config_starts_at_zero_with_its_output_layer_tied(tmp_path):
+    """No random init (its weights all come from the first push): every parameter zero, never ``torch.empty``'s
+    leftovers, and a tied output layer the embedding's own tensor, written by the one name a checkpoint holds."""
+    from posttrain.testing.tiny import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "tied", tie_word_embeddings=True)
+    built = ModelRunner(_model_files(ckpt, tmp_path / "files"), max_slots=2, context_length=32, from_config=True)
+    assert all(not p.any() for p in built.model.parameters())
+    assert built.model.lm_head.weight.data_ptr() == built.model.model.embed_tokens.weight.data_ptr()
+    weights = _weights(ckpt)
+    assert "lm_head.weight" not in weights  # save_pretrained writes a tied tensor once
+    built.load_weights(weights)
+    assert built.unwritten_weights() == []
+    prompt = [[5, 6, 7, 8]]
+    loaded = ModelRunner(ckpt, max_slots=2, context_length=32)
+    torch.testing.assert_close(built.prefill([0], prompt), loaded.prefill([0], prompt), atol=0, rtol=0)
+
+
 def test_fused_projections_count_as_written_by_their_own_names(tiny_ckpt, tmp_path):
     """A GPU engine fuses Q/K/V and gate/up into one storage each: every part is a tensor of its own to write."""
     files = _model_files(tiny_ckpt, tmp_path / "files")

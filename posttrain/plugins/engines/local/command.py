@@ -58,7 +58,7 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
           no_fused_sampling: bool = typer.Option(False, "--no-fused-sampling", help="GPU: draw with torch (multinomial) instead of the one-pass Triton kernel (inverse-CDF, same distribution)"),
           prefill_tokens: int = typer.Option(0, "--prefill-tokens", help="prompt tokens per prefill batch (bounds its activation memory); 0: 8192 on CPU, 32768 on GPU"),
           no_api_key: bool = typer.Option(False, "--no-api-key", help="serve without an API key: any process that reaches the port may load weights (and run code) in the engine"),
-          load_format: str = typer.Option("auto", "--load-format", help="auto: the weights in MODEL_DIR | dummy: the model built from its config.json with random weights, none read (a run pushes every weight before it generates; until a push has written them all, /generate is refused after the first push)"),
+          load_format: str = typer.Option("auto", "--load-format", help="auto: the weights in MODEL_DIR | dummy: the model built from its config.json with zero weights, none read (a run pushes every weight before it generates; until a push has written them all, /generate is refused after the first push)"),
           wait_for_model: float = typer.Option(0, "--wait-for-model", help="seconds to wait for MODEL_DIR to appear (a run starts its engines while the trainer writes their checkpoint; torch and transformers are imported meanwhile); 0: it must exist")) -> None:
     """Serve MODEL_DIR: /generate, /health_generate, abort/pause, weight updates, /model_info, /server_info.
 

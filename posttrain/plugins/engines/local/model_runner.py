@@ -92,13 +92,36 @@ def _weight_view(params: dict[str, torch.Tensor], name: str) -> torch.Tensor | N
 
 def _hf_model(model_dir: str, device: torch.device, dtype: torch.dtype, from_config: bool) -> Any:
     """The HF model of ``model_dir``: its weights read, or (``from_config``) built from its ``config.json`` on
-    ``device``, where transformers' random init takes milliseconds on a GPU."""
+    ``device`` with every parameter zero. The first push writes them all, so transformers' random init is skipped
+    (at the Qwen3-0.6B shape on the CPU it took 10.7 s, single-threaded; the zeros take 2.2 s, mostly the pages'
+    first touch). Zeros, not ``torch.empty``'s leftovers: a readiness check served before any push then samples
+    from uniform logits, never from NaNs."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if not from_config:
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    with device:
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
+    with device, _init_skipped():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
+    model.tie_weights()  # transformers 5 ties in the init that was skipped; a tied output layer is one tensor to push
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    return model
+
+
+def _init_skipped():
+    """transformers' own switch that builds a model without its weight init (torch's ``nn.init`` functions and
+    ``init_weights`` made no-ops while the model is built): ``transformers.initialization`` in 5.x,
+    ``modeling_utils`` in 4.x; where neither has it, the init runs (slower, the same model)."""
+    import contextlib
+    import importlib
+
+    for module in ("transformers.initialization", "transformers.modeling_utils"):
+        try:
+            return importlib.import_module(module).no_init_weights()
+        except (ImportError, AttributeError):
+            continue
+    return contextlib.nullcontext()
 
 
 def _load_problems(named: dict[str, torch.Tensor], targets: dict[str, torch.Tensor | None],
@@ -223,9 +246,9 @@ class ModelRunner:
         it runs, CUDA with Triton; True where it cannot run: a ValueError), else torch's copies; ``warm_graphs``:
         with ``cuda_graphs``, the first step at a temperature captures every batch bucket's graph (``graphs.warm``:
         the kernels a small batch needs compile then, not in a later step), else each bucket at its first step;
-        ``from_config``: the model built from ``model_dir``'s ``config.json`` with transformers' random init on the
-        device, no weight read (a run's engine, which gets every weight from the first push); until updates have
-        written every tensor, :meth:`unwritten_weights` names those left."""
+        ``from_config``: the model built from ``model_dir``'s ``config.json`` on the device, every parameter zero
+        (no random init), no weight read (a run's engine, which gets every weight from the first push); until
+        updates have written every tensor, :meth:`unwritten_weights` names those left."""
         if decode_attention == "auto":  # the measured fastest on an H200 (bench/RESULTS.md)
             from posttrain.plugins.engines.local.decode_kernel import triton_available
 

@@ -489,7 +489,7 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, waited_s: 
     server.startup_s = {**({"waited": waited_s} if waited_s is not None else {}), **server.startup_s}
     settle_heap()  # the model and its modules leave the collector; a request's objects die unscanned
     ready = startup_text(server.startup_s, process_age_s())
-    weights = " (random weights until the first push)" if kwargs.get("from_config") else ""
+    weights = " (zero weights until the first push)" if kwargs.get("from_config") else ""
     print(f"posttrain engine serving {server.model_dir}{weights} on http://{host}:{port}"
           f"{'' if server.api_key else ' WITHOUT an API key (any local process may load weights into it)'}"
           f"{f' ({ready})' if ready else ''}", flush=True)
