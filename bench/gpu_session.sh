@@ -105,6 +105,9 @@
 #             default: weights from the first push), then on the trainer's initial weights (checkpoint.hf_init_weights;
 #             it runs second, on warm compile caches); each run's start-up lines (OFFLOAD_EXTRA as in offload4_17)
 #   startupdisagg17 the same for the disaggregated example (two GPUs: the engines start before the trainer builds)
+#   warm17    startup17's colocated offloaded run with the engines warmed for the run's sampling before they answer
+#             (the default: the decode step's compiles and graphs), then with rollout.engine.warm_up=false (in step 0)
+#   warmdisagg17 the same, disaggregated (two GPUs: the warm-up runs while the trainer builds)
 #   pin17     a 28.8 GiB pinned host buffer made four ways (bench/pin_memory.py; PIN_METHODS picks): seconds, bytes
 #             pinned, copy bandwidth
 #   offloadrun17 the small colocated GPU run with the offload (tests/gpu), then the same with the allocator's
@@ -319,6 +322,15 @@ print('ropecheck ok: compiled THD rotary equals eager on cuda (bf16 tolerance) f
     e2e startup_weights ${STARTUP_S:-200} resources.colocate=true resources.offload_trainer=true rollout.num_rollouts=2 \
       checkpoint.hf_init_weights=true ${OFFLOAD_EXTRA:-}
     phase_table startup_files; phase_table startup_weights ;;
+  warm17)  # the engines warmed for the run's sampling before they answer (the default), then not (step 0 does it)
+    e2e warm_on ${STARTUP_S:-200} resources.colocate=true resources.offload_trainer=true rollout.num_rollouts=2 \
+      ${OFFLOAD_EXTRA:-}
+    e2e warm_off ${STARTUP_S:-200} resources.colocate=true resources.offload_trainer=true rollout.num_rollouts=2 \
+      rollout.engine.warm_up=false ${OFFLOAD_EXTRA:-}
+    phase_table warm_on; phase_table warm_off ;;
+  warmdisagg17) e2e warm_disagg_on 190 rollout.num_rollouts=2; e2e warm_disagg_off 190 rollout.num_rollouts=2 \
+                  rollout.engine.warm_up=false
+                phase_table warm_disagg_on; phase_table warm_disagg_off ;;
   startupdisagg17) e2e startup_disagg_files 190 rollout.num_rollouts=2
                    e2e startup_disagg_weights 190 rollout.num_rollouts=2 checkpoint.hf_init_weights=true ;;
   colocated5) e2e colocated5 ${COLOCATED5_S:-330} resources.colocate=true rollout.num_rollouts=5

@@ -67,6 +67,9 @@ class EngineSlot:
     api_key: str = field(default="", repr=False)
     model_pending: bool = False  # model_path is not written yet (a backend with waits_for_checkpoint only)
     weights_from_push: bool = False  # read model_path's config and tokenizer only (a backend with starts_without_weights)
+    # the run's rollout sampling_params as its requests send them (SGLang's form, seeded if the run seeds): a backend
+    # may prepare its kernels for them before it answers (the local engine's --warm-sampling); None: unknown
+    sampling: dict[str, Any] | None = None
 
 
 @dataclass

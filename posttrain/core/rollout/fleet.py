@@ -45,6 +45,16 @@ def visible_device(index: int) -> str:
     return str(index)
 
 
+def run_sampling(rollout: Any, seed: int) -> dict[str, Any] | None:
+    """``rollout``'s sampling_params as a run's requests send them (``EngineSlot.sampling``): SGLang's form, with a
+    ``sampling_seed`` when the run seeds its samples (seeded rows take another sampling path in an engine)."""
+    make = getattr(rollout, "sampling_params", None)
+    if make is None:
+        return None
+    params = make(seed=seed)
+    return {**params.to_sglang(), **({"sampling_seed": params.seed} if params.seed is not None else {})}
+
+
 class EngineFleet:
     """Starts, watches and stops the engines of one run (and their router)."""
 
@@ -78,7 +88,8 @@ class EngineFleet:
         launch = self.backend.launch(EngineSlot(index=i, port=port, host=self.host, model_path=self.model_path,
                                                 seed=self.seed, resources=self.resources, gpus=gpus,
                                                 api_key=self.api_key, model_pending=self._model_pending,
-                                                weights_from_push=self.weights_from_push))
+                                                weights_from_push=self.weights_from_push,
+                                                sampling=run_sampling(self.rollout, self.seed)))
         return ManagedServer(launch.command, f"http://{self.host}:{port}", log_path=self._log(f"engine-{i}.log"),
                              env={**(self.env or {}), **launch.env}, health_path=launch.health_path)
 

@@ -131,6 +131,33 @@ def test_backends_that_start_without_weights_say_so_on_their_command_line():
         EngineFleet(None, ResourcesConfig(), chosen, "/m", weights_from_push=True)
 
 
+def test_gpu_engines_warm_up_for_the_runs_sampling_unless_a_release_would_drop_their_graphs():
+    """``EngineSlot.sampling`` (the fleet's ``run_sampling``: the rollout's sampling_params, seeded as its requests
+    are) reaches a local GPU engine as ``--warm-sampling``; not a CPU engine (no graphs to capture), nor a colocated
+    one without stable memory (its first release drops the graphs)."""
+    import json
+
+    from posttrain.core.config import ResourcesConfig, RolloutConfig
+    from posttrain.core.rollout.backend import EngineSlot
+    from posttrain.core.rollout.fleet import run_sampling
+    from posttrain.plugins.engines.local import LocalEngine
+
+    sampling = run_sampling(RolloutConfig(temperature=0.7, top_p=0.9, max_new_tokens=512, seed_sampling=True), seed=3)
+    assert sampling["temperature"] == 0.7 and sampling["top_p"] == 0.9 and sampling["sampling_seed"] == 3
+    assert "sampling_seed" not in run_sampling(RolloutConfig(), seed=3) and run_sampling(None, seed=3) is None
+
+    def warm(device, colocate=False, stable_memory=True, warm_up=True):
+        backend = LocalEngine(LocalEngine.Config(device=device, stable_memory=stable_memory, warm_up=warm_up))
+        cmd = backend.launch(EngineSlot(index=0, port=30001, host="127.0.0.1", model_path="/m", seed=0,
+                                        resources=ResourcesConfig(colocate=colocate), sampling=sampling)).command
+        return json.loads(cmd[cmd.index("--warm-sampling") + 1]) if "--warm-sampling" in cmd else None
+
+    assert warm("cuda") == sampling and warm("cuda", colocate=True) == sampling
+    assert warm("cpu") is None and warm("cuda", colocate=True, stable_memory=False) is None
+    assert warm("cuda", stable_memory=False) == sampling  # not colocated: nothing releases its memory
+    assert warm("cuda", warm_up=False) is None  # rollout.engine.warm_up: false
+
+
 def test_engine_serve_without_weights_needs_only_the_config(tmp_path):
     """``--load-format dummy`` reads no safetensors, so a directory without them is no error; one without
     ``config.json`` still is, and an unknown format is one line."""

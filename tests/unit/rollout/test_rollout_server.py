@@ -269,3 +269,35 @@ def test_the_serving_line_names_the_starts_parts_and_the_process_age():
     assert startup_text({"waited": 3.04, "model": 10.26, "stable_memory": 1.0}, 24.12) == (
         "ready after 24.1 s: waiting for the checkpoint 3.0 s, model 10.3 s, stable memory 1.0 s")
     assert startup_text({}, 2.0) == "ready after 2.0 s" and startup_text({"model": 1.0}, None) == ""
+
+
+async def test_an_engine_told_the_runs_sampling_decodes_with_it_before_it_answers(tiny_ckpt, tmp_path):
+    """``--warm-sampling`` (what a run's GPU engines get): one two-token generation with the run's sampling runs
+    before the server answers, so its decode step (compiles and CUDA graphs on a GPU) is ready for the first
+    rollout. Without it, a started engine has decoded nothing (its readiness check asks for one token, which the
+    prefill gives)."""
+    from posttrain.testing.engine import start_local_engine
+
+    sampling = {"temperature": 0.7, "top_p": 0.9, "stop": ["x"], "max_new_tokens": 64, "sampling_seed": 5}
+    server = start_local_engine(tiny_ckpt, tmp_path, warm_sampling=json.dumps(sampling))
+    try:
+        async with EngineClient(server.base_url, api_key=server.api_key) as engine:
+            info = await engine.get_server_info()
+    finally:
+        server.stop()
+    assert info["warm_sampling"] == sampling and info["startup_s"]["warm_up"] > 0
+    totals = info["internal_states"][0]["totals"]
+    assert totals["decode_steps"] >= 1 and totals["prefill_steps"] >= 2  # the warm-up's, then the readiness check's
+
+
+def test_engine_serve_refuses_warm_up_sampling_it_could_not_serve(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "config.json").write_text("{}")
+    for value, message in (('{"temperature": -1}', "--warm-sampling: sampling_params.temperature: must be 0"),
+                           ("{temperature", "--warm-sampling: not JSON")):
+        out = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "engine", "serve", str(tmp_path),
+                              "--load-format", "dummy", "--no-api-key", "--warm-sampling", value],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -15,6 +15,7 @@ Modules (none imported here: this entry module stays light):
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -66,6 +67,10 @@ class LocalEngine(EngineBackend):
         fused_sampling: bool = option(
             True, help="GPU: draw uniform batches (all greedy, or one temperature without top-p/top-k/min-p or seeds) "
                        "with a one-pass Triton kernel (an inverse-CDF draw: the same distribution as multinomial, other draws)")
+        warm_up: bool = option(
+            True, help="GPU: before it answers, the engine generates two tokens with the run's sampling, so the decode "
+                       "step's compiles and CUDA graphs are ready for the first rollout (disaggregated: while the trainer "
+                       "builds); off: they run in the first rollout")
         prefill_tokens: int = option(0, ge=0, help="prompt tokens per prefill batch (bounds its activation memory); "
                                                    "0: 8192 on the CPU, 32768 on a GPU")
         context_length: int = option(0, ge=0, help="tokens per request; 0: the model's maximum (at most 4096)")
@@ -104,6 +109,11 @@ class LocalEngine(EngineBackend):
             env["CUDA_VISIBLE_DEVICES"] = visible_device(int(device.split(":")[1]))
             device = "cuda"
         cfg = self.config
+        # a GPU engine compiles and captures its decode step for the run's sampling before it answers: a disaggregated
+        # run's engines do so while the trainer builds, not in the first rollout. Not where a colocated engine's
+        # release would drop the graphs (no stable memory): its first rollout would capture them again.
+        warm = (cfg.warm_up and device == "cuda" and slot.sampling is not None
+                and (cfg.stable_memory or not slot.resources.colocate))
         return EngineLaunch(local_engine_command(
             slot.model_path, slot.port, host=slot.host, device=device, max_running_requests=cfg.max_running_requests,
             context_length=cfg.context_length or None, cuda_graphs=device == "cuda",
@@ -112,7 +122,8 @@ class LocalEngine(EngineBackend):
             no_fused_sampling=not cfg.fused_sampling, prefill_tokens=cfg.prefill_tokens or None,
             stable_memory=device == "cuda" and cfg.stable_memory and slot.resources.colocate,
             dtype=None if cfg.dtype == "auto" else cfg.dtype, wait_for_model=MODEL_WAIT_S if slot.model_pending else None,
-            load_format="dummy" if slot.weights_from_push else None), env)
+            load_format="dummy" if slot.weights_from_push else None,
+            warm_sampling=json.dumps(slot.sampling) if warm else None), env)
 
 
 def local_engine_command(model_dir: str, port: int, host: str = "127.0.0.1", **options: Any) -> list[str]:

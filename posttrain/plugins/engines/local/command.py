@@ -59,6 +59,7 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
           prefill_tokens: int = typer.Option(0, "--prefill-tokens", help="prompt tokens per prefill batch (bounds its activation memory); 0: 8192 on CPU, 32768 on GPU"),
           no_api_key: bool = typer.Option(False, "--no-api-key", help="serve without an API key: any process that reaches the port may load weights (and run code) in the engine"),
           load_format: str = typer.Option("auto", "--load-format", help="auto: the weights in MODEL_DIR | dummy: the model built from its config.json with zero weights, none read (a run pushes every weight before it generates; until a push has written them all, /generate is refused after the first push)"),
+          warm_sampling: str = typer.Option("", "--warm-sampling", help="a JSON sampling_params object: before serving, one two-token generation with it compiles the decode step and captures its CUDA graphs for that sampling (a run's GPU engines get its rollout's); empty: at the first request"),
           wait_for_model: float = typer.Option(0, "--wait-for-model", help="seconds to wait for MODEL_DIR to appear (a run starts its engines while the trainer writes their checkpoint; torch and transformers are imported meanwhile); 0: it must exist")) -> None:
     """Serve MODEL_DIR: /generate, /health_generate, abort/pause, weight updates, /model_info, /server_info.
 
@@ -85,6 +86,7 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
         raise UsageError(f"--decode-attention: expected {', '.join(DECODE_ATTENTION)}, got {decode_attention!r}")
     if device != "cpu" and not device.startswith("cuda"):
         raise UsageError(f"--device: expected cpu or cuda[:N], got {device!r}")
+    warm = warm_sampling_params(warm_sampling)
     quiet_http2_probes()
     from posttrain.core.rollout.backend import API_KEY_ENV
     from posttrain.core.rollout.procs import exit_with_parent
@@ -105,7 +107,7 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
         max_running_requests=max_running_requests, context_length=context_length or None, cuda_graphs=cuda_graphs,
         decode_attention=decode_attention, compile=compile, stable_memory=stable_memory, overlap=not no_overlap,
         api_key=api_key, fused_sampling=not no_fused_sampling, prefill_tokens=prefill_tokens or None,
-        compile_mode=compile_mode, from_config=not weights)
+        compile_mode=compile_mode, from_config=not weights, warm_sampling=warm)
     # Stopped (SIGTERM/SIGINT) and shut down (the engine thread joined): nothing is left to write, so skip the
     # interpreter's teardown, which frees every model object (a run's stop waits for it) and, after settle_heap
     # froze the heap, has triton's bindings print leak reports.
@@ -113,6 +115,25 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def warm_sampling_params(text: str) -> dict | None:
+    """``--warm-sampling``'s JSON object, checked as ``/generate`` checks ``sampling_params`` (one-line errors)."""
+    if not text:
+        return None
+    import json
+
+    from posttrain.plugins.engines.local.sampling import SamplingError, parse_sampling
+
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise UsageError(f"--warm-sampling: not JSON ({exc})") from None
+    try:
+        parse_sampling(value)
+    except SamplingError as exc:
+        raise UsageError(f"--warm-sampling: {exc}") from None
+    return value
 
 
 def check_checkpoint(model_dir: Path, weights: bool = True) -> None:

@@ -84,6 +84,7 @@ SMALL_BODY_LIMIT = 1 << 20  # control endpoints
 GENERATE_BODY_LIMIT = 16 << 20  # a batched /generate of a few hundred long prompts
 WEIGHTS_BODY_LIMIT = 1 << 30  # /update_weights_from_tensor carries CPU tensors by value
 MAX_CHARS_PER_TOKEN = 16  # a text prompt longer than this x the context is refused untokenized
+WARM_UP_TIMEOUT_S = 600  # compiles and captures of a large model (seconds)
 
 
 class BadRequest(Exception):
@@ -106,7 +107,8 @@ class EngineServer:
                  cuda_graphs: bool = False, decode_attention: str = "auto", compile: bool = False,
                  stable_memory: bool = False, overlap: bool = True, api_key: str | None = None,
                  generate_body_limit: int = GENERATE_BODY_LIMIT, fused_sampling: bool = True,
-                 prefill_tokens: int | None = None, compile_mode: str = "default", from_config: bool = False):
+                 prefill_tokens: int | None = None, compile_mode: str = "default", from_config: bool = False,
+                 warm_sampling: dict[str, Any] | None = None):
         from transformers import AutoTokenizer
 
         from posttrain.plugins.engines.local.engine import LocalEngine
@@ -142,6 +144,10 @@ class EngineServer:
             self.startup_s["stable_memory"] = time.perf_counter() - t2
             if why:
                 log.warning("stable memory off (%s): CUDA graphs are recaptured after every memory release", why)
+        if warm_sampling is not None and (self.memory.stable or not stable_memory):  # (a refused VMM: graphs go
+            t3 = time.perf_counter()                                                # with each release anyway)
+            self._warm_up(warm_sampling)
+            self.startup_s["warm_up"] = time.perf_counter() - t3
         self.released = False
         self._ready: list[tuple[asyncio.Future, dict[str, Any]]] = []  # finished, not yet handed to the loop
         self._ready_lock = threading.Lock()
@@ -155,7 +161,25 @@ class EngineServer:
             "prefill_tokens": self.engine.prefill_tokens, "fused_sampling": fused_sampling,
             "decode_attention": self.runner.decode_attention, "compile": bool(compile), "compile_mode": compile_mode,
             "skip_tokenizer_init": False, "load_format": "dummy" if from_config else "auto",
+            "warm_sampling": warm_sampling,
         }
+
+    def _warm_up(self, sampling: dict[str, Any]) -> None:
+        """One two-token generation with ``sampling`` (``--warm-sampling``, a run's rollout sampling) before the
+        server answers: the prefill's and the decode step's compiles, and every batch bucket's CUDA graph for that
+        sampling (``graphs.warm``), run now rather than in the first rollout, which they made 10-18 s longer than
+        the next on an H200 (bench/RESULTS.md). A disaggregated run's engines start while its trainer builds, so
+        there they cost nothing. Stop strings are dropped and EOS ignored: both tokens are generated."""
+        done, box = threading.Event(), {}
+        params = parse_sampling({**sampling, "max_new_tokens": 2, "ignore_eos": True, "stop": None,
+                                 "stop_token_ids": None})
+        self.engine.submit([0, 1], params, False, lambda out: (box.update(out), done.set()))
+        if not done.wait(WARM_UP_TIMEOUT_S):
+            raise RuntimeError(f"the warm-up generation (--warm-sampling) did not end in {WARM_UP_TIMEOUT_S} s")
+        finish = box.get("meta_info", {}).get("finish_reason") or {}
+        if "error" in box or finish.get("type") == "abort":  # a failed engine step aborts its requests
+            raise RuntimeError(f"the warm-up generation (--warm-sampling) failed: "
+                               f"{box.get('error') or finish.get('message')}")
 
     # -- helpers --------------------------------------------------------------------------------
     @staticmethod
@@ -476,7 +500,7 @@ def startup_text(parts: dict[str, float], age_s: float | None) -> str:
     if age_s is None:
         return ""
     names = {"waited": "waiting for the checkpoint", "model": "model", "tokenizer": "tokenizer",
-             "stable_memory": "stable memory"}
+             "stable_memory": "stable memory", "warm_up": "warm-up"}
     shown = ", ".join(f"{names.get(k, k)} {v:.1f} s" for k, v in parts.items())
     return f"ready after {age_s:.1f} s" + (f": {shown}" if shown else "")
 
