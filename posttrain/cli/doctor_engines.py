@@ -69,7 +69,7 @@ def round_trip(cfg: Any, plugins: Any) -> list[Finding]:
     from posttrain.core.rollout.fleet import EngineFleet
 
     backend = cfg.rollout.engine.create(plugins)
-    mode = cfg.rollout.weight_sync_mode(cfg.resources.colocate)
+    mode = cfg.weight_sync_mode()  # as the run resolves it: its placement, its engines' device
     with tempfile.TemporaryDirectory(prefix="posttrain-doctor-") as tmp:
         tmp = Path(tmp)
         model_dir = hf_checkpoint(cfg, plugins, tmp / "hf")

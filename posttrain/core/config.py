@@ -181,8 +181,9 @@ class RolloutConfig:
                                               "runs whose rows end together (short answers), not long tails")
     weight_sync: Literal["auto", "distributed", "tensor", "disk"] = option(
         "auto", help="how weights reach the engines: distributed (NCCL between GPUs, else Gloo), tensor (CUDA IPC "
-                     "handles, same host), disk (an HF checkpoint); auto: tensor when colocated or when an engine "
-                     "is on a trainer GPU, else distributed (disk for engine backends without that mode)")
+                     "handles, same host), disk (an HF checkpoint); auto: tensor when GPU engines are colocated "
+                     "or one is on a trainer GPU, else distributed (Gloo for colocated CPU engines too: tensor by "
+                     "value on a CPU is slow; disk for engine backends without that mode)")
     weight_bucket_mb: int = option(512, ge=1, help="bucket size of a distributed weight update")
     check_weights: bool = option(False, help="after each push, every engine reports a checksum per tensor (SGLang: "
                                                "sampled tensors); a mismatch stops the run naming the first tensor")
@@ -212,14 +213,17 @@ class RolloutConfig:
             errors.append(f"top_k: {self.top_k} is out of range (-1 disables; else 1 <= top_k < 2**63)")
         return errors
 
-    def weight_sync_mode(self, colocate: bool, shared_gpus: list[int] | tuple[int, ...] = ()) -> str:
-        """``weight_sync`` with ``auto`` resolved: ``tensor`` when colocated or when engines sit on trainer
-        GPUs (``shared_gpus``, from :func:`gpus_shared_with_trainer`: NCCL refuses two ranks on one GPU),
-        else ``distributed``; when the engine backend's servers lack that mode (its ``weight_sync_modes``),
-        ``disk`` (or its first mode)."""
+    def weight_sync_mode(self, colocate: bool, shared_gpus: list[int] | tuple[int, ...] = (),
+                         engines_on_gpu: bool = True) -> str:
+        """``weight_sync`` with ``auto`` resolved: ``tensor`` (CUDA IPC) when GPU engines are colocated or sit on
+        trainer GPUs (``shared_gpus``, from :func:`gpus_shared_with_trainer`: NCCL refuses two ranks on one GPU),
+        else ``distributed`` (NCCL, or Gloo between CPU processes: colocated CPU engines too, since ``tensor`` on
+        a CPU carries every weight by value in the HTTP body, a pickle and its base64, 87 s for Qwen3-0.6B's first
+        push on a 2-core box and then the kernel's OOM killer, against 3.7 s over Gloo); when the engine
+        backend's servers lack that mode (its ``weight_sync_modes``), ``disk`` (or its first mode)."""
         if self.weight_sync != "auto":
             return self.weight_sync
-        mode = "tensor" if colocate or shared_gpus else "distributed"
+        mode = "tensor" if engines_on_gpu and (colocate or shared_gpus) else "distributed"
         modes = getattr(getattr(self.engine, "cls", None), "weight_sync_modes", None)
         if modes and mode not in modes:
             return "disk" if "disk" in modes else modes[0]
@@ -469,8 +473,9 @@ class RunConfig:
 
     def weight_sync_mode(self) -> str:
         """``rollout.weight_sync`` resolved for this run's placement (see :meth:`RolloutConfig.weight_sync_mode`)."""
-        shared = gpus_shared_with_trainer(self.rollout.engine.create(), self.resources)
-        return self.rollout.weight_sync_mode(self.resources.colocate, shared)
+        engine = self.rollout.engine.create()
+        shared = gpus_shared_with_trainer(engine, self.resources)
+        return self.rollout.weight_sync_mode(self.resources.colocate, shared, engine.on_gpu(self.resources))
 
     def components(self) -> list[Component]:
         """Every selected component, the backends inside ``rollout`` and ``trainer`` included."""

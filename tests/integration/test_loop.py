@@ -249,14 +249,16 @@ def test_async_mode_trains_one_step_off_policy(tmp_path):
 
 def test_colocated_run_releases_engine_memory_and_syncs_by_tensor(tmp_path):
     """``resources.colocate``: the engine releases its memory for the trainer's turn, takes it back for
-    the next generation, and the weights travel by ``/update_weights_from_tensor`` (by value on a CPU).
+    the next generation, and the weights travel by ``/update_weights_from_tensor`` (by value on a CPU, where
+    ``auto`` picks Gloo: set here, as GPU runs have it).
     ``resources.offload_trainer`` (the second run): the trainer's state waits in host memory while the engine
     generates (on a CPU it is copied into other host memory, its storages freed all the same) and the seeded run
     is the same step for step; the checkpoint is saved before the offload, the final export after it."""
     runs = {}
     for name, extra in (("colocated", []), ("offloaded", ["resources.offload_trainer=true", "checkpoint.interval=2"])):
         run = tmp_path / name
-        out = rl_cli(QUICKSTART, "--run-dir", run, *SMALL, "rollout.num_rollouts=3", "resources.colocate=true", *extra)
+        out = rl_cli(QUICKSTART, "--run-dir", run, *SMALL, "rollout.num_rollouts=3", "resources.colocate=true",
+                     "rollout.weight_sync=tensor", *extra)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
         runs[name] = rows = jsonl(run / "metrics.jsonl")
         assert [r["step"] for r in rows] == [0, 1, 2]

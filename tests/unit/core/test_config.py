@@ -74,6 +74,8 @@ def test_auto_weight_sync_falls_back_to_a_mode_the_engine_backend_has(plugins):
     rollout.engine = Component("engines", "local", None, cls=plugins.registry("engine")["local"])
     assert rollout.weight_sync_mode(colocate=False) == "distributed"
     assert rollout.weight_sync_mode(colocate=True) == "tensor"
+    # colocated CPU engines: Gloo, not every weight by value in an HTTP body
+    assert rollout.weight_sync_mode(colocate=True, engines_on_gpu=False) == "distributed"
 
 
 def test_five_mistakes_five_errors(write, plugins):
@@ -182,13 +184,16 @@ def test_offload_parts_are_checked_and_need_the_offload(write, plugins):
         assert len(info.value.errors) == 1 and info.value.errors[0].startswith(says), info.value.errors
 
 
-@pytest.mark.parametrize("colocate, given, mode", [(True, "auto", "tensor"), (False, "auto", "distributed"),
-                                                   (True, "disk", "disk"), (False, "tensor", "tensor")])
+@pytest.mark.parametrize("colocate, given, mode", [(True, "auto", "distributed"), (False, "auto", "distributed"),
+                                                   (True, "disk", "disk"), (False, "tensor", "tensor"),
+                                                   (True, "tensor", "tensor")])
 def test_weight_sync_auto_follows_colocation(write, plugins, colocate, given, mode):
     path = write("c.yaml", GOOD + f"resources: {{colocate: {str(colocate).lower()}}}\n")
     cfg = load_config(path, [f"rollout.weight_sync={given}"], plugins=plugins)
-    assert cfg.rollout.weight_sync_mode(cfg.resources.colocate) == mode
-    assert cfg.weight_sync_mode() == mode  # the engine is on the CPU: no GPU is shared
+    assert cfg.weight_sync_mode() == mode  # the engine is on the CPU: no GPU is shared, Gloo even colocated
+    on_gpu = load_config(path, [f"rollout.weight_sync={given}", "rollout.engine.device=cuda",
+                                "resources.trainer_gpus_per_node=1"], plugins=plugins)  # (cuda:1 unless colocated)
+    assert on_gpu.weight_sync_mode() == ("tensor" if given == "auto" and colocate else mode)
 
 
 @pytest.mark.parametrize("overrides, shared, mode", [
