@@ -144,8 +144,9 @@ class EngineServer:
             self.startup_s["stable_memory"] = time.perf_counter() - t2
             if why:
                 log.warning("stable memory off (%s): CUDA graphs are recaptured after every memory release", why)
-        if warm_sampling is not None and (self.memory.stable or not stable_memory):  # (a refused VMM: graphs go
-            t3 = time.perf_counter()                                                # with each release anyway)
+        # not where the driver refused stable memory: each release drops the graphs, and the first rollout recaptures
+        if warm_sampling is not None and (self.memory.stable or not stable_memory):
+            t3 = time.perf_counter()
             self._warm_up(warm_sampling)
             self.startup_s["warm_up"] = time.perf_counter() - t3
         self.released = False
