@@ -17,8 +17,8 @@ app = typer.Typer(help="Serve a HF checkpoint over SGLang's native HTTP API (CPU
 
 
 DECODE_ATTENTION = ("auto", "sdpa", "bmm", "triton")
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
-LOAD_FORMATS = ("auto", "dummy")  # SGLang's names for the two it shares with this server  # model_runner.COMPILE_MODES, without importing torch here
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")  # model_runner.COMPILE_MODES, without importing torch here
+LOAD_FORMATS = ("auto", "dummy")  # SGLang's names for the two it shares with this server
 
 
 class HTTP2ProbeFilter(logging.Filter):

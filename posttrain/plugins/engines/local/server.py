@@ -316,9 +316,9 @@ class EngineServer:
         return web.Response(body=jsonio.dumps_bytes(outs if batched else outs[0]), content_type="application/json")
 
     def _check_weights_written(self) -> None:
-        """A server started without weights (``--load-format dummy``) generates from random ones until its first
+        """A server started without weights (``--load-format dummy``) generates from zero ones until its first
         weight update (the start's own ``/health_generate``), and after one only once updates have written every
-        tensor: a push that missed one would otherwise sample from a partly random model, silently."""
+        tensor: a push that missed one would otherwise sample from a partly zeroed model, silently."""
         missing = self.runner.unwritten_weights() if self.runner.weight_updates else []
         if missing:
             raise BadRequest(f"this engine started without weights (--load-format dummy) and the weight updates since "
