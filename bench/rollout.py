@@ -29,7 +29,9 @@ engine copies every step's positions to the device, or not where the last graph 
 ``prefillcopy``/``prefillkernel`` (a prefill's keys and values into the cache by torch's copies or by one Triton
 launch a layer, ``cache_write``), ``switch100us`` (the timed run under a GIL switch interval of 0.1 ms, not 5),
 ``warmgraphs``/``lazygraphs`` (the first step at a temperature captures every batch bucket's graph, or each
-bucket is captured at its first step), ``samplerBxWxP`` (the one-pass sampler's launch: logits per iteration, warps, programs per SM, set in
+bucket is captured at its first step), ``symbatch``/``staticbatch`` (each compiled part compiled once with its row
+count symbolic, or first statically at the largest bucket; ``compiled_graphs`` counts Dynamo's graphs of the
+variant's warm-up), ``samplerBxWxP`` (the one-pass sampler's launch: logits per iteration, warps, programs per SM, set in
 ``sampling_kernel`` for this variant only, e.g. ``sampler2048x8x8``); unnamed
 levers take the engine's defaults. A variant that fails prints
 its line with ``error`` and the next one still runs. The HF baseline (unless ``--skip-hf``) runs once,
@@ -249,7 +251,8 @@ VARIANT_WORDS = {"sdpa": {"decode_attention": "sdpa"}, "bmm": {"decode_attention
                  "poshost": {"device_positions": False}, "posdevice": {"device_positions": True},
                  "prefillcopy": {"prefill_kv_kernel": False}, "prefillkernel": {"prefill_kv_kernel": True},
                  "switch100us": {"switch_interval": 1e-4},
-                 "warmgraphs": {"warm_graphs": True}, "lazygraphs": {"warm_graphs": False}}
+                 "warmgraphs": {"warm_graphs": True}, "lazygraphs": {"warm_graphs": False},
+                 "symbatch": {"symbolic_batch": True}, "staticbatch": {"symbolic_batch": False}}
 ENGINE_OPTIONS = ("overlap", "fused_sampling", "prefill_tokens", "sample_in_step",
                   "device_positions")  # LocalEngine's; the rest are ModelRunner's
 
@@ -538,10 +541,15 @@ def bench_variant(model, prompts: list[list[int]], args, name: str, opts: dict, 
                rope_in_attention=runner.rope_in_attention, inductor_pdl=runner.pdl,
                prefill_kv_kernel=runner.prefill_kv_kernel)
     try:
+        from torch._dynamo.utils import counters
+
+        graphs_before = counters["stats"]["unique_graphs"]
         start = time.perf_counter()
         run_engine(engine, prompts, min(args.new_tokens, 8))  # warm-up: kernels, allocator, graphs, compiles
+        out["first_run_s"] = round(time.perf_counter() - start, 3)
         run_engine(engine, prompts, args.new_tokens)  # warm-up at full size (the graphs of the longer spans)
         out["warmup_s"] = round(time.perf_counter() - start, 3)
+        out["compiled_graphs"] = counters["stats"]["unique_graphs"] - graphs_before
         engine.call_in_engine(engine.stats.reset)
         marks: dict = {}
         switch = sys.getswitchinterval()

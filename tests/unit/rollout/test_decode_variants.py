@@ -383,6 +383,25 @@ def test_compiled_decode_compiles_a_few_times_for_every_batch_bucket(tiny_ckpt, 
     assert parts <= frames <= 3 * parts, f"{frames} compiles for 3 buckets of {parts} parts"
 
 
+@pytest.mark.parametrize("symbolic", [False, True])
+def test_a_symbolic_batch_compiles_each_decode_part_once(tiny_ckpt, compile_counter, symbolic):
+    """A warm capture meets the largest bucket first. Statically, each of the joined step's four parts compiles
+    at that size and again, symbolic, at the next bucket; with ``symbolic_batch`` each compiles once, and the
+    later buckets (the largest again among them) compile nothing more. Every bucket gives the eager logits."""
+    eager = ModelRunner(tiny_ckpt, max_slots=8, context_length=64)
+    compiled = ModelRunner(tiny_ckpt, max_slots=8, context_length=64, compile=True, symbolic_batch=symbolic)
+    counts = []
+    for nb in (8, 4, 2, 8):
+        for r in (eager, compiled):
+            r.prefill(list(range(8)), [[5 + i, 6, 7] for i in range(8)])
+        before = compile_counter.frame_count  # the prefill's own compiles are not the decode step's
+        tokens, positions = torch.arange(20, 20 + nb), torch.full((nb,), 3)
+        torch.testing.assert_close(compiled.decode(tokens, positions), eager.decode(tokens, positions),
+                                   atol=1e-5, rtol=1e-5, msg=f"batch {nb}")
+        counts.append(compile_counter.frame_count - before)
+    assert counts == ([4, 0, 0, 0] if symbolic else [4, 4, 0, 0]), f"decode compiles at buckets 8, 4, 2, 8: {counts}"
+
+
 def test_joined_layers_run_the_same_ops_as_the_separate_parts(tiny_ckpt):
     """Uncompiled, ``join_layers`` only regroups the step's calls: the logits are bit-identical to the
     separate parts'; it is on with ``compile`` and off without by default."""

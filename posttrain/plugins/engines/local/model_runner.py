@@ -149,7 +149,20 @@ def _uncovered(groups: list[list[str]], params: dict[str, torch.Tensor], targets
     return [names for names in groups if params[names[0]].data_ptr() not in covered]
 
 
-def _compiled(fn, mode: str, combo: bool = False, pdl: bool = False):
+def _batch_marked(fn):
+    """``fn`` with dimension 0 of each tensor argument marked dynamic before the call (every decode and prefill
+    part's tensors lead with the row count): Dynamo compiles it once with that size symbolic, where automatic
+    dynamic shapes compile the first size seen statically and recompile at the second."""
+    def call(*args):
+        for arg in args:
+            if isinstance(arg, torch.Tensor) and arg.dim():
+                torch._dynamo.maybe_mark_dynamic(arg, 0)
+        return fn(*args)
+
+    return call
+
+
+def _compiled(fn, mode: str, combo: bool = False, pdl: bool = False, symbolic_batch: bool = False):
     """``fn`` under ``torch.compile``: one graph (``fullgraph``), no Inductor CUDA graphs (ours wrap the
     whole step), and automatic dynamic shapes: the second batch size seen recompiles ``fn`` with the batch
     dimension symbolic, and that version serves every later bucket. (Static shapes compiled once per
@@ -157,14 +170,18 @@ def _compiled(fn, mode: str, combo: bool = False, pdl: bool = False):
     longer than the others.) Each CUDA graph still captures the kernels at its own bucket's size.
     ``combo``: Inductor's combo kernels (independent kernels of one graph, such as the Q and the K norm with
     their rotary, launched as one); ``pdl``: Inductor's kernels launched with programmatic dependent launch
-    (each starts while the kernel before it drains, and waits for its outputs inside)."""
+    (each starts while the kernel before it drains, and waits for its outputs inside); ``symbolic_batch``: the row
+    count symbolic from the first call (:func:`_batch_marked`), so the largest bucket, which the first capture
+    meets, runs the same kernels as every other bucket and the part compiles once."""
     options = {**({"combo_kernels": True} if combo else {}), **({"triton.enable_pdl": True} if pdl else {})}
     if not options:
-        return torch.compile(fn, fullgraph=True, dynamic=None, mode=None if mode == "default" else mode)
-    from torch._inductor import list_mode_options
+        out = torch.compile(fn, fullgraph=True, dynamic=None, mode=None if mode == "default" else mode)
+    else:
+        from torch._inductor import list_mode_options
 
-    modes = dict(list_mode_options(mode)) if mode != "default" else {}
-    return torch.compile(fn, fullgraph=True, dynamic=None, options={**modes, **options})
+        modes = dict(list_mode_options(mode)) if mode != "default" else {}
+        out = torch.compile(fn, fullgraph=True, dynamic=None, options={**modes, **options})
+    return _batch_marked(out) if symbolic_batch else out
 
 
 def inductor_pdl_supported(device: torch.device) -> bool:
@@ -215,7 +232,7 @@ class ModelRunner:
                  float_logits: bool = True, join_layers: bool | None = None, combo_kernels: bool | None = None,
                  attention_launch: dict | None = None, rope_in_attention: bool | None = None,
                  pdl: bool = False, prefill_kv_kernel: bool | None = None, warm_graphs: bool = True,
-                 from_config: bool = False):
+                 from_config: bool = False, symbolic_batch: bool = False):
         """``decode_attention``: ``"sdpa"``, ``"bmm"``, ``"triton"`` (see the module docstring) or ``"auto"``
         (``triton`` on CUDA when Triton imports, else ``sdpa``); ``compile``:
         ``torch.compile`` the per-layer decode parts, with Inductor ``compile_mode`` (``"default"`` or
@@ -248,7 +265,9 @@ class ModelRunner:
         the kernels a small batch needs compile then, not in a later step), else each bucket at its first step;
         ``from_config``: the model built from ``model_dir``'s ``config.json`` on the device, every parameter zero
         (no random init), no weight read (a run's engine, which gets every weight from the first push); until
-        updates have written every tensor, :meth:`unwritten_weights` names those left."""
+        updates have written every tensor, :meth:`unwritten_weights` names those left; ``symbolic_batch``: with
+        ``compile``, each part compiles once with its row count symbolic, instead of statically at the first
+        bucket it meets (the largest, at the first capture) and once more, symbolic, at the second."""
         if decode_attention == "auto":  # the measured fastest on an H200 (bench/RESULTS.md)
             from posttrain.plugins.engines.local.decode_kernel import triton_available
 
@@ -322,6 +341,7 @@ class ModelRunner:
         self.compile_mode = compile_mode
         self.join_layers = self.compile if join_layers is None else bool(join_layers)
         self.combo_kernels = self.compile if combo_kernels is None else bool(combo_kernels)
+        self.symbolic_batch = bool(symbolic_batch)
         self.rope_in_attention = self._rope_in_attention(rope_in_attention)
         self._qkv, self._finish = project_qkv, finish_layer  # the per-layer parts (the prefill's, and the
         # decode step's without join_layers)
@@ -334,7 +354,8 @@ class ModelRunner:
             embed_and_rotary, *through_parts(lambda *a: self._finish(*a), lambda *a: self._project(*a)))
         if self.compile:
             _raise_recompile_limit(self._bucket(self.max_slots).bit_length() + 1)
-            compiled = lambda f: _compiled(f, compile_mode, self.combo_kernels, self.pdl)  # noqa: E731
+            compiled = lambda f: _compiled(f, compile_mode, self.combo_kernels, self.pdl,  # noqa: E731
+                                           self.symbolic_batch)
             self._qkv, self._finish = compiled(project_qkv), compiled(finish_layer)
             self._project = compiled(project) if self.rope_in_attention else self._qkv
             if self.join_layers:  # one graph from each attention to the next
