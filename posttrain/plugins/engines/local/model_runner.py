@@ -52,7 +52,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from posttrain.plugins.engines.local import graphs
+from posttrain.plugins.engines.local import compiling, graphs
 from posttrain.plugins.engines.local.attention import checked_launch, step_attention
 from posttrain.plugins.engines.local.cache_write import write_prompt_kv, write_prompt_kv_reference
 from posttrain.plugins.engines.local.fused import Fused, fuse_layers, layer_parts
@@ -147,60 +147,6 @@ def _uncovered(groups: list[list[str]], params: dict[str, torch.Tensor], targets
     0's view of a stacked expert tensor starts at the stacked tensor's address, as every parameter does at its own)."""
     covered = {v.data_ptr() for v in targets.values() if v is not None}
     return [names for names in groups if params[names[0]].data_ptr() not in covered]
-
-
-def _batch_marked(fn):
-    """``fn`` with dimension 0 of each tensor argument marked dynamic before the call (every decode and prefill
-    part's tensors lead with the row count): Dynamo compiles it once with that size symbolic, where automatic
-    dynamic shapes compile the first size seen statically and recompile at the second."""
-    def call(*args):
-        for arg in args:
-            if isinstance(arg, torch.Tensor) and arg.dim():
-                torch._dynamo.maybe_mark_dynamic(arg, 0)
-        return fn(*args)
-
-    return call
-
-
-def _compiled(fn, mode: str, combo: bool = False, pdl: bool = False, symbolic_batch: bool = False):
-    """``fn`` under ``torch.compile``: one graph (``fullgraph``), no Inductor CUDA graphs (ours wrap the
-    whole step), and automatic dynamic shapes: the second batch size seen recompiles ``fn`` with the batch
-    dimension symbolic, and that version serves every later bucket. (Static shapes compiled once per
-    bucket, each a few seconds on an H200, so a colocated step that first met a bucket took seconds
-    longer than the others.) Each CUDA graph still captures the kernels at its own bucket's size.
-    ``combo``: Inductor's combo kernels (independent kernels of one graph, such as the Q and the K norm with
-    their rotary, launched as one); ``pdl``: Inductor's kernels launched with programmatic dependent launch
-    (each starts while the kernel before it drains, and waits for its outputs inside); ``symbolic_batch``: the row
-    count symbolic from the first call (:func:`_batch_marked`), so the largest bucket, which the first capture
-    meets, runs the same kernels as every other bucket and the part compiles once."""
-    options = {**({"combo_kernels": True} if combo else {}), **({"triton.enable_pdl": True} if pdl else {})}
-    if not options:
-        out = torch.compile(fn, fullgraph=True, dynamic=None, mode=None if mode == "default" else mode)
-    else:
-        from torch._inductor import list_mode_options
-
-        modes = dict(list_mode_options(mode)) if mode != "default" else {}
-        out = torch.compile(fn, fullgraph=True, dynamic=None, options={**modes, **options})
-    return _batch_marked(out) if symbolic_batch else out
-
-
-def inductor_pdl_supported(device: torch.device) -> bool:
-    """Whether Inductor here can launch its kernels with programmatic dependent launch on ``device``."""
-    from posttrain.plugins.engines.local.decode_kernel import pdl_supported
-
-    import torch._inductor.config as inductor_config
-
-    return hasattr(inductor_config.triton, "enable_pdl") and pdl_supported(device)
-
-
-def _raise_recompile_limit(shapes: int) -> None:
-    """Dynamo stops compiling a function after ``recompile_limit`` versions (8 by default) and runs it
-    eagerly from then on; decode needs one per batch bucket (10 for 512 slots), and runners of other
-    dtypes or devices in the same process add theirs to the same functions: leave room for several."""
-    import torch._dynamo.config as dynamo_config
-
-    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
-    setattr(dynamo_config, name, max(getattr(dynamo_config, name), 4 * shapes))
 
 
 def resolve_dtype(dtype: str, device: torch.device, model_dir: str | None) -> str:
@@ -333,7 +279,7 @@ class ModelRunner:
             raise ValueError(f"prefill_kv_kernel: the Triton cache write needs CUDA and triton (device {self.device}"
                              f"{'' if triton_available() else ', triton missing'})")
         self.prefill_kv_kernel = kernel_runs if prefill_kv_kernel is None else bool(prefill_kv_kernel)
-        self.pdl = bool(pdl) and inductor_pdl_supported(self.device)  # Inductor's kernels
+        self.pdl = bool(pdl) and compiling.inductor_pdl_supported(self.device)  # Inductor's kernels
         if pdl:
             self.attention_launch.setdefault("pdl", True)
         self.float_logits = bool(float_logits)
@@ -353,8 +299,8 @@ class ModelRunner:
         self._embed, self._step, self._last = joined if self.join_layers else (  # late-bound parts: compiled below
             embed_and_rotary, *through_parts(lambda *a: self._finish(*a), lambda *a: self._project(*a)))
         if self.compile:
-            _raise_recompile_limit(self._bucket(self.max_slots).bit_length() + 1)
-            compiled = lambda f: _compiled(f, compile_mode, self.combo_kernels, self.pdl,  # noqa: E731
+            compiling.raise_recompile_limit(self._bucket(self.max_slots).bit_length() + 1)
+            compiled = lambda f: compiling.compiled(f, compile_mode, self.combo_kernels, self.pdl,  # noqa: E731
                                            self.symbolic_batch)
             self._qkv, self._finish = compiled(project_qkv), compiled(finish_layer)
             self._project = compiled(project) if self.rope_in_attention else self._qkv
@@ -364,7 +310,7 @@ class ModelRunner:
         # thousands of rows cost a minute or more of start-up and picked cuBLAS anyway on an H200 (RESULTS.md)
         self._prefill_parts = (self._qkv, self._finish)
         if self.compile and compile_mode != "default":
-            self._prefill_parts = (_compiled(project_qkv, "default"), _compiled(finish_layer, "default"))
+            self._prefill_parts = (compiling.compiled(project_qkv, "default"), compiling.compiled(finish_layer, "default"))
 
     @property
     def advances_positions(self) -> bool:

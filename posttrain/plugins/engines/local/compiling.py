@@ -1,0 +1,61 @@
+"""``torch.compile`` as the local engine's decode and prefill parts use it (``ModelRunner(compile=True)``): one
+graph per part, Inductor's options, the row count symbolic from the first call or after the second size, and room
+in Dynamo's recompile limit for every batch bucket."""
+
+from __future__ import annotations
+
+import torch
+
+
+def batch_marked(fn):
+    """``fn`` with dimension 0 of each tensor argument marked dynamic before the call (every decode and prefill
+    part's tensors lead with the row count): Dynamo compiles it once with that size symbolic, where automatic
+    dynamic shapes compile the first size seen statically and recompile at the second."""
+    def call(*args):
+        for arg in args:
+            if isinstance(arg, torch.Tensor) and arg.dim():
+                torch._dynamo.maybe_mark_dynamic(arg, 0)
+        return fn(*args)
+
+    return call
+
+
+def compiled(fn, mode: str, combo: bool = False, pdl: bool = False, symbolic_batch: bool = False):
+    """``fn`` under ``torch.compile``: one graph (``fullgraph``), no Inductor CUDA graphs (ours wrap the
+    whole step), and automatic dynamic shapes: the second batch size seen recompiles ``fn`` with the batch
+    dimension symbolic, and that version serves every later bucket. (Static shapes compiled once per
+    bucket, each a few seconds on an H200, so a colocated step that first met a bucket took seconds
+    longer than the others.) Each CUDA graph still captures the kernels at its own bucket's size.
+    ``combo``: Inductor's combo kernels (independent kernels of one graph, such as the Q and the K norm with
+    their rotary, launched as one); ``pdl``: Inductor's kernels launched with programmatic dependent launch
+    (each starts while the kernel before it drains, and waits for its outputs inside); ``symbolic_batch``: the row
+    count symbolic from the first call (:func:`batch_marked`), so the largest bucket, which the first capture
+    meets, runs the same kernels as every other bucket and the part compiles once."""
+    options = {**({"combo_kernels": True} if combo else {}), **({"triton.enable_pdl": True} if pdl else {})}
+    if not options:
+        out = torch.compile(fn, fullgraph=True, dynamic=None, mode=None if mode == "default" else mode)
+    else:
+        from torch._inductor import list_mode_options
+
+        modes = dict(list_mode_options(mode)) if mode != "default" else {}
+        out = torch.compile(fn, fullgraph=True, dynamic=None, options={**modes, **options})
+    return batch_marked(out) if symbolic_batch else out
+
+
+def inductor_pdl_supported(device: torch.device) -> bool:
+    """Whether Inductor here can launch its kernels with programmatic dependent launch on ``device``."""
+    from posttrain.plugins.engines.local.decode_kernel import pdl_supported
+
+    import torch._inductor.config as inductor_config
+
+    return hasattr(inductor_config.triton, "enable_pdl") and pdl_supported(device)
+
+
+def raise_recompile_limit(shapes: int) -> None:
+    """Dynamo stops compiling a function after ``recompile_limit`` versions (8 by default) and runs it
+    eagerly from then on; decode needs one per batch bucket (10 for 512 slots), and runners of other
+    dtypes or devices in the same process add theirs to the same functions: leave room for several."""
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo_config, name, max(getattr(dynamo_config, name), 4 * shapes))
