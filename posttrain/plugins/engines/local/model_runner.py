@@ -300,8 +300,8 @@ class ModelRunner:
             embed_and_rotary, *through_parts(lambda *a: self._finish(*a), lambda *a: self._project(*a)))
         if self.compile:
             compiling.raise_recompile_limit(self._bucket(self.max_slots).bit_length() + 1)
-            compiled = lambda f: compiling.compiled(f, compile_mode, self.combo_kernels, self.pdl,  # noqa: E731
-                                           self.symbolic_batch)
+            compiled = lambda f: compiling.compiled(  # noqa: E731
+                f, compile_mode, self.combo_kernels, self.pdl, self.symbolic_batch)
             self._qkv, self._finish = compiled(project_qkv), compiled(finish_layer)
             self._project = compiled(project) if self.rope_in_attention else self._qkv
             if self.join_layers:  # one graph from each attention to the next
