@@ -38,7 +38,7 @@ Decode levers (constructor arguments, defaults are the safe baseline; ``bench/ro
 - :meth:`ModelRunner.decode_sampled`: the step with the one-pass sampler (``sampling_kernel``) inside its
   CUDA graph, for the engine's uniform batches (all greedy, or one temperature): one launch per step.
 
-The layer parts are in ``layers``, the decode attention paths in ``attention``.
+The layer parts are in ``layers``, the decode attention paths in ``attention``, ``torch.compile``'s use in ``compiling``.
 """
 
 from __future__ import annotations
