@@ -79,9 +79,9 @@
 #             defaults it does: the control)
 #   decode17r decode at the benchmark shape with the defaults three times (the step's copies against its graph in
 #             one power state: step_io_ms, step_graph_ms)
-#   symbatch17 the engine's decode parts compiled once with the row count symbolic (rollout.py's symbatch) against
-#             the default (static at the largest bucket, then symbolic): each alone with empty compile caches
-#             (first_run_s: its compiles and captures; compiled_graphs), then both twice on one model (tok/s)
+#   symbatch17 the engine's decode parts compiled once with the row count symbolic (the default) against
+#             rollout.py's staticbatch (static at the largest bucket, then symbolic): each alone with empty compile
+#             caches (first_run_s: its compiles and captures; compiled_graphs), then both twice on one model (tok/s)
 #   sampling17 the sampling kernel's GPU tests, the one-pass sampler alone (BASELINE_KERNEL=path: another
 #             sampling_kernel.py beside it), decode at the benchmark shape with the defaults twice
 #   sampling17b the sampling kernel's GPU tests; the one-pass sampler alone at the default launch (four uniforms a
@@ -454,12 +454,12 @@ why = vmm_supported(0); print('vmm:', why or 'supported'); raise SystemExit(1 if
   decode17q) bench_shape rollout_q triton+compile,triton+compile
              e2e colocated5 ${COLOCATED5_S:-330} resources.colocate=true rollout.num_rollouts=5 ;;
   decode17r) bench_shape rollout_r triton+compile,triton+compile,triton+compile ;;
-  symbatch17) for v in triton+compile triton+compile+symbatch; do  # each in its own process, its caches empty
+  symbatch17) for v in triton+compile+staticbatch triton+compile; do  # each in its own process, its caches empty
                 export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d)
                 bench_shape "cold_${v//+/_}" "$v"
               done
               unset TORCHINDUCTOR_CACHE_DIR TRITON_CACHE_DIR
-              bench_shape rollout_sym triton+compile,triton+compile+symbatch,triton+compile,triton+compile+symbatch ;;
+              bench_shape rollout_sym triton+compile+staticbatch,triton+compile,triton+compile+staticbatch,triton+compile ;;
   sampling17) step sampling_gpu_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/rollout/test_sampling_kernel.py
               step sampler 60 python3 bench/decode_parts.py --sampling ${BASELINE_KERNEL:+--kernel-files $BASELINE_KERNEL}
               bench_shape rollout_s triton+compile,triton+compile ;;

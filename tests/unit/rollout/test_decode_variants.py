@@ -387,7 +387,8 @@ def test_compiled_decode_compiles_a_few_times_for_every_batch_bucket(tiny_ckpt, 
 def test_a_symbolic_batch_compiles_each_decode_part_once(tiny_ckpt, compile_counter, symbolic):
     """A warm capture meets the largest bucket first. Statically, each of the joined step's four parts compiles
     at that size and again, symbolic, at the next bucket; with ``symbolic_batch`` each compiles once, and the
-    later buckets (the largest again among them) compile nothing more. Every bucket gives the eager logits."""
+    later buckets (the largest again among them) compile nothing more (the default). Every bucket gives the eager
+    logits."""
     eager = ModelRunner(tiny_ckpt, max_slots=8, context_length=64)
     compiled = ModelRunner(tiny_ckpt, max_slots=8, context_length=64, compile=True, symbolic_batch=symbolic)
     counts = []
@@ -400,6 +401,7 @@ def test_a_symbolic_batch_compiles_each_decode_part_once(tiny_ckpt, compile_coun
                                    atol=1e-5, rtol=1e-5, msg=f"batch {nb}")
         counts.append(compile_counter.frame_count - before)
     assert counts == ([4, 0, 0, 0] if symbolic else [4, 4, 0, 0]), f"decode compiles at buckets 8, 4, 2, 8: {counts}"
+    assert ModelRunner(tiny_ckpt, max_slots=8, context_length=64, compile=True).symbolic_batch  # the default
 
 
 def test_joined_layers_run_the_same_ops_as_the_separate_parts(tiny_ckpt):

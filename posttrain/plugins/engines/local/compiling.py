@@ -1,5 +1,5 @@
 """``torch.compile`` as the local engine's decode and prefill parts use it (``ModelRunner(compile=True)``): one
-graph per part, Inductor's options, the row count symbolic from the first call or after the second size, and room
+graph per part, Inductor's options, the row count symbolic from the first call (or after the second size), and room
 in Dynamo's recompile limit for every batch bucket."""
 
 from __future__ import annotations
@@ -20,17 +20,17 @@ def batch_marked(fn):
     return call
 
 
-def compiled(fn, mode: str, combo: bool = False, pdl: bool = False, symbolic_batch: bool = False):
+def compiled(fn, mode: str, combo: bool = False, pdl: bool = False, symbolic_batch: bool = True):
     """``fn`` under ``torch.compile``: one graph (``fullgraph``), no Inductor CUDA graphs (ours wrap the
-    whole step), and automatic dynamic shapes: the second batch size seen recompiles ``fn`` with the batch
-    dimension symbolic, and that version serves every later bucket. (Static shapes compiled once per
-    bucket, each a few seconds on an H200, so a colocated step that first met a bucket took seconds
-    longer than the others.) Each CUDA graph still captures the kernels at its own bucket's size.
+    whole step), and the batch dimension symbolic, so one version serves every bucket. (Static shapes
+    compiled once per bucket, each a few seconds on an H200, so a colocated step that first met a bucket took
+    seconds longer than the others.) Each CUDA graph still captures the kernels at its own bucket's size.
     ``combo``: Inductor's combo kernels (independent kernels of one graph, such as the Q and the K norm with
     their rotary, launched as one); ``pdl``: Inductor's kernels launched with programmatic dependent launch
     (each starts while the kernel before it drains, and waits for its outputs inside); ``symbolic_batch``: the row
-    count symbolic from the first call (:func:`batch_marked`), so the largest bucket, which the first capture
-    meets, runs the same kernels as every other bucket and the part compiles once."""
+    count symbolic from the first call (:func:`batch_marked`), so the part compiles once; without it Dynamo's
+    automatic dynamic shapes compile the first size seen (the largest bucket, at the first capture) statically
+    and the second symbolic."""
     options = {**({"combo_kernels": True} if combo else {}), **({"triton.enable_pdl": True} if pdl else {})}
     if not options:
         out = torch.compile(fn, fullgraph=True, dynamic=None, mode=None if mode == "default" else mode)

@@ -178,7 +178,7 @@ class ModelRunner:
                  float_logits: bool = True, join_layers: bool | None = None, combo_kernels: bool | None = None,
                  attention_launch: dict | None = None, rope_in_attention: bool | None = None,
                  pdl: bool = False, prefill_kv_kernel: bool | None = None, warm_graphs: bool = True,
-                 from_config: bool = False, symbolic_batch: bool = False):
+                 from_config: bool = False, symbolic_batch: bool = True):
         """``decode_attention``: ``"sdpa"``, ``"bmm"``, ``"triton"`` (see the module docstring) or ``"auto"``
         (``triton`` on CUDA when Triton imports, else ``sdpa``); ``compile``:
         ``torch.compile`` the per-layer decode parts, with Inductor ``compile_mode`` (``"default"`` or
@@ -213,7 +213,8 @@ class ModelRunner:
         (no random init), no weight read (a run's engine, which gets every weight from the first push); until
         updates have written every tensor, :meth:`unwritten_weights` names those left; ``symbolic_batch``: with
         ``compile``, each part compiles once with its row count symbolic, instead of statically at the first
-        bucket it meets (the largest, at the first capture) and once more, symbolic, at the second."""
+        bucket it meets (the largest, at the first capture) and once more, symbolic, at the second (False):
+        on an H100 the same tok/s, 6 of Dynamo's graphs instead of 10 (bench/RESULTS.md)."""
         if decode_attention == "auto":  # the measured fastest on an H200 (bench/RESULTS.md)
             from posttrain.plugins.engines.local.decode_kernel import triton_available
 
