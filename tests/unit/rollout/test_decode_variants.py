@@ -326,14 +326,29 @@ def test_bench_prints_one_json_line_per_variant_with_profile():
         assert r["decode_attention"] == r["variant"]
 
 
-def test_bench_sampler_launch_words_set_the_kernel_defaults_for_one_variant_only():
+def bench_module():
     import importlib.util
-
-    from posttrain.plugins.engines.local import sampling_kernel
 
     spec = importlib.util.spec_from_file_location("bench_rollout", ROOT / "bench" / "rollout.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_bound_takes_the_cards_own_bandwidth():
+    """The bound on an H100 is its 3.35 TB/s, not the H200's 4.8 (a run on an H100 once reported 0.41 of an
+    H200's bound); a card the table lacks gets no bound unless ``--bandwidth-gbs`` gives one."""
+    bench = bench_module()
+    assert bench.datasheet_bandwidth_gbs("NVIDIA H200") == 4800.0
+    assert bench.datasheet_bandwidth_gbs("NVIDIA H100 80GB HBM3") == 3350.0
+    assert bench.datasheet_bandwidth_gbs("NVIDIA H100 PCIe") == 2000.0
+    assert bench.datasheet_bandwidth_gbs("NVIDIA A100-SXM4-80GB") is None
+
+
+def test_bench_sampler_launch_words_set_the_kernel_defaults_for_one_variant_only():
+    from posttrain.plugins.engines.local import sampling_kernel
+
+    bench = bench_module()
     opts = bench.parse_variant("triton+sampler2048x8x16", {})
     assert opts["decode_attention"] == "triton"
     assert opts["sample_launch"] == {"BLOCK": 2048, "NUM_WARPS": 8, "PROGRAMS_PER_SM": 16}
