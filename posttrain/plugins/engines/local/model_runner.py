@@ -212,9 +212,8 @@ class ModelRunner:
         ``from_config``: the model built from ``model_dir``'s ``config.json`` on the device, every parameter zero
         (no random init), no weight read (a run's engine, which gets every weight from the first push); until
         updates have written every tensor, :meth:`unwritten_weights` names those left; ``symbolic_batch``: with
-        ``compile``, each part compiles once with its row count symbolic, instead of statically at the first
-        bucket it meets (the largest, at the first capture) and once more, symbolic, at the second (False):
-        on an H100 the same tok/s, 6 of Dynamo's graphs instead of 10 (bench/RESULTS.md)."""
+        ``compile``, each part compiles once, its row count symbolic (False: static at the first bucket, then
+        symbolic at the second; the same tok/s on an H100, 10 graphs instead of 6: bench/RESULTS.md)."""
         if decode_attention == "auto":  # the measured fastest on an H200 (bench/RESULTS.md)
             from posttrain.plugins.engines.local.decode_kernel import triton_available
 
