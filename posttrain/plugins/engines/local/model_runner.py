@@ -299,7 +299,7 @@ class ModelRunner:
         self._embed, self._step, self._last = joined if self.join_layers else (  # late-bound parts: compiled below
             embed_and_rotary, *through_parts(lambda *a: self._finish(*a), lambda *a: self._project(*a)))
         if self.compile:
-            compiling.raise_recompile_limit(self._bucket(self.max_slots).bit_length() + 1)
+            compiling.prepare(self.device, self._bucket(self.max_slots).bit_length() + 1)
             compiled = lambda f: compiling.compiled(  # noqa: E731
                 f, compile_mode, self.combo_kernels, self.pdl, self.symbolic_batch)
             self._qkv, self._finish = compiled(project_qkv), compiled(finish_layer)
