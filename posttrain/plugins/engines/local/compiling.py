@@ -1,6 +1,6 @@
 """``torch.compile`` as the local engine's decode and prefill parts use it (``ModelRunner(compile=True)``): one
-graph per part, Inductor's options, the row count symbolic from the first call (or after the second size), and room
-in Dynamo's recompile limit for every batch bucket."""
+graph per part, Inductor's options, the row count symbolic from the first call (or after the second size), room
+in Dynamo's recompile limit for every batch bucket, and one Triton cache for the process."""
 
 from __future__ import annotations
 
