@@ -115,18 +115,26 @@ def test_the_insecure_mode_keeps_rlimits_and_the_python_guard(tmp_path):
                     reason="needs root (to drop to uid 65534) and a system /usr/bin/python3")
 def test_an_unprivileged_caller_and_a_usr_interpreter_get_the_same_sandbox():
     # the two other start paths: bwrap started by an unprivileged user (no root stage), and root with an
-    # interpreter under /usr (setpriv only); sandbox.py needs only the standard library, so the system
-    # Python loads it from a copy readable by uid 65534
+    # interpreter under /usr (setpriv only); sandbox.py and containment.py need only the standard library, so
+    # the system Python loads them from a copy readable by uid 65534 (package files empty but for those two)
     import shutil
     import subprocess
+
+    from posttrain.plugins.rewards.code import containment
 
     copy = tempfile.mkdtemp(prefix="posttrain-sandbox-copy-")
     try:
         os.chmod(copy, 0o755)
-        shutil.copy(sandbox.__file__, os.path.join(copy, "sb.py"))
-        script = ("import importlib.util, sys\n"
-                  f"spec = importlib.util.spec_from_file_location('sb', {os.path.join(copy, 'sb.py')!r})\n"
-                  "sb = importlib.util.module_from_spec(spec)\nsys.modules['sb'] = sb\nspec.loader.exec_module(sb)\n"
+        package = copy
+        for part in ("posttrain", "plugins", "rewards", "code"):
+            package = os.path.join(package, part)
+            os.mkdir(package)
+            os.chmod(package, 0o755)
+            open(os.path.join(package, "__init__.py"), "w").close()
+        for module in (sandbox, containment):
+            shutil.copy(module.__file__, package)
+        script = (f"import sys\nsys.path.insert(0, {copy!r})\n"
+                  "from posttrain.plugins.rewards.code import sandbox as sb\n"
                   "r = sb.run_python(\"import os\\nprint(os.getuid(), sorted(os.listdir('/')))\\nos.fork()\")\n"
                   "print(r.stdout.strip(), 'fork refused' if 'not allowed' in r.stderr else r.stderr)")
         for prefix in ([], ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]):
