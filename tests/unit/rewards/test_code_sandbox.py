@@ -19,6 +19,8 @@ def test_this_machine_has_the_os_sandbox():
     assert info["os_sandbox"], info["reason"]
     assert info["host_uid"] == 65534 or os.geteuid() != 0
     assert {"user", "pid", "mount", "network"} <= set(info["namespaces"])
+    assert info["containment"]["pid1_pidfd"]  # every run's pid 1 is killed through a pidfd when its check ends
+    assert info["work_inode_limit"] == (os.geteuid() == 0)
 
 
 def test_a_normal_program_runs_with_stdin_files_and_a_private_workdir():

@@ -206,10 +206,9 @@ def _read_info(fd: int, deadline: float) -> dict:
 
 @functools.lru_cache(maxsize=1)
 def probe() -> dict:
-    """What holds a run here: ``{"cgroup_kill": bool, "memory_cgroup": bool, "pidfd": bool}``."""
+    """What a cgroup gives a run here: ``{"cgroup_kill": bool, "memory_cgroup": bool}``."""
     cg = Cgroup.create(64 * 2**20)
     try:
-        return {"cgroup_kill": cg.kill_file is not None, "memory_cgroup": cg.memory_limited,
-                "pidfd": hasattr(os, "pidfd_open")}
+        return {"cgroup_kill": cg.kill_file is not None, "memory_cgroup": cg.memory_limited}
     finally:
         cg.remove()

@@ -71,6 +71,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from posttrain.plugins.rewards.code.containment import JOIN_STAGE, Cgroup, NamespaceInit
+from posttrain.plugins.rewards.code.containment import probe as probe_containment
 
 SANDBOX_UID = 65534  # nobody / nogroup
 WORK = "/work"
@@ -273,7 +274,9 @@ def isolation() -> dict:
             "namespaces": ["user", "pid", "mount", "network", "ipc", "uts"] if reason is None else [],
             "host_uid": (SANDBOX_UID if os.geteuid() == 0 else os.geteuid()) if reason is None else None,
             "seccomp": reason is None and seccomp_filter(False) is not None,
-            "rlimits": ["as", "cpu", "nproc", "fsize", "nofile", "core"], "python_guard": True}
+            "rlimits": ["as", "cpu", "nproc", "fsize", "nofile", "core"], "python_guard": True,
+            "containment": ({"pid1_pidfd": hasattr(os, "pidfd_open"), **probe_containment()} if reason is None else {}),
+            "work_inode_limit": reason is None and os.geteuid() == 0}
 
 
 # ---- one run ------------------------------------------------------------------------------------------
