@@ -7,6 +7,7 @@ with code 2; ``--debug`` (or ``POSTTRAIN_DEBUG=1``) shows the traceback instead.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import typer
@@ -73,7 +74,6 @@ def _add_plugin_commands() -> None:
 
 def main() -> None:
     import faulthandler
-    import signal
 
     try:
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints every thread's stack
@@ -88,19 +88,47 @@ def main() -> None:
     from posttrain.cli.options import _argv_disable_plugin
 
     try:
+        previous = signal.signal(signal.SIGTERM, _terminated)
+    except ValueError:  # not the main thread (embedded): SIGTERM keeps its handler
+        previous = None
+    try:
         _add_plugin_commands()
         app(args=_argv_disable_plugin(args), prog_name="rl-cli")
     except UsageError as exc:
         if debug:
             raise
-        for line in str(exc).splitlines():
-            # messages quote user text (keys, values, docstrings): escaped, so `[low, high]` stays as it is
-            err_console.print(f"[bold red]error:[/] {escape(line)}" if not line.startswith(" ") else escape(line),
-                              highlight=False, markup=True, soft_wrap=True)
+        _print_error(str(exc))
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        err_console.print("interrupted")
-        sys.exit(130)
+    except (OSError, RuntimeError) as exc:  # the file system under the run (full, read-only): one line, exit 1
+        from posttrain.core.storage import storage_failure
+
+        line = storage_failure(exc)
+        if debug or line is None:
+            raise
+        _print_error(line)
+        sys.exit(1)
+    except KeyboardInterrupt as exc:
+        from posttrain.core.errors import Terminated
+
+        err_console.print("terminated" if isinstance(exc, Terminated) else "interrupted")
+        sys.exit(143 if isinstance(exc, Terminated) else 130)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _print_error(text: str) -> None:
+    for line in text.splitlines():
+        # messages quote user text (keys, values, docstrings): escaped, so `[low, high]` stays as it is
+        err_console.print(f"[bold red]error:[/] {escape(line)}" if not line.startswith(" ") else escape(line),
+                          highlight=False, markup=True, soft_wrap=True)
+
+
+def _terminated(signum: int, frame: object) -> None:
+    """SIGTERM stops a run as Ctrl-C does (the run says how to resume it), with exit code 143."""
+    from posttrain.core.errors import Terminated
+
+    raise Terminated()
 
 
 if __name__ == "__main__":

@@ -104,8 +104,8 @@ def run(config: Path = typer.Argument(None, help="run config (YAML); optional wi
         with display:
             start_training(cfg, plugins, run, resume=plan.checkpoint is not None or plan.start_over,
                            on_step=display.update, on_phase=display.phase)
-    except KeyboardInterrupt:
-        interrupted(run, display.next_step, total)
+    except KeyboardInterrupt as exc:
+        interrupted(run, display.next_step, total, signalled=exc)
     _finish(run)
 
 
@@ -166,10 +166,15 @@ def check(plan: Plan, overrides: list[str], plugins: Any, scan_data: bool = Fals
     return cfg, findings
 
 
-def interrupted(run: Any, next_step: int, total: int) -> None:
-    """Ctrl-C: say where the run stopped and how to continue it; exit code 130 (128 + SIGINT)."""
+def interrupted(run: Any, next_step: int, total: int, signalled: BaseException | None = None) -> None:
+    """Ctrl-C or SIGTERM: say where the run stopped and how to continue it; exit code 130 (128 + SIGINT) or
+    143 (128 + SIGTERM)."""
+    from posttrain.core.errors import Terminated
+
+    terminated = isinstance(signalled, Terminated)
     ckpt = run.latest_checkpoint()
-    err_console.print(f"interrupted at step {min(next_step + 1, total)}/{total}", highlight=False)
+    err_console.print(f"{'terminated (SIGTERM)' if terminated else 'interrupted'} at step "
+                      f"{min(next_step + 1, total)}/{total}", highlight=False)
     if ckpt is not None:
         err_console.print(f"resume with: rl-cli run --resume {run.path}  (from step "
                           f"{run.checkpoint_step(ckpt) + 1}, checkpoint {ckpt})", highlight=False, soft_wrap=True,
@@ -178,7 +183,7 @@ def interrupted(run: Any, next_step: int, total: int) -> None:
         err_console.print(f"no checkpoint yet (checkpoint.interval); start it over with: "
                           f"rl-cli run --resume-or-start {run.path}", highlight=False, soft_wrap=True,
                           markup=False)
-    raise typer.Exit(130)
+    raise typer.Exit(143 if terminated else 130)
 
 
 def _finish(run: Any) -> None:

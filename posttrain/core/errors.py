@@ -32,6 +32,13 @@ class RunFailed(UsageError):
     exit_code = 1
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what Slurm, Kubernetes and ``kill`` send), raised in the main thread so a run stops as on
+    Ctrl-C: it says where it stopped and how to resume; exit code 143 (128 + SIGTERM)."""
+
+    exit_code = 143
+
+
 class PluginError(UsageError):
     """A plugin could not be loaded or registered (duplicate name, import failure, bad hook)."""
 

@@ -17,8 +17,9 @@
       hf-final/            # HF checkpoint of the final policy (rl-cli models export: any checkpoint's)
       curves.png           # written at the end (rl-cli plot RUN_DIR redraws it)
 
-A checkpoint is written into ``checkpoints/.tmp-step_N`` and renamed into place, and ``latest`` is
-replaced atomically after that: a crash mid-write never corrupts the last good checkpoint. Its
+A checkpoint is written into ``checkpoints/.tmp-step_N``, synced to the disk and renamed into place, and
+``latest`` is replaced atomically (and synced) after that: a crash mid-write, of the program or of the OS,
+never corrupts the last good checkpoint, and a write that fails (a full disk) removes its part. Its
 ``state.json`` keeps the config (redacted) and the model's tensor shapes, so a resume with another
 model is refused and config changes since the checkpoint are named.
 
@@ -42,7 +43,8 @@ from typing import Any
 import yaml
 
 from posttrain.core import secrets
-from posttrain.core.errors import UsageError
+from posttrain.core.errors import RunFailed, UsageError
+from posttrain.core.storage import fsync_dir, fsync_tree, storage_failure, write_durably
 
 log = logging.getLogger("posttrain.run")
 
@@ -186,19 +188,26 @@ class RunDirectory:
         name = f"step_{step:06d}"
         tmp = self.checkpoints / f".tmp-{name}"
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_trainer(str(tmp / "trainer"))
-        if "config" in state:
-            state = {**state, "config": secrets.redact(state["config"])}
-        init = self.path / "hf-init"
-        (tmp / "state.json").write_text(json.dumps({"step": step, **state, "model_shapes": hf_shapes(init),
-                                                    "model_config": hf_config_of(init), "rng": _rng_state()}))
+        try:
+            tmp.mkdir(parents=True)
+            save_trainer(str(tmp / "trainer"))
+            if "config" in state:
+                state = {**state, "config": secrets.redact(state["config"])}
+            init = self.path / "hf-init"
+            (tmp / "state.json").write_text(json.dumps({"step": step, **state, "model_shapes": hf_shapes(init),
+                                                        "model_config": hf_config_of(init), "rng": _rng_state()}))
+            fsync_tree(tmp)  # on the disk before anything names it: a crash leaves `latest` on a whole checkpoint
+        except BaseException as exc:
+            disk = storage_failure(exc, str(tmp))  # before the part is removed: a full disk is still full
+            shutil.rmtree(tmp, ignore_errors=True)  # a part written to a full disk gives its space back
+            if disk:
+                raise RunFailed(disk) from exc
+            raise
         final = self.checkpoints / name
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        marker_tmp = self.checkpoints / ".latest.tmp"
-        marker_tmp.write_text(name)
-        os.replace(marker_tmp, self.checkpoints / "latest")
+        fsync_dir(self.checkpoints)
+        write_durably(self.checkpoints / "latest", name)
         for old in sorted(self.checkpoints.glob("step_*"))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
         return final

@@ -32,10 +32,15 @@ def answer(role: Any, message: tuple, build: Any = None) -> tuple[str, Any]:
         out = getattr(role, method)(*args, **kwargs)
         return "ok", out if role.rank == 0 or method in FROM_EVERY_RANK else None
     except BaseException as exc:  # noqa: BLE001 - reported to the driver, which decides
-        from posttrain.core.errors import UsageError
+        from posttrain.core.errors import RunFailed, UsageError
+        from posttrain.core.storage import storage_failure
 
         traceback.print_exc()
         sys.stderr.flush()
+        writing = args[0] if method in ("save", "save_hf") and args and isinstance(args[0], str) else None
+        disk = storage_failure(exc, writing)  # a full or read-only disk: one line for the driver, as out of memory is
+        if disk:
+            return "error", (RunFailed.__name__, True, disk)
         return "error", (type(exc).__name__, isinstance(exc, UsageError), str(exc))
 
 

@@ -123,3 +123,44 @@ def test_ctrl_c_before_any_checkpoint_says_so(tmp_path, monkeypatch, capsys):
 def test_resume_flags_conflict(tmp_path, monkeypatch, capsys, calls):
     code, _, err = rl_cli(monkeypatch, capsys, "run", "--resume", tmp_path, "--resume-or-start", tmp_path)
     assert code == 2 and "not both" in err
+
+
+def test_sigterm_stops_the_run_as_ctrl_c_does_with_exit_code_143(tmp_path, monkeypatch, capsys):
+    import os
+    import signal
+
+    def terminated_after_a_checkpoint(cfg, plugins, run, **kwargs):
+        kwargs["on_step"](0, {"rollout/reward_mean": 0.5})
+        ckpt = run.checkpoints / "step_000000"
+        ckpt.mkdir(parents=True)
+        (ckpt / "state.json").write_text(json.dumps({"step": 0}))
+        (run.checkpoints / "latest").write_text(ckpt.name)
+        os.kill(os.getpid(), signal.SIGTERM)  # what Slurm and Kubernetes send
+        raise AssertionError("SIGTERM did not stop the run")
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(run_cmd, "start_training", terminated_after_a_checkpoint)
+    run = tmp_path / "r"
+    code, out, err = rl_cli(monkeypatch, capsys, "run", QUICKSTART, "--run-dir", run)
+    assert code == 143 and "terminated (SIGTERM) at step 2/150" in err
+    assert f"resume with: rl-cli run --resume {run}  (from step 1" in err and "Traceback" not in err
+    assert signal.getsignal(signal.SIGTERM) is before  # the CLI leaves the process's handler as it found it
+
+
+@pytest.mark.parametrize("code_name", ["ENOSPC", "EROFS", "EACCES"])
+def test_a_disk_that_fails_under_the_run_ends_in_one_line_with_exit_code_1(tmp_path, monkeypatch, capsys, code_name):
+    import errno
+    import os
+
+    def failing_write(cfg, plugins, run, **kwargs):
+        target = run.checkpoints / ".tmp-step_000002" / "trainer"
+        code = getattr(errno, code_name)
+        raise RuntimeError("checkpoint failed") from OSError(code, os.strerror(code), str(target))
+
+    monkeypatch.setattr(run_cmd, "start_training", failing_write)
+    code, _, err = rl_cli(monkeypatch, capsys, "run", QUICKSTART, "--run-dir", tmp_path / "r")
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 1 and len(lines) == 1 and "Traceback" not in err, err
+    what = {"ENOSPC": "no space left on the device", "EROFS": "read-only file system",
+            "EACCES": "permission denied"}[code_name]
+    assert f"error: storage: {what} at {tmp_path / 'r'}" in lines[0] and "--resume RUN_DIR" in lines[0]
