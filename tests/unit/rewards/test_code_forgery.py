@@ -139,6 +139,8 @@ def test_rebinding_math_factorial_does_not_forge_a_pass(rebind):
 def test_a_builtin_name_in_a_test_means_the_builtin():
     program = "def sum(xs):\n    return 42\ndef f(n):\n    return 3"
     assert verdict(program, ["assert f(1) == sum([1, 2])", "assert sum([1, 2]) == 3"]).score == 1.0
+    # what ``site`` adds to builtins here (``help``, ``exit``) the sandbox lacks: such names are the program's
+    assert verdict("def help(x):\n    return x + 1", ["assert help(1) == 2"]).score == 1.0
 
 
 # ---- correct answers of another built-in shape -----------------------------------------------------------

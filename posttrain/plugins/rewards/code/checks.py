@@ -57,6 +57,7 @@ import builtins
 import math
 import operator
 import sys
+import types
 from dataclasses import dataclass, field
 
 MAX_ENCODED_ITEMS = 1_000_000  # elements of one leaf value, the items drawn from its iterators included
@@ -162,7 +163,10 @@ class _Leaf(ast.expr):
     _fields = ("index", "ref")
 
 
-_BUILTIN_NAMES = frozenset(n for n in dir(builtins) if not n.startswith("_")) | {"__import__"}
+# The interpreter's own builtins (functions and types); not what ``site`` or a notebook adds to the
+# module in this process (``exit``, ``help``, ``display`` ...), which the sandboxed interpreter lacks.
+_BUILTIN_NAMES = frozenset(n for n, v in vars(builtins).items() if not n.startswith("_") and (
+    isinstance(v, type) or type(v) is types.BuiltinFunctionType)) | {"__import__", "Ellipsis", "NotImplemented"}
 _STDLIB = frozenset(n for n in sys.stdlib_module_names if not n.startswith("_")) - _BUILTIN_NAMES
 _TYPE_NAMES = {t.__name__: t for t in (int, float, str, bool, bytes, complex, list, tuple, dict, set, frozenset,
                                        range)}
