@@ -196,3 +196,11 @@ def test_the_expected_side_is_computed_in_a_run_without_the_program_and_kept(mon
 def test_a_broken_expected_side_fails_the_test_with_a_reason():
     v = verdict("def f(n):\n    return 1", ["assert f(1) == math.nosuch(1)", "assert f(1) == 1"])
     assert v.score == 0.5 and "the test's expected side: AttributeError" in v.reason, v.reason
+
+
+def test_forged_reports_fail_the_test_without_breaking_the_reward():
+    check = split_assert("assert f(1) == 1")
+    for raw in ({"d": [[{"l": []}, 1]]}, {"s": [{"l": []}]}, {"c": [10**400, 0]}, {"r": [10**30, 0, -1]}):
+        why = Code._judge("assert", None, check, [{"i": 0, "values": [raw]}])
+        assert why.startswith("a value that is not plain data"), (raw, why)
+    assert Code._judge("assert", None, check, [{"i": 0, "values": [1]}]) == ""

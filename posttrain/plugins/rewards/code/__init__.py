@@ -335,7 +335,7 @@ class CodeReward:
             raw = self._ref_cache.get(key, "no result (the run was killed or timed out)")
             try:
                 out[i] = [decode(v) for v in raw] if isinstance(raw, list) else f"the test's expected side: {raw}"
-            except ValueError as exc:
+            except (ValueError, TypeError, OverflowError) as exc:
                 out[i] = f"the test's expected side: {exc}"
         return out
 
@@ -359,7 +359,7 @@ class CodeReward:
             return "a report without values"
         try:
             values = [decode(v) for v in raw]
-        except ValueError as exc:
+        except (ValueError, TypeError, OverflowError) as exc:
             return f"a value that is not plain data: {exc}"
         return "" if check.passes(values, refs) else "assertion failed"
 

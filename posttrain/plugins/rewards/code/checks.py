@@ -127,13 +127,18 @@ def _decode_range(body) -> range:
     if not (isinstance(body, list) and len(body) == 3 and all(type(p) is int for p in body) and body[2]):
         raise ValueError(f"not an encoded range: {str(body)[:60]}")
     r = range(*body)
-    if len(r) > MAX_RANGE:
+    try:
+        n = len(r)
+    except OverflowError:  # more than sys.maxsize items
+        n = MAX_RANGE + 1
+    if n > MAX_RANGE:
         raise ValueError(f"a range of more than {MAX_RANGE} items")
     return r
 
 
 def decode(x, depth: int = 0):
-    """The value encoded by the harness's ``_enc`` (an iterator's items as a list); ValueError otherwise."""
+    """The value encoded by the harness's ``_enc`` (an iterator's items as a list); ValueError otherwise
+    (a forged report may still raise TypeError, unhashable set items, or OverflowError, a huge complex)."""
     if depth > _MAX_DEPTH:
         raise ValueError("value nested too deeply")
     if x is None or isinstance(x, (bool, int, str, float)):
