@@ -27,6 +27,8 @@ def score(response, label=ADD, **config):
     ("def f(x):\n    return x + 1", ["assert f(1) == 2", "assert f(2) == 4"], 0.5),
     ("def f(x):\n    return x + 1", "assert f(1) == 2\nassert f(0) == 1", 1.0),
     ("def f(x):\n    return x + 1", {"asserts": ["assert f(5) == 6"]}, 1.0),
+    ("def f(n):\n    return range(n)", ["assert list(f(3)) == [0, 1, 2]", "assert f(2) == range(2)"], 1.0),
+    ("def f(n):\n    return map(abs, range(-n, 0))", ["assert f(2) == [2, 1]", "assert f(1) == sum(range(2))"], 0.5),
     ("def f(:", ADD, 0.0),
     ("raise SystemExit('bye')", ["assert True"], 1.0),  # exiting early is not a crash
     ("raise RuntimeError('x')", ["assert True"], 0.0),  # a program that crashes on load fails every test
