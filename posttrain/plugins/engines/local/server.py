@@ -61,6 +61,8 @@ from posttrain.core import jsonio
 from posttrain.core.gcutil import settle_heap
 from posttrain.core.types import row_seed
 
+from posttrain.plugins.engines.local.bodies import (GENERATE_BODY_LIMIT, SMALL_BODY_LIMIT, WEIGHTS_BODY_LIMIT,
+                                                   BadRequest, TooLarge)
 from posttrain.plugins.engines.local.memory import MEMORY_TAGS, EngineMemory
 from posttrain.plugins.engines.local.sampling import SamplingError, parse_sampling, parse_sampling_rows
 from posttrain.plugins.engines.local.weight_routes import WeightRoutes
@@ -80,19 +82,8 @@ DEFAULT_OK = {"stream": False, "top_logprobs_num": 0, "return_text_in_logprobs":
               "no_logs": False, "return_bytes": False, "return_entropy": False}
 
 
-SMALL_BODY_LIMIT = 1 << 20  # control endpoints
-GENERATE_BODY_LIMIT = 16 << 20  # a batched /generate of a few hundred long prompts
-WEIGHTS_BODY_LIMIT = 1 << 30  # /update_weights_from_tensor carries CPU tensors by value
 MAX_CHARS_PER_TOKEN = 16  # a text prompt longer than this x the context is refused untokenized
 WARM_UP_TIMEOUT_S = 600  # compiles and captures of a large model (seconds)
-
-
-class BadRequest(Exception):
-    status = 400
-
-
-class TooLarge(BadRequest):
-    status = 413
 
 
 def _error(status: int, message: str) -> web.Response:
