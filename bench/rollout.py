@@ -263,7 +263,7 @@ VARIANT_WORDS = {"sdpa": {"decode_attention": "sdpa"}, "bmm": {"decode_attention
                  "warmgraphs": {"warm_graphs": True}, "lazygraphs": {"warm_graphs": False},
                  "symbatch": {"symbolic_batch": True}, "staticbatch": {"symbolic_batch": False}}
 ENGINE_OPTIONS = ("overlap", "fused_sampling", "prefill_tokens", "sample_in_step",
-                  "device_positions")  # LocalEngine's; the rest are ModelRunner's
+                  "device_positions")  # BatchEngine's; the rest are ModelRunner's
 
 
 def parse_variant(name: str, defaults: dict) -> dict:
@@ -533,7 +533,7 @@ def bench_variant(model, prompts: list[list[int]], args, name: str, opts: dict, 
     The runner is freed afterwards."""
     import torch
 
-    from posttrain.plugins.engines.local.engine import LocalEngine
+    from posttrain.plugins.engines.local.engine import BatchEngine
     from posttrain.plugins.engines.local.model_runner import ModelRunner
 
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -543,7 +543,7 @@ def bench_variant(model, prompts: list[list[int]], args, name: str, opts: dict, 
     runner_opts.setdefault("float_logits", not args.device.startswith("cuda"))  # as the engine server runs it
     runner = ModelRunner(None, device=args.device, dtype=dtype, max_slots=args.prompts, context_length=context,
                          model=model, **runner_opts)
-    engine = LocalEngine(runner, tokenizer=None, eos_token_ids=[], **{k: opts.get(k) for k in ENGINE_OPTIONS})
+    engine = BatchEngine(runner, tokenizer=None, eos_token_ids=[], **{k: opts.get(k) for k in ENGINE_OPTIONS})
     out.update(overlap=engine.overlap, fused_groups=runner.fused_groups, prefill_tokens=engine.prefill_tokens,
                attention_writes_kv=runner.attention_writes_kv, fused_sampling=engine.fused_sampling,
                sample_in_step=engine.sample_in_step, join_layers=runner.join_layers,

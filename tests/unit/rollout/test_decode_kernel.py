@@ -219,14 +219,14 @@ def test_triton_runner_on_cpu_equals_sdpa(tiny_ckpt):
 
 
 def test_triton_engine_greedy_matches_hf_generate_on_cpu(tiny_ckpt, hf_model):
-    from posttrain.plugins.engines.local.engine import LocalEngine
+    from posttrain.plugins.engines.local.engine import BatchEngine
     from posttrain.plugins.engines.local.sampling import parse_sampling
     from posttrain.testing.engine import hf_greedy
 
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], [17]]
     runner = ModelRunner(tiny_ckpt, max_slots=4, context_length=64, decode_attention="triton")
     params = parse_sampling({"temperature": 0, "max_new_tokens": 6, "ignore_eos": True})
-    engine = LocalEngine(runner, None, [0])
+    engine = BatchEngine(runner, None, [0])
     outs, done = [None] * len(prompts), threading.Semaphore(0)
     for i, p in enumerate(prompts):
         engine.submit(p, params, True, lambda o, i=i: (outs.__setitem__(i, o), done.release()))

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from posttrain.plugins.engines.local.engine import LocalEngine
+from posttrain.plugins.engines.local.engine import BatchEngine
 from posttrain.plugins.engines.local.model_runner import ModelRunner
 from posttrain.plugins.engines.local.sampling import (_sample_mixed, parse_sampling, sample_tokens, to_host, uniform_temperature)
 
@@ -130,7 +130,7 @@ def test_autotune_mode_leaves_the_prefill_on_the_default_mode(tiny_ckpt):
 # -- the engine with each variant against HF generate ----------------------------------------------
 def run_engine(runner, prompts, params):
     """Generate for ``prompts`` on a fresh engine; returns the outputs (in order) and the step stats."""
-    engine = LocalEngine(runner, None, [0])
+    engine = BatchEngine(runner, None, [0])
     outs, done = [None] * len(prompts), threading.Semaphore(0)
     for i, p in enumerate(prompts):
         engine.submit(p, params, True, lambda o, i=i: (outs.__setitem__(i, o), done.release()))

@@ -13,12 +13,12 @@ def test_bf16_engine_logprobs_match_a_bf16_forward(tiny_ckpt):
 
     from transformers import AutoModelForCausalLM
 
-    from posttrain.plugins.engines.local.engine import LocalEngine
+    from posttrain.plugins.engines.local.engine import BatchEngine
     from posttrain.plugins.engines.local.model_runner import ModelRunner
     from posttrain.plugins.engines.local.sampling import parse_sampling
 
     runner = ModelRunner(tiny_ckpt, device="cuda", dtype="bfloat16", max_slots=4, context_length=256, cuda_graphs=True)
-    engine = LocalEngine(runner, None, [0])
+    engine = BatchEngine(runner, None, [0])
     done, box = threading.Event(), {}
     engine.submit([5, 6, 7, 8], parse_sampling({"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True,
                                                 "sampling_seed": 1}), True, lambda o: (box.update(o), done.set()))

@@ -113,10 +113,10 @@ def test_a_request_that_breaks_a_step_fails_alone(runner):
     refuses, handed to the engine directly) ends with an error; the requests beside it go on."""
     import threading
 
-    from posttrain.plugins.engines.local.engine import LocalEngine
+    from posttrain.plugins.engines.local.engine import BatchEngine
     from posttrain.plugins.engines.local.sampling import RequestSampling
 
-    engine = LocalEngine(runner, None, [])
+    engine = BatchEngine(runner, None, [])
     results, done = {}, threading.Event()
 
     def submit(name, sampling):

@@ -204,7 +204,7 @@ def test_a_runner_without_float_logits_hands_the_kernel_bf16(tiny_ckpt):
 IN_STEP = textwrap.dedent("""
     import sys, threading
     import torch
-    from posttrain.plugins.engines.local.engine import LocalEngine
+    from posttrain.plugins.engines.local.engine import BatchEngine
     from posttrain.plugins.engines.local.model_runner import ModelRunner
     from posttrain.plugins.engines.local.sampling import RequestSampling
 
@@ -228,7 +228,7 @@ IN_STEP = textwrap.dedent("""
     def run(overlap, fused):  # greedy answers of the engine, and how often the runner sampled in its step
         calls, real = [], runner.decode_sampled
         runner.decode_sampled = lambda *a, **kw: calls.append(1) or real(*a, **kw)
-        engine = LocalEngine(runner, None, [0], overlap=overlap, fused_sampling=fused)
+        engine = BatchEngine(runner, None, [0], overlap=overlap, fused_sampling=fused)
         outs, done = [], threading.Semaphore(0)
         try:
             engine.pause(mode="in_place")

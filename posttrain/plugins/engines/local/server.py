@@ -102,7 +102,7 @@ class EngineServer:
                  warm_sampling: dict[str, Any] | None = None):
         from transformers import AutoTokenizer
 
-        from posttrain.plugins.engines.local.engine import LocalEngine
+        from posttrain.plugins.engines.local.engine import BatchEngine
         from posttrain.plugins.engines.local.model_runner import ModelRunner
 
         self.model_dir = str(Path(model_dir).resolve())
@@ -123,7 +123,7 @@ class EngineServer:
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos.append(self.tokenizer.eos_token_id)
-        self.engine = LocalEngine(self.runner, self.tokenizer, eos, overlap=overlap and self.runner.device.type == "cuda",
+        self.engine = BatchEngine(self.runner, self.tokenizer, eos, overlap=overlap and self.runner.device.type == "cuda",
                                   fused_sampling=None if fused_sampling else False, prefill_tokens=prefill_tokens)
         self.api_key = api_key
         self.generate_body_limit = generate_body_limit
