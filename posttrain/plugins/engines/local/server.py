@@ -103,18 +103,18 @@ class EngineServer:
         from transformers import AutoTokenizer
 
         from posttrain.plugins.engines.local.engine import BatchEngine
-        from posttrain.plugins.engines.local.model_runner import ModelRunner
+        from posttrain.plugins.engines.local.model_runner import ModelRunner, RunnerTuning
 
         self.model_dir = str(Path(model_dir).resolve())
         self.host, self.port, self.device = host, port, device
         t0 = time.perf_counter()
         self.startup_s: dict[str, float] = {}  # seconds of each part of the start (the serving line, /server_info)
         self._first_health: float | None = None  # when the first /health_generate came
+        # float32 logits off a GPU only: a GPU engine's sampling upcasts the model's dtype itself
+        tuning = RunnerTuning(decode_attention=decode_attention, compile=compile, compile_mode=compile_mode,
+                              cuda_graphs=cuda_graphs, float_logits=not str(device).startswith("cuda"))
         self.runner = ModelRunner(self.model_dir, device=device, dtype=dtype, max_slots=max_running_requests,
-                                  context_length=context_length, cuda_graphs=cuda_graphs,
-                                  decode_attention=decode_attention, compile=compile, compile_mode=compile_mode,
-                                  float_logits=not str(device).startswith("cuda"),  # sampling upcasts on a GPU
-                                  from_config=from_config)
+                                  context_length=context_length, tuning=tuning, from_config=from_config)
         t1 = time.perf_counter()
         self.startup_s["model"] = t1 - t0
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
