@@ -8,30 +8,20 @@ Both sides generate exactly ``new_tokens`` per prompt greedily (EOS ignored) fro
 warm-up round each. The engine runs in-process (the scheduler thread and model runner the HTTP server
 uses, without HTTP); ``--cuda-graphs`` (default on CUDA) captures its decode step.
 
-Decode levers (``ModelRunner`` arguments): ``--decode-attention sdpa|bmm``, ``--compile``
+Decode levers (``RunnerTuning`` fields): ``--decode-attention sdpa|bmm``, ``--compile``
 (``--compile-mode``). ``--variants`` measures several in one call on the same built model, one JSON line
 each, e.g. ``--variants sdpa,bmm,sdpa+compile,bmm+compile,sdpa+eager``: ``+``-joined words among
 ``sdpa``/``bmm`` (attention), ``compile``/``autotune`` (torch.compile, default or
 max-autotune-no-cudagraphs mode), ``eager``/``graphs`` (CUDA graphs off/on), ``sync``/``overlap``,
-``unfused``/``fused`` (projections), ``kvwrites``/``kvinkernel`` (the cache write as two kernels per layer,
-or inside the triton attention), ``torchsample``/``fusedsample`` (torch's sampling or the Triton kernel),
+``unfused``/``fused`` (projections), ``torchsample``/``fusedsample`` (torch's sampling or the Triton kernel),
 ``prefill8k``/``prefill32k`` (prompt tokens per prefill batch), ``floatlogits`` (the decode step's logits in
-float32, not the model's dtype as the engine server takes them on a GPU), ``joined``/``unjoined`` (with compile:
-one graph from each attention to the next, or each layer's two halves apart), ``stepsample``/``aftersample``
+float32, not the model's dtype as the engine server takes them on a GPU), ``stepsample``/``aftersample``
 (uniform batches sampled inside the decode step's graph, or by the kernel's own launches after it),
-``combo``/``nocombo`` (Inductor's combo kernels: independent kernels of a compiled part launched as one),
 ``stages2``/``stages3``/``stages4`` (pipeline stages of the triton decode attention), ``group1``/``2``/``4``/``8``/``16`` (its slots
-per program), ``block32``/``64``/``128``, ``warps1``/``2``/``4``/``8`` (its positions per iteration, its warps), ``ropefused``/``ropeapart``
-(Qwen3's Q/K norms and the rotary inside the triton attention, or a kernel of their own before it),
-``pdl``/``nopdl`` (the step's Triton kernels, ours and Inductor's, launched with programmatic dependent launch
-or not), ``inductorpdl`` (Inductor's only, not the attention), ``poshost``/``posdevice`` (the overlapped
-engine copies every step's positions to the device, or not where the last graph moved them on),
-``prefillcopy``/``prefillkernel`` (a prefill's keys and values into the cache by torch's copies or by one Triton
-launch a layer, ``cache_write``), ``switch100us`` (the timed run under a GIL switch interval of 0.1 ms, not 5),
-``warmgraphs``/``lazygraphs`` (the first step at a temperature captures every batch bucket's graph, or each
-bucket is captured at its first step), ``symbatch``/``staticbatch`` (each compiled part compiled once with its row
-count symbolic, or first statically at the largest bucket; ``compiled_graphs`` counts Dynamo's graphs of the
-variant's warm-up), ``samplerBxWxP`` (the one-pass sampler's launch: logits per iteration, warps, programs per SM, set in
+per program), ``block32``/``64``/``128``, ``warps1``/``2``/``4``/``8`` (its positions per iteration, its warps),
+``poshost``/``posdevice`` (the overlapped engine copies every step's positions to the device, or not where the
+last graph moved them on), ``switch100us`` (the timed run under a GIL switch interval of 0.1 ms, not 5),
+``samplerBxWxP`` (the one-pass sampler's launch: logits per iteration, warps, programs per SM, set in
 ``sampling_kernel`` for this variant only, e.g. ``sampler2048x8x8``); unnamed
 levers take the engine's defaults. A variant that fails prints
 its line with ``error`` and the next one still runs. The HF baseline (unless ``--skip-hf``) runs once,
@@ -244,30 +234,22 @@ VARIANT_WORDS = {"sdpa": {"decode_attention": "sdpa"}, "bmm": {"decode_attention
                  "eager": {"cuda_graphs": False}, "graphs": {"cuda_graphs": True},
                  "sync": {"overlap": False}, "overlap": {"overlap": True},
                  "unfused": {"fuse_projections": False}, "fused": {"fuse_projections": True},
-                 "kvwrites": {"attention_writes_kv": False}, "kvinkernel": {"attention_writes_kv": True},
                  "torchsample": {"fused_sampling": False}, "fusedsample": {"fused_sampling": True},
                  "prefill8k": {"prefill_tokens": 8192}, "prefill32k": {"prefill_tokens": 32768},
                  "floatlogits": {"float_logits": True},
-                 "joined": {"join_layers": True}, "unjoined": {"join_layers": False},
                  "stepsample": {"sample_in_step": True}, "aftersample": {"sample_in_step": False},
-                 "combo": {"combo_kernels": True}, "nocombo": {"combo_kernels": False},
                  **{f"stages{n}": {"attention_launch": {"num_stages": n}} for n in (2, 3, 4)},
                  **{f"group{p}": {"attention_launch": {"slots_per_program": p}} for p in (1, 2, 4, 8, 16)},
                  **{f"block{n}": {"attention_launch": {"block_n": n}} for n in (32, 64, 128)},
                  **{f"warps{w}": {"attention_launch": {"num_warps": w}} for w in (1, 2, 4, 8)},
-                 "ropefused": {"rope_in_attention": True}, "ropeapart": {"rope_in_attention": False},
-                 "pdl": {"pdl": True}, "nopdl": {"pdl": False}, "inductorpdl": {"pdl": True, "attention_launch": {"pdl": False}},
                  "poshost": {"device_positions": False}, "posdevice": {"device_positions": True},
-                 "prefillcopy": {"prefill_kv_kernel": False}, "prefillkernel": {"prefill_kv_kernel": True},
-                 "switch100us": {"switch_interval": 1e-4},
-                 "warmgraphs": {"warm_graphs": True}, "lazygraphs": {"warm_graphs": False},
-                 "symbatch": {"symbolic_batch": True}, "staticbatch": {"symbolic_batch": False}}
+                 "switch100us": {"switch_interval": 1e-4}}
 ENGINE_OPTIONS = ("overlap", "fused_sampling", "prefill_tokens", "sample_in_step",
-                  "device_positions")  # LocalEngine's; the rest are ModelRunner's
+                  "device_positions")  # BatchEngine's; the rest are RunnerTuning fields
 
 
 def parse_variant(name: str, defaults: dict) -> dict:
-    """``"bmm+compile"`` -> ``ModelRunner`` options (``decode_attention``, ``compile``, ``compile_mode``,
+    """``"bmm+compile"`` -> ``RunnerTuning`` and engine options (``decode_attention``, ``compile``, ``compile_mode``,
     ``cuda_graphs``) over ``defaults``."""
     opts = dict(defaults)
     for word in name.split("+"):
@@ -533,21 +515,20 @@ def bench_variant(model, prompts: list[list[int]], args, name: str, opts: dict, 
     The runner is freed afterwards."""
     import torch
 
-    from posttrain.plugins.engines.local.engine import LocalEngine
-    from posttrain.plugins.engines.local.model_runner import ModelRunner
+    from posttrain.plugins.engines.local.engine import BatchEngine
+    from posttrain.plugins.engines.local.model_runner import ModelRunner, RunnerTuning
 
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     context = args.prompt_len + args.new_tokens + 1
     position = args.prompt_len + args.new_tokens // 2  # the run's mean context, for the profile
-    runner_opts = {k: v for k, v in opts.items() if k not in (*ENGINE_OPTIONS, "switch_interval", "sample_launch")}
-    runner_opts.setdefault("float_logits", not args.device.startswith("cuda"))  # as the engine server runs it
+    tuning = {k: v for k, v in opts.items() if k not in (*ENGINE_OPTIONS, "switch_interval", "sample_launch")}
+    tuning.setdefault("float_logits", not args.device.startswith("cuda"))  # as the engine server runs it
     runner = ModelRunner(None, device=args.device, dtype=dtype, max_slots=args.prompts, context_length=context,
-                         model=model, **runner_opts)
-    engine = LocalEngine(runner, tokenizer=None, eos_token_ids=[], **{k: opts.get(k) for k in ENGINE_OPTIONS})
+                         tuning=RunnerTuning(**tuning), model=model)
+    engine = BatchEngine(runner, tokenizer=None, eos_token_ids=[], **{k: opts.get(k) for k in ENGINE_OPTIONS})
     out.update(overlap=engine.overlap, fused_groups=runner.fused_groups, prefill_tokens=engine.prefill_tokens,
-               attention_writes_kv=runner.attention_writes_kv, fused_sampling=engine.fused_sampling,
-               sample_in_step=engine.sample_in_step, join_layers=runner.join_layers,
-               rope_in_attention=runner.rope_in_attention, inductor_pdl=runner.pdl,
+               fused_sampling=engine.fused_sampling,
+               sample_in_step=engine.sample_in_step, rope_in_attention=runner.rope_in_attention,
                prefill_kv_kernel=runner.prefill_kv_kernel)
     try:
         from torch._dynamo.utils import counters

@@ -3,9 +3,11 @@ and HF ``generate``'s greedy continuation to compare against."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ENGINE_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -15,25 +17,27 @@ def start_local_engine(model_dir: str | Path, log_dir: str | Path | None = None,
     """Start ``rl-cli engine serve model_dir`` on a free 127.0.0.1 port and wait for ``/health_generate``.
 
     Returns a started :class:`~posttrain.core.rollout.procs.ManagedServer` (``.base_url``, ``.api_key``:
-    the key its clients send, a fresh random one unless given; call ``.stop()``). Options are
-    ``engine serve`` flags by name (defaults: ``context_length=256, max_running_requests=8``).
+    the key its clients send, a fresh random one unless given; call ``.stop()``). Options are ``engine serve``
+    flags by name: the ``local`` engine backend's config fields (from the plugin registry, checked by its schema;
+    defaults: ``context_length=256, max_running_requests=8``) and the server's own (``load_format``,
+    ``warm_sampling``, ``wait_for_model``).
     """
     import secrets
 
     from posttrain.core.rollout.backend import API_KEY_ENV
     from posttrain.core.rollout.procs import ManagedServer, free_port
-    from posttrain.plugins.engines.local import local_engine_command
 
     api_key = api_key or secrets.token_urlsafe(16)
     options.setdefault("context_length", 256)
     options.setdefault("max_running_requests", 8)
+    backend, server_options = local_backend(options)
     log_dir = str(log_dir) if log_dir else tempfile.mkdtemp(prefix="posttrain-engine-log-")
     for attempt in range(3):
         # free_port() is free when asked, not when the engine binds it: another test process (xdist) may
         # take it in between, and the engine then exits "address already in use"; a fresh port, again
         port = free_port()
         log = os.path.join(log_dir, f"engine-{port}.log")
-        server = ManagedServer(local_engine_command(str(model_dir), port, **options), f"http://127.0.0.1:{port}",
+        server = ManagedServer(backend.serve_command(str(model_dir), port, **server_options), f"http://127.0.0.1:{port}",
                                log_path=log, env={**ENGINE_ENV, API_KEY_ENV: api_key}, ready_timeout_s=120)
         server.api_key = api_key
         try:
@@ -43,6 +47,21 @@ def start_local_engine(model_dir: str | Path, log_dir: str | Path | None = None,
             if "address already in use" in tail and attempt < 2:
                 continue
             raise RuntimeError(f"{exc}; engine log {log}:\n{tail}") from None
+
+
+def local_backend(options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The ``local`` engine backend from the plugin registry, configured with those of ``options`` that are fields
+    of its ``Config`` (built through ``posttrain.core.schema``: a bad value is a ValueError naming it), and the
+    options left for the server."""
+    from posttrain.core.plugins import load_plugins
+    from posttrain.core.schema import build
+
+    cls = load_plugins().engines.get_or_raise("local")
+    names = {f.name for f in dataclasses.fields(cls.Config)}
+    config, errors = build(cls.Config, {k: v for k, v in options.items() if k in names}, "local engine")
+    if errors:
+        raise ValueError("; ".join(errors))
+    return cls(config), {k: v for k, v in options.items() if k not in names}
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:

@@ -80,12 +80,12 @@ def test_a_tokenizer_without_a_backend_decodes_row_by_row():
 def test_answers_that_end_in_one_step_get_the_tokenizers_text(tiny_ckpt, overlap):
     import threading
 
-    from posttrain.plugins.engines.local.engine import LocalEngine
+    from posttrain.plugins.engines.local.engine import BatchEngine
     from posttrain.plugins.engines.local.model_runner import ModelRunner
     from posttrain.plugins.engines.local.sampling import parse_sampling
 
     tok = AutoTokenizer.from_pretrained(str(tiny_ckpt))
-    engine = LocalEngine(ModelRunner(tiny_ckpt, max_slots=8), tokenizer=tok, eos_token_ids=[], overlap=overlap)
+    engine = BatchEngine(ModelRunner(tiny_ckpt, max_slots=8), tokenizer=tok, eos_token_ids=[], overlap=overlap)
     batched, real = [], engine.texts.decode_many
     engine.texts.decode_many = lambda rows, skip: batched.append(len(rows)) or real(rows, skip)
     outs, done = [None] * 6, threading.Semaphore(0)

@@ -80,23 +80,23 @@ def test_kernel_on_cuda_equals_the_torch_copies():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_runner_prefill_through_the_kernel_fills_the_cache_as_torch_does(tiny_ckpt):
+    """A CUDA runner writes a prefill's keys and values with the kernel; one switched to torch's copies (its
+    ``prefill_kv_kernel`` set off) fills the same cache rows and gives the same logits."""
     from posttrain.plugins.engines.local.model_runner import ModelRunner
 
     prompts = [[5, 6, 7, 8, 9], [10, 11], [5, 6, 7, 8, 9], [12, 13, 14]]  # a repeat, ragged lengths
-    runners = [ModelRunner(tiny_ckpt, device="cuda", dtype="bfloat16", max_slots=8, context_length=32,
-                           prefill_kv_kernel=flag) for flag in (True, False)]
+    runners = [ModelRunner(tiny_ckpt, device="cuda", dtype="bfloat16", max_slots=8, context_length=32)
+               for _ in range(2)]
+    assert runners[0].prefill_kv_kernel
+    runners[1].prefill_kv_kernel = False  # read at every prefill
     logits = [r.prefill([6, 1, 3, 4], prompts) for r in runners]
-    assert runners[0].prefill_kv_kernel and not runners[1].prefill_kv_kernel
     assert torch.equal(logits[0], logits[1])
     for name in ("k_cache", "v_cache"):
         assert torch.equal(getattr(runners[0], name)[:, [6, 1, 3, 4], :, :5], getattr(runners[1], name)[:, [6, 1, 3, 4], :, :5])
 
 
-def test_runner_refuses_the_kernel_where_it_cannot_run(tiny_ckpt):
-    """``prefill_kv_kernel=True`` off CUDA is a one-line ValueError at construction, not a Triton error mid-prefill;
-    left to its default the CPU runner takes torch's copies."""
+def test_a_cpu_runner_prefills_through_torchs_copies(tiny_ckpt):
+    """The Triton cache write runs on CUDA only: a CPU runner takes torch's copies."""
     from posttrain.plugins.engines.local.model_runner import ModelRunner
 
-    with pytest.raises(ValueError, match="prefill_kv_kernel: the Triton cache write needs CUDA"):
-        ModelRunner(tiny_ckpt, max_slots=2, context_length=16, prefill_kv_kernel=True)
     assert not ModelRunner(tiny_ckpt, max_slots=2, context_length=16).prefill_kv_kernel

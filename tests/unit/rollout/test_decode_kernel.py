@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from posttrain.plugins.engines.local import decode_kernel
 from posttrain.plugins.engines.local.decode_kernel import decode_attention_reference, triton_available
-from posttrain.plugins.engines.local.model_runner import ModelRunner
+from posttrain.plugins.engines.local.model_runner import ModelRunner, RunnerTuning
 from tests.conftest import run_triton_interpreted
 
 PROMPTS = {0: [5, 6, 7, 8, 9], 2: [10, 11], 3: [12, 13, 14]}  # slot 1 idle: a hole below busy slots
@@ -209,8 +209,8 @@ def decode_steps(runner: ModelRunner, steps: int = 3):
 
 def test_triton_runner_on_cpu_equals_sdpa(tiny_ckpt):
     torch.set_num_threads(1)
-    ref, seqs = decode_steps(ModelRunner(tiny_ckpt, max_slots=4, context_length=64, decode_attention="sdpa"))
-    got, got_seqs = decode_steps(ModelRunner(tiny_ckpt, max_slots=4, context_length=64, decode_attention="triton"))
+    ref, seqs = decode_steps(ModelRunner(tiny_ckpt, max_slots=4, context_length=64, tuning=RunnerTuning(decode_attention="sdpa")))
+    got, got_seqs = decode_steps(ModelRunner(tiny_ckpt, max_slots=4, context_length=64, tuning=RunnerTuning(decode_attention="triton")))
     assert got_seqs == seqs
     for a, b in zip(ref, got):
         for s in PROMPTS:  # busy slots only: the idle slot 1 attends to its stale position 0
@@ -219,14 +219,14 @@ def test_triton_runner_on_cpu_equals_sdpa(tiny_ckpt):
 
 
 def test_triton_engine_greedy_matches_hf_generate_on_cpu(tiny_ckpt, hf_model):
-    from posttrain.plugins.engines.local.engine import LocalEngine
+    from posttrain.plugins.engines.local.engine import BatchEngine
     from posttrain.plugins.engines.local.sampling import parse_sampling
     from posttrain.testing.engine import hf_greedy
 
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], [17]]
-    runner = ModelRunner(tiny_ckpt, max_slots=4, context_length=64, decode_attention="triton")
+    runner = ModelRunner(tiny_ckpt, max_slots=4, context_length=64, tuning=RunnerTuning(decode_attention="triton"))
     params = parse_sampling({"temperature": 0, "max_new_tokens": 6, "ignore_eos": True})
-    engine = LocalEngine(runner, None, [0])
+    engine = BatchEngine(runner, None, [0])
     outs, done = [None] * len(prompts), threading.Semaphore(0)
     for i, p in enumerate(prompts):
         engine.submit(p, params, True, lambda o, i=i: (outs.__setitem__(i, o), done.release()))
@@ -239,24 +239,11 @@ def test_triton_engine_greedy_matches_hf_generate_on_cpu(tiny_ckpt, hf_model):
         assert out["output_ids"] == hf_greedy(hf_model, p, 6)
 
 
-def test_triton_runner_writing_in_the_kernel_equals_separate_writes(tiny_ckpt):
-    """``attention_writes_kv`` (default with triton) against the separate cache writes: the same logits
-    and the same cache after three steps (on CPU through the reference)."""
-    on = ModelRunner(tiny_ckpt, max_slots=4, context_length=64, decode_attention="triton")
-    off = ModelRunner(tiny_ckpt, max_slots=4, context_length=64, decode_attention="triton", attention_writes_kv=False)
-    assert on.attention_writes_kv and not off.attention_writes_kv
-    a, b = decode_steps(on), decode_steps(off)
-    for x, y in zip(a[0], b[0]):
-        torch.testing.assert_close(x, y, atol=0, rtol=0)
-    assert torch.equal(on.k_cache, off.k_cache) and torch.equal(on.v_cache, off.v_cache)
-    assert not ModelRunner(tiny_ckpt, max_slots=2, context_length=32).attention_writes_kv  # sdpa writes itself
-
-
 def test_runner_rotating_in_the_attention_equals_the_separate_rotary(tiny_ckpt):
     """``rope_in_attention``: raw projections into the attention (here its reference, as on a CPU), the same
     logits, tokens and cache as Qwen3's norms and rotary run before it; off by default on a CPU."""
-    on = ModelRunner(tiny_ckpt, max_slots=4, context_length=64, decode_attention="triton", rope_in_attention=True)
-    off = ModelRunner(tiny_ckpt, max_slots=4, context_length=64, decode_attention="triton")
+    on = ModelRunner(tiny_ckpt, max_slots=4, context_length=64, tuning=RunnerTuning(decode_attention="triton", rope_in_attention=True))
+    off = ModelRunner(tiny_ckpt, max_slots=4, context_length=64, tuning=RunnerTuning(decode_attention="triton"))
     assert on.rope_in_attention and not off.rope_in_attention
     (a, seqs_a), (b, seqs_b) = decode_steps(on), decode_steps(off)
     assert seqs_a == seqs_b
@@ -274,21 +261,21 @@ def test_rope_in_attention_refuses_what_it_cannot_rotate(tiny_ckpt, tmp_path):
 
     glm = make_tiny_checkpoint(tmp_path / "glm4", family="glm4", seed=0)
     with pytest.raises(ValueError, match="rope_in_attention: .*rotary"):
-        ModelRunner(glm, max_slots=2, context_length=32, decode_attention="triton", rope_in_attention=True)
-    with pytest.raises(ValueError, match="attention_writes_kv"):
-        ModelRunner(tiny_ckpt, max_slots=2, context_length=32, decode_attention="sdpa", rope_in_attention=True)
+        ModelRunner(glm, max_slots=2, context_length=32, tuning=RunnerTuning(decode_attention="triton", rope_in_attention=True))
+    with pytest.raises(ValueError, match="rope_in_attention: it needs decode_attention=.triton."):
+        ModelRunner(tiny_ckpt, max_slots=2, context_length=32, tuning=RunnerTuning(decode_attention="sdpa", rope_in_attention=True))
     llama = make_tiny_checkpoint(tmp_path / "llama", family="llama", seed=0)
-    on = ModelRunner(llama, max_slots=4, context_length=64, decode_attention="triton", rope_in_attention=True)
-    off = ModelRunner(llama, max_slots=4, context_length=64, decode_attention="triton")
+    on = ModelRunner(llama, max_slots=4, context_length=64, tuning=RunnerTuning(decode_attention="triton", rope_in_attention=True))
+    off = ModelRunner(llama, max_slots=4, context_length=64, tuning=RunnerTuning(decode_attention="triton"))
     (a, seqs_a), (b, seqs_b) = decode_steps(on), decode_steps(off)
     assert seqs_a == seqs_b
     torch.testing.assert_close(a[-1][0], b[-1][0], atol=1e-5, rtol=1e-5)
 
 
 def test_runner_accepts_triton_and_still_rejects_unknown(tiny_ckpt):
-    assert ModelRunner(tiny_ckpt, max_slots=2, context_length=32, decode_attention="triton").decode_attention == "triton"
+    assert ModelRunner(tiny_ckpt, max_slots=2, context_length=32, tuning=RunnerTuning(decode_attention="triton")).decode_attention == "triton"
     with pytest.raises(ValueError, match="decode_attention"):
-        ModelRunner(tiny_ckpt, max_slots=2, context_length=32, decode_attention="flash")
+        ModelRunner(tiny_ckpt, max_slots=2, context_length=32, tuning=RunnerTuning(decode_attention="flash"))
 
 
 # -- the kernel under the Triton interpreter (CPU, where triton is installed) ------------------------------
@@ -604,10 +591,8 @@ def test_graphed_triton_runner_greedy_equals_sdpa(tiny_ckpt, monkeypatch):
     kernel = decode_kernel.decode_attention
     monkeypatch.setattr(decode_kernel, "decode_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [15] * 40, [16, 17]]  # 5 slots: bucket 8 pads 3
-    ref = ModelRunner(tiny_ckpt, device="cuda", dtype="float32", max_slots=8, context_length=300,
-                      decode_attention="sdpa", cuda_graphs=True)
-    got = ModelRunner(tiny_ckpt, device="cuda", dtype="float32", max_slots=8, context_length=300,
-                      decode_attention="triton", cuda_graphs=True)
+    ref = ModelRunner(tiny_ckpt, device="cuda", dtype="float32", max_slots=8, context_length=300, tuning=RunnerTuning(decode_attention="sdpa", cuda_graphs=True))
+    got = ModelRunner(tiny_ckpt, device="cuda", dtype="float32", max_slots=8, context_length=300, tuning=RunnerTuning(decode_attention="triton", cuda_graphs=True))
     ref_tokens, ref_logits = greedy_tokens(ref, prompts, 20)
     got_tokens, got_logits = greedy_tokens(got, prompts, 20)
     assert got._graphs and calls  # the kernel ran (warm-up and capture), then graph replays
@@ -623,8 +608,7 @@ def test_bf16_graphed_triton_matches_float32(tiny_ckpt):
     if not triton_available():
         pytest.skip("triton did not import")
     ref = ModelRunner(tiny_ckpt, device="cuda", dtype="float32", max_slots=4, context_length=512)
-    r = ModelRunner(tiny_ckpt, device="cuda", dtype="bfloat16", max_slots=4, context_length=512, cuda_graphs=True,
-                    decode_attention="triton")
+    r = ModelRunner(tiny_ckpt, device="cuda", dtype="bfloat16", max_slots=4, context_length=512, tuning=RunnerTuning(cuda_graphs=True, decode_attention="triton"))
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12] * 8, [8, 9] * 20, [3] * 300]
     for x in (ref, r):
         x.prefill([0, 1, 2], prompts)

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from posttrain.plugins.engines.local.engine import LocalEngine
-from posttrain.plugins.engines.local.model_runner import ModelRunner
+from posttrain.plugins.engines.local.engine import BatchEngine
+from posttrain.plugins.engines.local.model_runner import ModelRunner, RunnerTuning
 from posttrain.plugins.engines.local.sampling import (_sample_mixed, parse_sampling, sample_tokens, to_host, uniform_temperature)
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -68,8 +68,8 @@ def test_bmm_and_sdpa_agree_with_each_other_and_with_hf(family, tmp_path):
     torch.set_num_threads(1)
     ckpt = make_tiny_checkpoint(tmp_path / family, family=family, seed=2)
     hf_model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
-    sdpa_out, seqs = decode_steps(ModelRunner(ckpt, max_slots=4, context_length=64, decode_attention="sdpa"))
-    bmm_out, bmm_seqs = decode_steps(ModelRunner(ckpt, max_slots=4, context_length=64, decode_attention="bmm"))
+    sdpa_out, seqs = decode_steps(ModelRunner(ckpt, max_slots=4, context_length=64, tuning=RunnerTuning(decode_attention="sdpa")))
+    bmm_out, bmm_seqs = decode_steps(ModelRunner(ckpt, max_slots=4, context_length=64, tuning=RunnerTuning(decode_attention="bmm")))
     assert bmm_seqs == seqs
     for a, b in zip(sdpa_out, bmm_out):
         for s in PROMPTS:
@@ -82,7 +82,7 @@ def test_bmm_and_sdpa_agree_with_each_other_and_with_hf(family, tmp_path):
 
 def test_bmm_full_span_equals_the_tight_span(tiny_ckpt):
     """CUDA graphs attend over a fixed span; stale cache entries past each position must not matter."""
-    r = ModelRunner(tiny_ckpt, max_slots=4, context_length=64, decode_attention="bmm")
+    r = ModelRunner(tiny_ckpt, max_slots=4, context_length=64, tuning=RunnerTuning(decode_attention="bmm"))
     r.k_cache.normal_()
     r.v_cache.normal_()
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
@@ -96,7 +96,7 @@ def test_bmm_full_span_equals_the_tight_span(tiny_ckpt):
 
 def test_bmm_reads_the_cache_in_place(tiny_ckpt):
     """Merging ``nb`` and ``Hkv`` of the sliced cache must be a view, not a per-layer copy of the cache."""
-    r = ModelRunner(tiny_ckpt, max_slots=4, context_length=64, decode_attention="bmm")
+    r = ModelRunner(tiny_ckpt, max_slots=4, context_length=64, tuning=RunnerTuning(decode_attention="bmm"))
     k = r.k_cache[0, :3, :, :10]
     merged = k.reshape(3 * r.num_kv_heads, 10, r.head_dim)
     assert merged.data_ptr() == k.data_ptr() and merged._base is not None
@@ -111,26 +111,26 @@ def test_max_position_hint_changes_nothing(tiny_ckpt):
 
 def test_bad_lever_values_are_rejected(tiny_ckpt):
     with pytest.raises(ValueError, match="decode_attention"):
-        ModelRunner(tiny_ckpt, max_slots=2, context_length=32, decode_attention="flash")
+        ModelRunner(tiny_ckpt, max_slots=2, context_length=32, tuning=RunnerTuning(decode_attention="flash"))
     with pytest.raises(ValueError, match="compile_mode"):
-        ModelRunner(tiny_ckpt, max_slots=2, context_length=32, compile=True, compile_mode="fast")
+        ModelRunner(tiny_ckpt, max_slots=2, context_length=32, tuning=RunnerTuning(compile=True, compile_mode="fast"))
     with pytest.raises(ValueError, match="attention_launch: unknown keys \\['stages'\\]"):
-        ModelRunner(tiny_ckpt, max_slots=2, context_length=32, attention_launch={"stages": 3})
+        ModelRunner(tiny_ckpt, max_slots=2, context_length=32, tuning=RunnerTuning(attention_launch={"stages": 3}))
 
 
 def test_autotune_mode_leaves_the_prefill_on_the_default_mode(tiny_ckpt):
     """Under max-autotune only the decode step's parts autotune; the prefill compiles its own default-mode
     parts (its timings at thousands of rows cost minutes and chose cuBLAS on an H200). Default mode: shared."""
-    tuned = ModelRunner(tiny_ckpt, max_slots=2, context_length=32, compile=True, compile_mode="max-autotune-no-cudagraphs")
-    assert tuned._prefill_parts[0] is not tuned._qkv and tuned._prefill_parts[1] is not tuned._finish
-    plain = ModelRunner(tiny_ckpt, max_slots=2, context_length=32, compile=True)
-    assert plain._prefill_parts == (plain._qkv, plain._finish)
+    tuned = ModelRunner(tiny_ckpt, max_slots=2, context_length=32, tuning=RunnerTuning(compile=True, compile_mode="max-autotune-no-cudagraphs"))
+    assert tuned._prefill_parts[0] is not tuned._project  # the first layer's Q/K/V part of the decode step
+    plain = ModelRunner(tiny_ckpt, max_slots=2, context_length=32, tuning=RunnerTuning(compile=True))
+    assert plain._prefill_parts[0] is plain._project
 
 
 # -- the engine with each variant against HF generate ----------------------------------------------
 def run_engine(runner, prompts, params):
     """Generate for ``prompts`` on a fresh engine; returns the outputs (in order) and the step stats."""
-    engine = LocalEngine(runner, None, [0])
+    engine = BatchEngine(runner, None, [0])
     outs, done = [None] * len(prompts), threading.Semaphore(0)
     for i, p in enumerate(prompts):
         engine.submit(p, params, True, lambda o, i=i: (outs.__setitem__(i, o), done.release()))
@@ -146,7 +146,7 @@ def test_engine_greedy_matches_hf_generate(attention, tiny_ckpt, hf):
     from posttrain.testing.engine import hf_greedy
 
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], [17]]
-    runner = ModelRunner(tiny_ckpt, max_slots=4, context_length=64, decode_attention=attention)
+    runner = ModelRunner(tiny_ckpt, max_slots=4, context_length=64, tuning=RunnerTuning(decode_attention=attention))
     params = parse_sampling({"temperature": 0, "max_new_tokens": 6, "ignore_eos": True})
     outs, stats = run_engine(runner, prompts, params)
     for p, out in zip(prompts, outs):
@@ -178,18 +178,18 @@ def compile_unavailable(device: str = "cpu") -> str | None:
     return None
 
 
-@pytest.mark.parametrize(("attention", "fuse", "join", "combo"), [  # one test each: ~10 s of compiling apiece
-    ("sdpa", False, True, False), ("bmm", False, True, False), ("sdpa", True, True, True), ("sdpa", False, False, False)])
-def test_compiled_decode_matches_eager(tiny_ckpt, attention, fuse, join, combo):
-    """Compiled per-layer parts give the eager logits, for both attentions, at a power-of-two batch
-    (4 slots) and at a batch padded to its bucket (3 slots -> 4); joined or not, with combo kernels too."""
+@pytest.mark.parametrize(("attention", "fuse"), [  # one test each: ~10 s of compiling apiece
+    ("sdpa", False), ("bmm", False), ("sdpa", True)])
+def test_compiled_decode_matches_eager(tiny_ckpt, attention, fuse):
+    """Compiled per-layer parts (joined between attentions, with combo kernels) give the eager logits, for both
+    attentions, at a power-of-two batch (4 slots) and at a batch padded to its bucket (3 slots -> 4)."""
     reason = compile_unavailable()
     if reason:
         pytest.skip(reason)
     torch.set_num_threads(1)
     eager = ModelRunner(tiny_ckpt, max_slots=4, context_length=64)
-    compiled = ModelRunner(tiny_ckpt, max_slots=4, context_length=64, decode_attention=attention, compile=True,
-                           fuse_projections=fuse, join_layers=join, combo_kernels=combo)
+    compiled = ModelRunner(tiny_ckpt, max_slots=4, context_length=64,
+                           tuning=RunnerTuning(decode_attention=attention, compile=True, fuse_projections=fuse))
     a, seqs_a = decode_steps(eager, steps=2)
     b, seqs_b = decode_steps(compiled, steps=2)
     assert seqs_a == seqs_b
@@ -234,8 +234,7 @@ def test_graphed_variants_equal_eager_sdpa_on_cuda(variant, tiny_ckpt):
 def test_bf16_graphed_attention_matches_float32(attention, tiny_ckpt):
     """bf16 with CUDA graphs, each attention, against the float32 eager step: log-probs to bf16 precision."""
     ref = ModelRunner(tiny_ckpt, device="cuda", dtype="float32", max_slots=4, context_length=300)
-    r = ModelRunner(tiny_ckpt, device="cuda", dtype="bfloat16", max_slots=4, context_length=300, cuda_graphs=True,
-                    decode_attention=attention)
+    r = ModelRunner(tiny_ckpt, device="cuda", dtype="bfloat16", max_slots=4, context_length=300, tuning=RunnerTuning(cuda_graphs=True, decode_attention=attention))
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12] * 8, [8, 9] * 20]
     for x in (ref, r):
         x.prefill([0, 1], prompts)
@@ -374,16 +373,16 @@ def compile_counter(monkeypatch):
     return counter
 
 
-@pytest.mark.parametrize("fuse,join", [(False, True), (True, True), (False, False)])
-def test_compiled_decode_compiles_a_few_times_for_every_batch_bucket(tiny_ckpt, compile_counter, fuse, join):
+@pytest.mark.parametrize("fuse", [False, True])
+def test_compiled_decode_compiles_a_few_times_for_every_batch_bucket(tiny_ckpt, compile_counter, fuse):
     """Automatic dynamic shapes: the batch buckets 2, 4, 8 cost at most three compiles of each compiled
     part (one row pads to two, a size Dynamo would compile apart), not one per bucket, and
     every bucket still gives the eager logits; with fused projections (their weights passed in) too. The
-    joined step has four parts (the embedding with the rotary tables, the first layer's start, each
-    layer's end with the next one's start, the last layer's end with the head); the unjoined one two."""
+    step has four parts (the embedding with the rotary tables, the first layer's start, each layer's end
+    with the next one's start, the last layer's end with the head)."""
     eager = ModelRunner(tiny_ckpt, max_slots=8, context_length=64)
-    compiled = ModelRunner(tiny_ckpt, max_slots=8, context_length=64, compile=True, fuse_projections=fuse,
-                           join_layers=join)
+    compiled = ModelRunner(tiny_ckpt, max_slots=8, context_length=64,
+                           tuning=RunnerTuning(compile=True, fuse_projections=fuse))
     rows, step = [], compiled._decode_eager
     compiled._decode_eager = lambda tokens, *rest: rows.append(tokens.shape[0]) or step(tokens, *rest)
     for nb in (1, 2, 3, 5, 8, 4):  # buckets 2 (one row padded to two), 2, 4, 8, 8, 4
@@ -393,19 +392,17 @@ def test_compiled_decode_compiles_a_few_times_for_every_batch_bucket(tiny_ckpt, 
         torch.testing.assert_close(compiled.decode(tokens, positions), eager.decode(tokens, positions),
                                    atol=1e-5, rtol=1e-5, msg=f"batch {nb}")
     assert rows == [2, 2, 4, 8, 8, 4]  # never a batch of one: Dynamo would compile it apart
-    parts = 4 if join else 2
+    parts = 4
     frames = compile_counter.frame_count
     assert parts <= frames <= 3 * parts, f"{frames} compiles for 3 buckets of {parts} parts"
 
 
-@pytest.mark.parametrize("symbolic", [False, True])
-def test_a_symbolic_batch_compiles_each_decode_part_once(tiny_ckpt, compile_counter, symbolic):
-    """A warm capture meets the largest bucket first. Statically, each of the joined step's four parts compiles
-    at that size and again, symbolic, at the next bucket; with ``symbolic_batch`` each compiles once, and the
-    later buckets (the largest again among them) compile nothing more (the default). Every bucket gives the eager
-    logits."""
+def test_a_symbolic_batch_compiles_each_decode_part_once(tiny_ckpt, compile_counter):
+    """A warm capture meets the largest bucket first. Each of the step's four parts compiles once there, its row
+    count symbolic, and the later buckets (the largest again among them) compile nothing more (static, each part
+    would compile again at the next bucket). Every bucket gives the eager logits."""
     eager = ModelRunner(tiny_ckpt, max_slots=8, context_length=64)
-    compiled = ModelRunner(tiny_ckpt, max_slots=8, context_length=64, compile=True, symbolic_batch=symbolic)
+    compiled = ModelRunner(tiny_ckpt, max_slots=8, context_length=64, tuning=RunnerTuning(compile=True))
     counts = []
     for nb in (8, 4, 2, 8):
         for r in (eager, compiled):
@@ -415,20 +412,7 @@ def test_a_symbolic_batch_compiles_each_decode_part_once(tiny_ckpt, compile_coun
         torch.testing.assert_close(compiled.decode(tokens, positions), eager.decode(tokens, positions),
                                    atol=1e-5, rtol=1e-5, msg=f"batch {nb}")
         counts.append(compile_counter.frame_count - before)
-    assert counts == ([4, 0, 0, 0] if symbolic else [4, 4, 0, 0]), f"decode compiles at buckets 8, 4, 2, 8: {counts}"
-    assert ModelRunner(tiny_ckpt, max_slots=8, context_length=64, compile=True).symbolic_batch  # the default
-
-
-def test_joined_layers_run_the_same_ops_as_the_separate_parts(tiny_ckpt):
-    """Uncompiled, ``join_layers`` only regroups the step's calls: the logits are bit-identical to the
-    separate parts'; it is on with ``compile`` and off without by default."""
-    torch.set_num_threads(1)
-    runners = [ModelRunner(tiny_ckpt, max_slots=4, context_length=64, join_layers=j) for j in (False, True)]
-    outs = [decode_steps(r)[0] for r in runners]
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
-    assert ModelRunner(tiny_ckpt, max_slots=4, context_length=64, compile=True).join_layers
-    assert not ModelRunner(tiny_ckpt, max_slots=4, context_length=64).join_layers
+    assert counts == [4, 0, 0, 0], f"decode compiles at buckets 8, 4, 2, 8: {counts}"
 
 
 def test_compiled_prefill_matches_eager_and_compiles_once_for_every_width(tiny_ckpt, compile_counter):
@@ -436,7 +420,7 @@ def test_compiled_prefill_matches_eager_and_compiles_once_for_every_width(tiny_c
     prompts of new widths and counts reuse one version (no compile per width), and the logits and the
     cache entries equal the eager prefill's."""
     eager = ModelRunner(tiny_ckpt, max_slots=8, context_length=64)
-    compiled = ModelRunner(tiny_ckpt, max_slots=8, context_length=64, compile=True)
+    compiled = ModelRunner(tiny_ckpt, max_slots=8, context_length=64, tuning=RunnerTuning(compile=True))
     seen = []
     for n, width in ((2, 3), (3, 5), (4, 9), (5, 4), (2, 12)):
         prompts = [[5 + i + j for j in range(width - i % 2)] for i in range(n)]  # ragged: right padding too
@@ -453,7 +437,7 @@ def test_compiled_prefill_of_one_prompt_or_one_token_compiles_nothing_more(tiny_
     positions, so after the first prefill nothing compiles again; the logits and each prompt's cache rows
     equal the eager prefill's, and no other slot is written."""
     eager = ModelRunner(tiny_ckpt, max_slots=8, context_length=64)
-    compiled = ModelRunner(tiny_ckpt, max_slots=8, context_length=64, compile=True)
+    compiled = ModelRunner(tiny_ckpt, max_slots=8, context_length=64, tuning=RunnerTuning(compile=True))
     cases = [([0, 1], [[5, 6, 7], [8, 9, 10]]), ([2], [[11, 12, 13, 14]]), ([3, 4, 5], [[15], [16], [17]]),
              ([6], [[18]]), ([6, 7], [[19, 20], [19, 20]])]  # the last: one distinct prompt in two slots
     counts = []

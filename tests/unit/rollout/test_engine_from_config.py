@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from posttrain.core.rollout.client import EngineClient, EngineRequestError
-from posttrain.plugins.engines.local.model_runner import ModelRunner
+from posttrain.plugins.engines.local.model_runner import ModelRunner, RunnerTuning
 from posttrain.testing.engine import start_local_engine
 
 
@@ -66,7 +66,7 @@ def test_a_runner_built_from_the_config_starts_at_zero_with_its_output_layer_tie
 def test_fused_projections_count_as_written_by_their_own_names(tiny_ckpt, tmp_path):
     """A GPU engine fuses Q/K/V and gate/up into one storage each: every part is a tensor of its own to write."""
     files = _model_files(tiny_ckpt, tmp_path / "files")
-    built = ModelRunner(files, max_slots=2, context_length=32, from_config=True, fuse_projections=True)
+    built = ModelRunner(files, max_slots=2, context_length=32, from_config=True, tuning=RunnerTuning(fuse_projections=True))
     weights = _weights(tiny_ckpt)
     q = [k for k in weights if k.endswith("self_attn.q_proj.weight")]
     built.load_weights({k: v for k, v in weights.items() if k not in q})

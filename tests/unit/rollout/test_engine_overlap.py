@@ -1,4 +1,4 @@
-"""The overlapped scheduler (``LocalEngine(overlap=True)``, the GPU default) gives the answers of the
+"""The overlapped scheduler (``BatchEngine(overlap=True)``, the GPU default) gives the answers of the
 synchronous one: step N + 1 is launched from the device-side tokens before step N lands, requests that
 reach their length are not launched again, and a request that stops on a token drops the token its
 extra step drew. On a CPU the ops run eagerly, so the same code path runs here, in order."""
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from posttrain.plugins.engines.local.engine import LocalEngine
+from posttrain.plugins.engines.local.engine import BatchEngine
 from posttrain.plugins.engines.local.model_runner import ModelRunner
 from posttrain.plugins.engines.local.sampling import RequestSampling
 
@@ -19,7 +19,7 @@ PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], [17], [18, 19, 20], 
 def generate(runner, requests, overlap: bool, abort_after: str | None = None):
     """Submit ``requests`` (``(prompt, sampling)``) at once to a fresh engine; return the answers in order
     and the engine's step stats. ``abort_after``: abort that request id once the first answer is in."""
-    engine = LocalEngine(runner, None, [0], overlap=overlap)
+    engine = BatchEngine(runner, None, [0], overlap=overlap)
     outs, done = [None] * len(requests), threading.Semaphore(0)
 
     def on_done(i):
@@ -112,7 +112,7 @@ def test_overlap_drops_the_tokens_of_a_request_aborted_in_flight(runner):
 
 def test_a_call_in_the_engine_lands_the_step_in_flight_first(runner):
     """``call_in_engine`` (weight loads, memory release) runs with no decode step pending on the device."""
-    engine = LocalEngine(runner, None, [0], overlap=True)
+    engine = BatchEngine(runner, None, [0], overlap=True)
     seen, done = [], threading.Event()
     try:
         engine.submit([5, 6, 7], RequestSampling(max_new_tokens=12, temperature=0.0, ignore_eos=True), False,
@@ -182,7 +182,7 @@ def test_overlap_reports_the_routed_experts_of_the_tokens_read_and_no_more(tmp_p
 
     results = {}
     for overlap in (False, True):
-        engine = LocalEngine(moe, None, [0], overlap=overlap)
+        engine = BatchEngine(moe, None, [0], overlap=overlap)
         outs, done = [None] * len(requests), threading.Semaphore(0)
         try:
             for i, (prompt, sampling) in enumerate(requests):
@@ -211,7 +211,7 @@ def test_a_paused_engine_is_woken_by_resume_not_by_each_submit(runner):
             CountingEvent.sets += 1
             super().set()
 
-    engine = LocalEngine(runner, None, [0], overlap=True)
+    engine = BatchEngine(runner, None, [0], overlap=True)
     answered, done = [], threading.Event()
     try:
         engine.pause(mode="in_place")
@@ -236,7 +236,7 @@ def test_answered_requests_are_freed_after_the_answers_not_kept(runner, overlap)
     import time
     import weakref
 
-    engine = LocalEngine(runner, None, [0], overlap=overlap)
+    engine = BatchEngine(runner, None, [0], overlap=overlap)
     refs, held, done = [], [], threading.Event()
 
     def on_done(out):  # in the engine thread; the three (one per slot) finish in one step
@@ -263,7 +263,7 @@ def test_answered_requests_are_freed_after_the_answers_not_kept(runner, overlap)
 def test_rows_submitted_together_are_admitted_in_one_prefill(runner):
     """``submit_many`` (the server's path for a batched ``/generate``): one queue item, so a running engine admits
     all rows in one prefill instead of starting on the first few while the rest arrive."""
-    engine = LocalEngine(runner, None, [0], overlap=True)
+    engine = BatchEngine(runner, None, [0], overlap=True)
     outs, done = {}, threading.Event()
 
     def on_done(i):

@@ -9,7 +9,7 @@ import torch
 
 from posttrain.plugins.engines.local.fused import layer_parts
 from posttrain.plugins.engines.local.memory import EngineMemory
-from posttrain.plugins.engines.local.model_runner import ModelRunner
+from posttrain.plugins.engines.local.model_runner import ModelRunner, RunnerTuning
 
 FAMILIES = ["qwen3", "qwen2", "llama", "glm4", "qwen3_moe"]  # qwen2 and glm4 have q/k/v biases
 
@@ -33,8 +33,8 @@ def passes(r: ModelRunner) -> list[torch.Tensor]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fused_passes_equal_the_modules_one_by_one(ckpts, family):
     torch.manual_seed(0)
-    plain = ModelRunner(ckpts[family], max_slots=2, context_length=32, fuse_projections=False)
-    fused = ModelRunner(ckpts[family], max_slots=2, context_length=32, fuse_projections=True)
+    plain = ModelRunner(ckpts[family], max_slots=2, context_length=32, tuning=RunnerTuning(fuse_projections=False))
+    fused = ModelRunner(ckpts[family], max_slots=2, context_length=32, tuning=RunnerTuning(fuse_projections=True))
     assert plain.fused_groups == 0
     dense = sum(not hasattr(layer.mlp, "experts") and hasattr(layer.mlp, "gate_proj") for layer in fused.layers)
     assert fused.fused_groups == len(fused.layers) + dense  # Q/K/V everywhere, gate/up in dense SwiGLU MLPs
@@ -49,10 +49,10 @@ def test_fused_passes_equal_the_modules_one_by_one(ckpts, family):
 def test_weight_updates_reach_the_fused_matmul_and_a_partial_checkpoint_is_refused(ckpts, tiny_ckpt_b):
     from safetensors.torch import load_file
 
-    fused = ModelRunner(ckpts["qwen3"], max_slots=2, context_length=32, fuse_projections=True)
+    fused = ModelRunner(ckpts["qwen3"], max_slots=2, context_length=32, tuning=RunnerTuning(fuse_projections=True))
     other = load_file(str(tiny_ckpt_b / "model.safetensors"))
     assert fused.load_weights(other, require_all=True) == len(other)
-    reference = ModelRunner(tiny_ckpt_b, max_slots=2, context_length=32, fuse_projections=False)
+    reference = ModelRunner(tiny_ckpt_b, max_slots=2, context_length=32, tuning=RunnerTuning(fuse_projections=False))
     for a, b in zip(passes(fused), passes(reference)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert layer_parts(fused.layers[0])[0] is not None  # copied in place: still one block
@@ -65,7 +65,7 @@ def test_weight_updates_reach_the_fused_matmul_and_a_partial_checkpoint_is_refus
 def test_stable_memory_keeps_the_blocks_fused(ckpts):
     from tests.unit.rollout.test_engine_memory import StandInDriver
 
-    r = ModelRunner(ckpts["qwen2"], max_slots=2, context_length=32, fuse_projections=True)
+    r = ModelRunner(ckpts["qwen2"], max_slots=2, context_length=32, tuning=RunnerTuning(fuse_projections=True))
     before = passes(r)
     mem = EngineMemory(r)
     assert mem.make_stable(StandInDriver().buffer) is None
@@ -79,7 +79,7 @@ def test_stable_memory_keeps_the_blocks_fused(ckpts):
 
 def test_blocks_split_apart_run_one_by_one(ckpts):
     """A plain-path release re-allocates every parameter alone: the layer then runs its modules."""
-    r = ModelRunner(ckpts["qwen3"], max_slots=2, context_length=32, fuse_projections=True)
+    r = ModelRunner(ckpts["qwen3"], max_slots=2, context_length=32, tuning=RunnerTuning(fuse_projections=True))
     before = passes(r)
     attn, mlp = r.layers[0].self_attn, r.layers[0].mlp
     attn.k_proj.weight.data = attn.k_proj.weight.data.clone()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from posttrain.plugins.engines.local import graphs
-from posttrain.plugins.engines.local.model_runner import ModelRunner
+from posttrain.plugins.engines.local.model_runner import ModelRunner, RunnerTuning
 
 
 class _Graph:
@@ -19,9 +19,8 @@ class _Graph:
         pass
 
 
-def _runner(max_slots: int, warm: bool, compiled: bool = False):
-    runner = SimpleNamespace(max_slots=max_slots, context_length=600, _graphs={}, warm_graphs=warm, _warmed=set(),
-                             compile=compiled)
+def _runner(max_slots: int, compiled: bool = False):
+    runner = SimpleNamespace(max_slots=max_slots, context_length=600, _graphs={}, _warmed=set(), compile=compiled)
     runner._bucket = ModelRunner._bucket.__get__(runner)
     runner._span = ModelRunner._span.__get__(runner)
     return runner
@@ -50,31 +49,31 @@ def _step(runner, rows: int, need: int, temperature=None):
 
 
 def test_buckets_are_the_runners_own_largest_first():
-    assert graphs.buckets(_runner(12, True)) == [12, 8, 4, 2, 1]
-    assert graphs.buckets(_runner(8, True)) == [8, 4, 2, 1]
-    assert graphs.buckets(_runner(1, True)) == [1]
+    assert graphs.buckets(_runner(12)) == [12, 8, 4, 2, 1]
+    assert graphs.buckets(_runner(8)) == [8, 4, 2, 1]
+    assert graphs.buckets(_runner(1)) == [1]
     for compiled in (False, True):
-        runner = _runner(12, True, compiled)
+        runner = _runner(12, compiled)
         assert sorted({runner._bucket(n) for n in range(1, 13)}, reverse=True) == graphs.buckets(runner)
 
 
 def test_a_compiled_runner_has_no_bucket_of_one_row():
     """Dynamo compiles a size-1 batch apart from every other size: a compiled runner pads one row to two."""
-    assert graphs.buckets(_runner(12, True, compiled=True)) == [12, 8, 4, 2]
-    assert graphs.buckets(_runner(1, True, compiled=True)) == [1]  # one slot: nothing to pad into
-    runner = _runner(12, True, compiled=True)
+    assert graphs.buckets(_runner(12, compiled=True)) == [12, 8, 4, 2]
+    assert graphs.buckets(_runner(1, compiled=True)) == [1]  # one slot: nothing to pad into
+    runner = _runner(12, compiled=True)
     assert [runner._bucket(n) for n in (1, 2, 3, 9, 12)] == [2, 2, 4, 12, 12]
 
 
 def test_warm_graphs_of_a_compiled_runner_skip_the_one_row_bucket(captured):
-    runner = _runner(12, True, compiled=True)
+    runner = _runner(12, compiled=True)
     (sampled, logprobs, both), _ = _step(runner, 1, 10, temperature=1.0)
     assert captured == [(12, 256, 1.0), (8, 256, 1.0), (4, 256, 1.0), (2, 256, 1.0)]
     assert sampled.shape == logprobs.shape == (1,) and both.shape == (2, 1)  # the one real row of bucket 2
 
 
 def test_the_first_step_at_a_temperature_captures_every_bucket(captured):
-    runner = _runner(12, True)
+    runner = _runner(12)
     logits, _ = _step(runner, 5, 10)
     assert logits.shape == (5, 3)
     assert captured == [(12, 256, None), (8, 256, None), (4, 256, None), (2, 256, None), (1, 256, None)]
@@ -85,14 +84,6 @@ def test_the_first_step_at_a_temperature_captures_every_bucket(captured):
     _step(runner, 7, 10, temperature=1.0)  # a temperature met for the first time: every bucket again
     assert captured[6:] == [(12, 256, 1.0), (8, 256, 1.0), (4, 256, 1.0), (2, 256, 1.0), (1, 256, 1.0)]
     assert runner._warmed == {None, 1.0}
-
-
-def test_lazy_graphs_capture_the_bucket_a_step_meets(captured):
-    runner = _runner(12, False)
-    _step(runner, 5, 10)
-    _step(runner, 5, 10)
-    _step(runner, 2, 10, temperature=0.0)
-    assert captured == [(8, 256, None), (2, 256, 0.0)]
 
 
 @pytest.fixture
@@ -111,7 +102,7 @@ def short_of_memory(monkeypatch, captured):
 
 
 def test_warm_captures_skip_other_buckets_that_run_out_of_memory(short_of_memory, captured, capsys):
-    runner = _runner(12, True)
+    runner = _runner(12)
     short_of_memory.update({12, 8, 1})
     logits, _ = _step(runner, 3, 10)  # bucket 4: the step runs; 12, 8 and 1 skipped with a line each
     assert logits.shape == (3, 3)
@@ -125,7 +116,7 @@ def test_warm_captures_skip_other_buckets_that_run_out_of_memory(short_of_memory
 
 
 def test_out_of_memory_at_the_steps_own_bucket_is_raised(short_of_memory, captured):
-    runner = _runner(12, True)
+    runner = _runner(12)
     short_of_memory.update({12, 8, 4})
     with pytest.raises(torch.cuda.OutOfMemoryError):
         _step(runner, 3, 10)  # its own bucket (4) cannot be captured: the step fails, as a lazy capture would
@@ -137,8 +128,7 @@ def test_out_of_memory_at_the_steps_own_bucket_is_raised(short_of_memory, captur
 def test_a_warm_up_that_runs_out_of_memory_puts_the_cache_and_step_buffers_back(tiny_ckpt, monkeypatch):
     """On CUDA: a capture whose warm-up runs out of memory after it wrote K/V at position 0 of slots
     0 .. bucket-1 (where requests in flight may live) puts those rows and the step buffers back before raising."""
-    runner = ModelRunner(tiny_ckpt, device="cuda", dtype="float32", max_slots=4, context_length=64,
-                         decode_attention="triton", cuda_graphs=True)
+    runner = ModelRunner(tiny_ckpt, device="cuda", dtype="float32", max_slots=4, context_length=64, tuning=RunnerTuning(decode_attention="triton", cuda_graphs=True))
     runner.prefill([0, 1], [[5, 6, 7], [8, 9]])
     runner.step_tokens[:4] = torch.tensor([20, 21, 22, 23], device="cuda")
     runner.step_positions[:4] = torch.tensor([3, 2, 9, 9], device="cuda")
@@ -168,10 +158,11 @@ def test_a_warm_up_that_runs_out_of_memory_puts_the_cache_and_step_buffers_back(
 def test_warm_captures_leave_the_step_and_the_cache_as_they_were(tiny_ckpt):
     """On CUDA: the first graphed step at a temperature captures every bucket (each capture's warm-up runs for
     real over slots 0 .. bucket-1 and puts back what it overwrote), and its draws and the smaller batch's after
-    it equal those of a runner capturing each bucket at its first step."""
-    kw = dict(device="cuda", dtype="bfloat16", max_slots=8, context_length=64, decode_attention="triton",
-              cuda_graphs=True)
-    lazy, graphed = ModelRunner(tiny_ckpt, warm_graphs=False, **kw), ModelRunner(tiny_ckpt, **kw)
+    it equal those of a runner capturing each bucket at its first step (its temperature marked warmed already)."""
+    kw = dict(device="cuda", dtype="bfloat16", max_slots=8, context_length=64,
+              tuning=RunnerTuning(decode_attention="triton", cuda_graphs=True))
+    lazy, graphed = ModelRunner(tiny_ckpt, **kw), ModelRunner(tiny_ckpt, **kw)
+    lazy._warmed.add(0.0)
     prompts = [[5 + i, 6, 7] for i in range(6)]
     tokens, positions = torch.arange(20, 26, device="cuda"), torch.full((6,), 3, device="cuda")
     draws = []
@@ -181,7 +172,7 @@ def test_warm_captures_leave_the_step_and_the_cache_as_they_were(tiny_ckpt):
         second = r.decode_sampled(first[:3], positions[:3] + 1, 0.0, 4)[0].clone()  # bucket 4, captured already
         draws.append((first, second))
     assert {k[0] for k in graphed._graphs if k[2] == 0.0} == {8, 4, 2, 1} and graphed._warmed == {0.0}
-    assert {k[0] for k in lazy._graphs} == {8, 4} and not lazy._warmed
+    assert {k[0] for k in lazy._graphs} == {8, 4}
     assert graphed.graph_totals["graph_captures"] == 4 and graphed.graph_totals["graph_capture_s"] > 0
     for a, b in zip(*draws):
         assert torch.equal(a, b)
@@ -192,8 +183,9 @@ def test_warm_captures_leave_the_step_and_the_cache_as_they_were(tiny_ckpt):
 def test_a_compiled_graphed_step_of_one_row_runs_in_the_two_row_graph(tiny_ckpt):
     """On CUDA, compiled: the warm captures stop at two rows, and a step of one row (padded to two) gives the
     eager step's logits for it (the pad row writes position 0 of slot 1, idle in an engine's step)."""
-    kw = {"device": "cuda", "dtype": "float32", "max_slots": 8, "context_length": 64, "decode_attention": "triton"}
-    eager, graphed = ModelRunner(tiny_ckpt, **kw), ModelRunner(tiny_ckpt, cuda_graphs=True, compile=True, **kw)
+    kw = {"device": "cuda", "dtype": "float32", "max_slots": 8, "context_length": 64}
+    eager = ModelRunner(tiny_ckpt, **kw, tuning=RunnerTuning(decode_attention="triton"))
+    graphed = ModelRunner(tiny_ckpt, **kw, tuning=RunnerTuning(decode_attention="triton", cuda_graphs=True, compile=True))
     for r in (eager, graphed):
         r.prefill([0, 1], [[5, 6, 7], [8, 9]])
     tokens, positions = torch.tensor([20, 21], device="cuda"), torch.tensor([3, 2], device="cuda")

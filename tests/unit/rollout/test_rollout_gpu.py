@@ -13,12 +13,12 @@ def test_bf16_engine_logprobs_match_a_bf16_forward(tiny_ckpt):
 
     from transformers import AutoModelForCausalLM
 
-    from posttrain.plugins.engines.local.engine import LocalEngine
-    from posttrain.plugins.engines.local.model_runner import ModelRunner
+    from posttrain.plugins.engines.local.engine import BatchEngine
+    from posttrain.plugins.engines.local.model_runner import ModelRunner, RunnerTuning
     from posttrain.plugins.engines.local.sampling import parse_sampling
 
-    runner = ModelRunner(tiny_ckpt, device="cuda", dtype="bfloat16", max_slots=4, context_length=256, cuda_graphs=True)
-    engine = LocalEngine(runner, None, [0])
+    runner = ModelRunner(tiny_ckpt, device="cuda", dtype="bfloat16", max_slots=4, context_length=256, tuning=RunnerTuning(cuda_graphs=True))
+    engine = BatchEngine(runner, None, [0])
     done, box = threading.Event(), {}
     engine.submit([5, 6, 7, 8], parse_sampling({"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True,
                                                 "sampling_seed": 1}), True, lambda o: (box.update(o), done.set()))
@@ -38,10 +38,10 @@ def test_stable_memory_gives_memory_back_and_keeps_the_cuda_graphs(tiny_ckpt):
     to the device, the same addresses come back, and the graphs captured before the release replay to
     the same logits after it (no recapture)."""
     from posttrain.plugins.engines.local.memory import EngineMemory
-    from posttrain.plugins.engines.local.model_runner import ModelRunner
+    from posttrain.plugins.engines.local.model_runner import ModelRunner, RunnerTuning
 
     # 256 slots x 2048 positions: 64 MiB each for K and V, large enough to see in mem_get_info
-    r = ModelRunner(tiny_ckpt, device="cuda", dtype="bfloat16", max_slots=256, context_length=2048, cuda_graphs=True)
+    r = ModelRunner(tiny_ckpt, device="cuda", dtype="bfloat16", max_slots=256, context_length=2048, tuning=RunnerTuning(cuda_graphs=True))
     mem = EngineMemory(r)
     assert mem.make_stable() is None, "CUDA VMM refused here"
 
@@ -67,11 +67,10 @@ def test_overlapped_engine_answers_like_the_synchronous_one_on_cuda(tiny_ckpt):
     """Overlap on a GPU (graphs, the Triton attention where it imports, async copies through pinned
     memory): greedy and seeded rows, stop tokens, a context end and more requests than slots give the
     synchronous engine's tokens."""
-    from posttrain.plugins.engines.local.model_runner import ModelRunner
+    from posttrain.plugins.engines.local.model_runner import ModelRunner, RunnerTuning
     from tests.unit.rollout.test_engine_overlap import answers, generate, mixed_requests
 
-    runner = ModelRunner(tiny_ckpt, device="cuda", dtype="float32", max_slots=3, context_length=24, cuda_graphs=True,
-                         decode_attention="auto")
+    runner = ModelRunner(tiny_ckpt, device="cuda", dtype="float32", max_slots=3, context_length=24, tuning=RunnerTuning(cuda_graphs=True, decode_attention="auto"))
     requests = mixed_requests(runner.vocab_size)
     sync, _ = generate(runner, requests, overlap=False)
     over, stats = generate(runner, requests, overlap=True)
@@ -79,20 +78,18 @@ def test_overlapped_engine_answers_like_the_synchronous_one_on_cuda(tiny_ckpt):
     assert stats["decode_steps"] > 0
     # a fresh runner: the overlapped engine captures its graphs itself, mid-run, with a step in flight (a capture's
     # warm-up must leave that step's tokens, positions and cache as they were)
-    fresh = ModelRunner(tiny_ckpt, device="cuda", dtype="float32", max_slots=3, context_length=24, cuda_graphs=True,
-                        decode_attention="auto")
+    fresh = ModelRunner(tiny_ckpt, device="cuda", dtype="float32", max_slots=3, context_length=24, tuning=RunnerTuning(cuda_graphs=True, decode_attention="auto"))
     over, stats = generate(fresh, requests, overlap=True)
     assert answers(over) == answers(sync)
     assert stats["position_copies"] <= stats["decode_steps"]
 
 
 def test_fused_projections_on_cuda_match_the_modules_one_by_one(tiny_ckpt):
-    from posttrain.plugins.engines.local.model_runner import ModelRunner
+    from posttrain.plugins.engines.local.model_runner import ModelRunner, RunnerTuning
 
     out = {}
     for fuse in (False, True):
-        r = ModelRunner(tiny_ckpt, device="cuda", dtype="bfloat16", max_slots=4, context_length=300, cuda_graphs=True,
-                        fuse_projections=fuse)
+        r = ModelRunner(tiny_ckpt, device="cuda", dtype="bfloat16", max_slots=4, context_length=300, tuning=RunnerTuning(cuda_graphs=True, fuse_projections=fuse))
         assert (r.fused_groups > 0) == fuse
         logits = r.prefill([0, 1], [[5, 6, 7, 8] * 8, [9, 10] * 5])
         steps = [r.decode(torch.tensor([20, 21], device="cuda"), torch.tensor([32 + s, 10 + s], device="cuda"),

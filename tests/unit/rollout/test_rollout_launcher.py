@@ -13,7 +13,7 @@ import pytest
 from posttrain.core.rollout.backend import API_KEY_ENV
 from posttrain.core.rollout.procs import ManagedServer
 from posttrain.plugins.engines.sglang.launcher import SGLangSpec, sglang_command, sglang_options_from_argv
-from posttrain.plugins.engines.local import local_engine_command
+from posttrain.plugins.engines.local import LocalEngine, local_engine_command
 from posttrain.core.rollout.procs import free_port, http_ok
 
 
@@ -47,7 +47,7 @@ def test_sglang_options_come_from_the_command_line_and_may_not_shadow_the_config
 @pytest.mark.slow
 def test_managed_server_waits_for_readiness_and_restarts_a_dead_server(tiny_ckpt, tmp_path):
     port = free_port()
-    cmd = local_engine_command(str(tiny_ckpt), port, context_length=128, max_running_requests=2)
+    cmd = local_engine_command(str(tiny_ckpt), port, LocalEngine.Config(context_length=128, max_running_requests=2))
     server = ManagedServer(cmd, f"http://127.0.0.1:{port}", log_path=tmp_path / "engine.log",
                            env={"OMP_NUM_THREADS": "1", API_KEY_ENV: "k"}, ready_timeout_s=120)
     try:
@@ -71,7 +71,8 @@ def test_an_engine_launched_before_its_checkpoint_loads_it_once_it_appears(tiny_
 
     model = tmp_path / "hf-init"
     port = free_port()
-    cmd = local_engine_command(str(model), port, context_length=128, max_running_requests=2, wait_for_model=120)
+    cmd = local_engine_command(str(model), port, LocalEngine.Config(context_length=128, max_running_requests=2),
+                               wait_for_model=120)
     server = ManagedServer(cmd, f"http://127.0.0.1:{port}", log_path=tmp_path / "engine.log",
                            env={"OMP_NUM_THREADS": "1", API_KEY_ENV: "k"}, ready_timeout_s=120)
     try:

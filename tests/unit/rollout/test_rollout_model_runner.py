@@ -113,10 +113,10 @@ def test_a_request_that_breaks_a_step_fails_alone(runner):
     refuses, handed to the engine directly) ends with an error; the requests beside it go on."""
     import threading
 
-    from posttrain.plugins.engines.local.engine import LocalEngine
+    from posttrain.plugins.engines.local.engine import BatchEngine
     from posttrain.plugins.engines.local.sampling import RequestSampling
 
-    engine = LocalEngine(runner, None, [])
+    engine = BatchEngine(runner, None, [])
     results, done = {}, threading.Event()
 
     def submit(name, sampling):
@@ -156,60 +156,6 @@ def test_auto_dtype_follows_the_checkpoint_on_a_gpu_and_is_float32_on_the_cpu(tm
         assert resolve_dtype("auto", cpu, str(tmp_path)) == "float32"
         assert resolve_dtype("float16", cuda, str(tmp_path)) == "float16"
     assert resolve_dtype("auto", cuda, None) == "bfloat16"
-
-
-def test_local_engine_backend_passes_an_explicit_dtype_only():
-    from types import SimpleNamespace
-
-    from posttrain.core.rollout.backend import EngineSlot
-    from posttrain.plugins.engines.local import LocalEngine
-
-    slot = EngineSlot(index=0, port=30000, host="127.0.0.1", model_path="/ckpt", seed=0,
-                      resources=SimpleNamespace(), api_key="k")
-    argv = LocalEngine(LocalEngine.Config()).launch(slot).command
-    assert "--dtype" not in argv  # auto: the server resolves it from the checkpoint
-    argv = LocalEngine(LocalEngine.Config(dtype="float32")).launch(slot).command
-    assert argv[argv.index("--dtype") + 1] == "float32"
-
-
-@pytest.mark.parametrize("colocate, stable, expect", [(True, True, True), (False, True, False), (True, False, False)])
-def test_local_engine_backend_asks_for_stable_memory_when_colocated_on_a_gpu(colocate, stable, expect):
-    """Only a colocated engine releases its memory, so only there do weights and cache go to VMM buffers."""
-    from types import SimpleNamespace
-
-    from posttrain.core.rollout.backend import EngineSlot
-    from posttrain.plugins.engines.local import LocalEngine
-
-    slot = EngineSlot(index=0, port=30000, host="127.0.0.1", model_path="/ckpt", seed=0,
-                      resources=SimpleNamespace(colocate=colocate), api_key="k")
-    argv = LocalEngine(LocalEngine.Config(device="cuda:0", stable_memory=stable)).launch(slot).command
-    assert ("--stable-memory" in argv) == expect and "--cuda-graphs" in argv
-    cpu = LocalEngine(LocalEngine.Config(stable_memory=stable)).launch(slot).command
-    assert "--stable-memory" not in cpu
-
-
-def test_local_engine_backend_passes_the_new_decode_levers_only_when_set():
-    """``compile_mode``, ``prefill_tokens`` and ``fused_sampling`` reach ``rl-cli engine serve`` only when they
-    differ from its defaults, and the server command accepts each flag it is given."""
-    from types import SimpleNamespace
-
-    from typer.testing import CliRunner
-
-    from posttrain.core.rollout.backend import EngineSlot
-    from posttrain.plugins.engines.local import LocalEngine
-    from posttrain.plugins.engines.local.command import app
-
-    slot = EngineSlot(index=0, port=30000, host="127.0.0.1", model_path="/ckpt", seed=0,
-                      resources=SimpleNamespace(colocate=False), api_key="k")
-    argv = LocalEngine(LocalEngine.Config()).launch(slot).command
-    assert not {"--compile-mode", "--prefill-tokens", "--no-fused-sampling"} & set(argv)
-    cfg = LocalEngine.Config(compile=True, compile_mode="max-autotune-no-cudagraphs", prefill_tokens=4096,
-                             fused_sampling=False)
-    argv = LocalEngine(cfg).launch(slot).command
-    assert argv[argv.index("--compile-mode") + 1] == "max-autotune-no-cudagraphs"
-    assert argv[argv.index("--prefill-tokens") + 1] == "4096" and "--no-fused-sampling" in argv
-    help_text = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "240", "TERM": "dumb"}).output
-    assert all(flag in help_text for flag in ("--compile-mode", "--prefill-tokens", "--no-fused-sampling"))
 
 
 def test_cache_copies_move_whole_words_and_keep_every_bit():

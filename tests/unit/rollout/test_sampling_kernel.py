@@ -184,10 +184,9 @@ def test_a_runner_without_float_logits_hands_the_kernel_bf16(tiny_ckpt):
     """``float_logits=False`` (the engine server's choice on a GPU): the graphed decode step returns the
     model's bf16 logits, whose float32 upcast is the float32 runner's output, and the kernel samples
     them to the same tokens and log-probs."""
-    from posttrain.plugins.engines.local.model_runner import ModelRunner
+    from posttrain.plugins.engines.local.model_runner import ModelRunner, RunnerTuning
 
-    runners = [ModelRunner(tiny_ckpt, device="cuda", dtype="bfloat16", max_slots=4, context_length=64,
-                           cuda_graphs=True, decode_attention="triton", float_logits=f) for f in (True, False)]
+    runners = [ModelRunner(tiny_ckpt, device="cuda", dtype="bfloat16", max_slots=4, context_length=64, tuning=RunnerTuning(cuda_graphs=True, decode_attention="triton", float_logits=f)) for f in (True, False)]
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     outs = []
     for r in runners:
@@ -204,8 +203,8 @@ def test_a_runner_without_float_logits_hands_the_kernel_bf16(tiny_ckpt):
 IN_STEP = textwrap.dedent("""
     import sys, threading
     import torch
-    from posttrain.plugins.engines.local.engine import LocalEngine
-    from posttrain.plugins.engines.local.model_runner import ModelRunner
+    from posttrain.plugins.engines.local.engine import BatchEngine
+    from posttrain.plugins.engines.local.model_runner import ModelRunner, RunnerTuning
     from posttrain.plugins.engines.local.sampling import RequestSampling
 
     torch.set_num_threads(1)
@@ -228,7 +227,7 @@ IN_STEP = textwrap.dedent("""
     def run(overlap, fused):  # greedy answers of the engine, and how often the runner sampled in its step
         calls, real = [], runner.decode_sampled
         runner.decode_sampled = lambda *a, **kw: calls.append(1) or real(*a, **kw)
-        engine = LocalEngine(runner, None, [0], overlap=overlap, fused_sampling=fused)
+        engine = BatchEngine(runner, None, [0], overlap=overlap, fused_sampling=fused)
         outs, done = [], threading.Semaphore(0)
         try:
             engine.pause(mode="in_place")
@@ -267,10 +266,11 @@ def test_in_step_sampling_under_the_triton_interpreter(tiny_ckpt):
 def test_graphed_in_step_sampling_on_cuda(tiny_ckpt):
     """Inside a CUDA graph: greedy draws equal the logits graph's argmax, one graph per temperature; at
     temperature 1 a replay draws new noise (the graph advances torch's generator), and the seed repeats."""
-    from posttrain.plugins.engines.local.model_runner import ModelRunner
+    from posttrain.plugins.engines.local.model_runner import ModelRunner, RunnerTuning
 
-    r = ModelRunner(tiny_ckpt, device="cuda", dtype="bfloat16", max_slots=8, context_length=64, cuda_graphs=True,
-                    decode_attention="triton", warm_graphs=False)  # a bucket captured mid-run, below
+    r = ModelRunner(tiny_ckpt, device="cuda", dtype="bfloat16", max_slots=8, context_length=64,
+                    tuning=RunnerTuning(cuda_graphs=True, decode_attention="triton"))
+    r._warmed.update({None, 0.0})  # marked warmed: a bucket captured mid-run, below
     r.prefill(list(range(6)), [[5 + i, 6, 7] for i in range(6)])
     tokens, positions = torch.arange(20, 26, device="cuda"), torch.full((6,), 3, device="cuda")
     logits = r.decode(tokens, positions, 3).float().clone()

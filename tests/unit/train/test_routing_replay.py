@@ -39,11 +39,11 @@ def _checkpoint(src, out, router_noise: float):
 
 def _rollouts(path) -> list[Sample]:
     """Samples of ``PROMPTS`` from the local engine (seeded, temperature 1) with log-probs and routed experts."""
-    from posttrain.plugins.engines.local.engine import LocalEngine
+    from posttrain.plugins.engines.local.engine import BatchEngine
     from posttrain.plugins.engines.local.model_runner import ModelRunner
     from posttrain.plugins.engines.local.sampling import parse_sampling
 
-    engine = LocalEngine(ModelRunner(path, max_slots=8, context_length=64), tokenizer=None, eos_token_ids=[])
+    engine = BatchEngine(ModelRunner(path, max_slots=8, context_length=64), tokenizer=None, eos_token_ids=[])
     outs: dict[int, dict] = {}
     done = threading.Event()
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
 from posttrain import hookimpl
@@ -57,10 +57,12 @@ class LocalEngine(EngineBackend):
         compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = option(
             "default", help="with compile: Inductor's mode; max-autotune-no-cudagraphs times Triton matmul templates "
                             "against cuBLAS per shape (minutes more at start, cached on disk)")
+        cuda_graphs: bool = option(True, help="GPU: the decode step captured in CUDA graphs (one per batch and "
+                                              "span bucket), replayed at one launch a step")
         stable_memory: bool = option(
-            True, help="colocated GPU engines: weights and KV cache at fixed virtual addresses (CUDA VMM), so a "
-                       "release keeps the CUDA graphs (no recapture each step); off, or where the driver refuses: "
-                       "re-allocated")
+            True, help="GPU: weights and KV cache at fixed virtual addresses (CUDA VMM), so a memory release keeps "
+                       "the CUDA graphs (no recapture each step); a run asks for it only where engines release "
+                       "(colocated); off, or where the driver refuses: re-allocated")
         overlap: bool = option(
             True, help="GPU: launch decode step N + 1 before step N's tokens reach the host (the host's work on a "
                        "step hides behind the next one); same answers, each one step later")
@@ -78,11 +80,14 @@ class LocalEngine(EngineBackend):
             "auto", help="weights and KV cache: auto = float32 on the CPU; on a GPU the checkpoint's torch_dtype (a "
                          "float32 policy is sampled in float32), bfloat16 when it names none")
 
+        def validate(self) -> list[str]:
+            device = self.device
+            if device != "cpu" and not (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
+                return [f"device: expected cpu, cuda or cuda:N, got {device!r}"]
+            return []
+
     def check_config(self, run: Any, plugins: Any) -> list[str]:
         errors = []
-        device = self.config.device
-        if device != "cpu" and not (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
-            errors.append(f"rollout.engine.device: expected cpu, cuda or cuda:N, got {device!r}")
         arch = getattr(plugins.models.get(run.model.name), "hf_architecture", "") if run.model else ""
         if arch and arch not in SERVED_ARCHITECTURES:
             errors.append(f"rollout.engine: the local engine cannot serve {arch} (model {run.model.name!r}); it "
@@ -97,6 +102,12 @@ class LocalEngine(EngineBackend):
         if device.startswith("cuda:"):  # every engine on that GPU
             return [int(device[5:])]
         return super().engine_gpus(resources)
+
+    def serve_command(self, model_dir: str, port: int, host: str = "127.0.0.1", **server_options: Any) -> list[str]:
+        """The ``rl-cli engine serve`` argv of ``model_dir`` on ``host:port`` with this backend's config as it is
+        (a test's or a tool's engine; a run's goes through :meth:`launch`, which places it on its GPU);
+        ``server_options``: :func:`local_engine_command`'s."""
+        return local_engine_command(model_dir, port, self.config, host=host, **server_options)
 
     def launch(self, slot: EngineSlot) -> EngineLaunch:
         from posttrain.core.rollout.backend import API_KEY_ENV, gpu_ids
@@ -114,22 +125,38 @@ class LocalEngine(EngineBackend):
         # release would drop the graphs (no stable memory): its first rollout would capture them again.
         warm = (cfg.warm_up and device == "cuda" and slot.sampling is not None
                 and (cfg.stable_memory or not slot.resources.colocate))
+        # stable memory serves the releases of colocated engines alone
+        served = replace(cfg, device=device, warm_up=warm,
+                         stable_memory=device == "cuda" and cfg.stable_memory and slot.resources.colocate)
         return EngineLaunch(local_engine_command(
-            slot.model_path, slot.port, host=slot.host, device=device, max_running_requests=cfg.max_running_requests,
-            context_length=cfg.context_length or None, cuda_graphs=device == "cuda",
-            decode_attention=cfg.decode_attention, compile=cfg.compile, no_overlap=not cfg.overlap,
-            compile_mode=None if cfg.compile_mode == "default" else cfg.compile_mode,
-            no_fused_sampling=not cfg.fused_sampling, prefill_tokens=cfg.prefill_tokens or None,
-            stable_memory=device == "cuda" and cfg.stable_memory and slot.resources.colocate,
-            dtype=None if cfg.dtype == "auto" else cfg.dtype, wait_for_model=MODEL_WAIT_S if slot.model_pending else None,
+            slot.model_path, slot.port, served, host=slot.host,
+            wait_for_model=MODEL_WAIT_S if slot.model_pending else None,
             load_format="dummy" if slot.weights_from_push else None,
             warm_sampling=json.dumps(slot.sampling) if warm else None), env)
 
 
-def local_engine_command(model_dir: str, port: int, host: str = "127.0.0.1", **options: Any) -> list[str]:
-    """The ``rl-cli engine serve`` argv (run through this interpreter) for the local engine."""
+def config_flags(config: Any) -> list[str]:
+    """``config``'s fields as ``rl-cli engine serve`` flags, every one of them (``engine serve`` rebuilds
+    :class:`LocalEngine.Config` from them through the same schema): ``--name value``, a bool as ``--name`` or
+    ``--no-name``."""
+    argv = []
+    for f in fields(config):
+        value, flag = getattr(config, f.name), "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def local_engine_command(model_dir: str, port: int, config: Any = None, host: str = "127.0.0.1",
+                         **options: Any) -> list[str]:
+    """The ``rl-cli engine serve`` argv (run through this interpreter) for the local engine: ``config`` (a
+    :class:`LocalEngine.Config`; None: the defaults) whole, then the server's own ``options`` (``port``-like
+    flags by name: ``wait_for_model``, ``load_format``, ``warm_sampling``, ``no_api_key``; None or False: left
+    out)."""
     cmd = [sys.executable, "-m", "posttrain.cli.main", "engine", "serve", str(model_dir), "--host", host,
-           "--port", str(port)]
+           "--port", str(port), *config_flags(config if config is not None else LocalEngine.Config())]
     for key, value in options.items():
         flag = "--" + key.replace("_", "-")
         if value is True:

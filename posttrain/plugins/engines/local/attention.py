@@ -2,8 +2,8 @@
 ``decode_attention``): ``sdpa``, ``bmm`` or ``triton`` (``decode_kernel``).
 
 :func:`step_attention` builds the step's ``attend(l, q, k, v)`` once for all layers: it writes the step's
-keys and values into layer ``l``'s cache at each slot's position (the Triton kernel can do that itself,
-``attention_writes_kv``) and attends over the cache. ``sdpa`` and ``bmm`` read a span shared by the batch
+keys and values into layer ``l``'s cache at each slot's position (the Triton kernel does that itself) and
+attends over the cache. ``sdpa`` and ``bmm`` read a span shared by the batch
 and mask each row's tail; ``triton`` reads each slot's own ``position + 1`` entries. All three compute
 the same attention to float32 rounding.
 """
@@ -31,17 +31,15 @@ def step_attention(runner, positions: torch.Tensor, span: int, tables: tuple | N
         if runner.rope_in_attention:
             ropes = layer_ropes(runner.layers, *tables)
             return lambda l, q, k, v: kernel(q, *caches(l), lengths, scale, k_new=k, v_new=v, rope=ropes[l])
-        if runner.attention_writes_kv:  # the kernel writes k, v at ``position`` itself
-            return lambda l, q, k, v: kernel(q, *caches(l), lengths, scale, k_new=k, v_new=v)
-        attend = lambda q, kc, vc: kernel(q, kc, vc, lengths, scale)  # noqa: E731
+        # the kernel writes k, v at ``position`` itself: two cache-write launches a layer fewer
+        return lambda l, q, k, v: kernel(q, *caches(l), lengths, scale, k_new=k, v_new=v)
+    past = torch.arange(span, device=positions.device)[None, :] > positions[:, None]  # [nb, span]: masked out
+    if runner.decode_attention == "bmm":
+        masked, fp32 = past[:, None, :], bmm_fp32_out_supported(positions.device, k_cache.dtype)
+        attend = lambda q, kc, vc: attend_bmm(q, kc, vc, masked, scale, fp32)  # noqa: E731
     else:
-        past = torch.arange(span, device=positions.device)[None, :] > positions[:, None]  # [nb, span]: masked out
-        if runner.decode_attention == "bmm":
-            masked, fp32 = past[:, None, :], bmm_fp32_out_supported(positions.device, k_cache.dtype)
-            attend = lambda q, kc, vc: attend_bmm(q, kc, vc, masked, scale, fp32)  # noqa: E731
-        else:
-            allowed = ~past[:, None, None, :]
-            attend = lambda q, kc, vc: attend_sdpa(q, kc, vc, allowed, scale)  # noqa: E731
+        allowed = ~past[:, None, None, :]
+        attend = lambda q, kc, vc: attend_sdpa(q, kc, vc, allowed, scale)  # noqa: E731
     rows = torch.arange(nb, device=positions.device)
 
     def write_then_attend(l, q, k, v):

@@ -3,10 +3,14 @@ this plugin adds through ``posttrain_register_commands`` like any third-party pl
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
 import os
 import sys
+import typing
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -16,8 +20,6 @@ app = typer.Typer(help="Serve a HF checkpoint over SGLang's native HTTP API (CPU
                   no_args_is_help=True)
 
 
-DECODE_ATTENTION = ("auto", "sdpa", "bmm", "triton")
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")  # model_runner.COMPILE_MODES, without importing torch here
 LOAD_FORMATS = ("auto", "dummy")  # SGLang's names for the two it shares with this server
 
 
@@ -40,31 +42,61 @@ def quiet_http2_probes() -> None:
     logging.getLogger("aiohttp.server").addFilter(HTTP2ProbeFilter())
 
 
-@app.command()
+def config_parameters() -> list[inspect.Parameter]:
+    """One ``--name`` option per field of the local backend's ``Config`` (bools as ``--name/--no-name``), for
+    ``serve``'s signature: each option's help, type and choices come from the field; left out, the option is None
+    and the field keeps the dataclass's default (read when ``serve`` runs, not here)."""
+    from posttrain.plugins.engines.local import LocalEngine
+
+    hints = typing.get_type_hints(LocalEngine.Config)
+    params = []
+    for f in dataclasses.fields(LocalEngine.Config):
+        tp, flag = hints[f.name], "--" + f.name.replace("_", "-")
+        choices = typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else ()
+        text = f.metadata.get("help", "") + (f" (one of: {', '.join(map(str, choices))})" if choices else "")
+        decls = (f"{flag}/--no-{flag[2:]}",) if tp is bool else (flag,)
+        kind = tp if tp in (bool, int, float) else str
+        option = typer.Option(None, *decls, help=text, show_default=str(f.default))
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option,
+                                        annotation=typing.Optional[kind]))  # Typer reads Optional, not X | None
+    return params
+
+
+def engine_config(given: dict[str, Any]) -> Any:
+    """The local backend's ``Config`` from ``serve``'s options (None: not given, the field's default), built and
+    checked by ``posttrain.core.schema`` as a run's ``rollout.engine`` section is; a bad value is a one-line
+    :class:`UsageError` naming its option."""
+    from posttrain.core.schema import build
+    from posttrain.plugins.engines.local import LocalEngine
+
+    config, errors = build(LocalEngine.Config, {k: v for k, v in given.items() if v is not None}, "")
+    if errors:
+        names = {f.name for f in dataclasses.fields(LocalEngine.Config)}
+        raise UsageError("; ".join(_as_flag(e, names) for e in errors))
+    return config
+
+
+def _as_flag(error: str, names: set[str]) -> str:
+    """``"max_running_requests: ..."`` -> ``"--max-running-requests: ..."`` (a schema error, named as the option)."""
+    key, sep, rest = error.partition(":")
+    return f"--{key.replace('_', '-')}:{rest}" if sep and key in names else error
+
+
 def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (config.json, *.safetensors, tokenizer)",
                                            show_default=False),
           port: int = typer.Option(30000, "--port", help="TCP port"),
           host: str = typer.Option("127.0.0.1", "--host", help="address to bind (loopback by default)"),
-          device: str = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N"),
-          dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU; on GPU the checkpoint's torch_dtype, else bfloat16) | float32 | bfloat16 | float16"),
-          max_running_requests: int = typer.Option(32, "--max-running-requests", help="KV-cache slots (requests decoded together)"),
-          context_length: int = typer.Option(0, "--context-length", help="tokens per request (prompt + output); 0: the model's max_position_embeddings, at most 4096"),
-          cuda_graphs: bool = typer.Option(False, "--cuda-graphs", help="capture the decode step in CUDA graphs (GPU only)"),
-          decode_attention: str = typer.Option("auto", "--decode-attention", help="decode attention: auto (triton on a GPU, else sdpa) | sdpa | bmm | triton"),
-          compile: bool = typer.Option(False, "--compile", help="torch.compile the decode step's layer parts (fused norms, rotary, SwiGLU)"),
-          compile_mode: str = typer.Option("default", "--compile-mode", help="with --compile: default | max-autotune-no-cudagraphs (Triton matmul templates timed against cuBLAS; longer start)"),
-          stable_memory: bool = typer.Option(False, "--stable-memory", help="GPU: weights and KV cache at fixed virtual addresses (CUDA VMM), so memory release keeps the CUDA graphs"),
-          no_overlap: bool = typer.Option(False, "--no-overlap", help="GPU: wait for each decode step's tokens before launching the next (default: launch step N + 1 first)"),
-          no_fused_sampling: bool = typer.Option(False, "--no-fused-sampling", help="GPU: draw with torch (multinomial) instead of the one-pass Triton kernel (inverse-CDF, same distribution)"),
-          prefill_tokens: int = typer.Option(0, "--prefill-tokens", help="prompt tokens per prefill batch (bounds its activation memory); 0: 8192 on CPU, 32768 on GPU"),
           no_api_key: bool = typer.Option(False, "--no-api-key", help="serve without an API key: any process that reaches the port may load weights (and run code) in the engine"),
           load_format: str = typer.Option("auto", "--load-format", help="auto: the weights in MODEL_DIR | dummy: the model built from its config.json with zero weights, none read (a run pushes every weight before it generates; until a push has written them all, /generate is refused after the first push)"),
-          warm_sampling: str = typer.Option("", "--warm-sampling", help="a JSON sampling_params object: before serving, one two-token generation with it compiles the decode step and captures its CUDA graphs for that sampling (a run's GPU engines get its rollout's); empty: at the first request"),
-          wait_for_model: float = typer.Option(0, "--wait-for-model", help="seconds to wait for MODEL_DIR to appear (a run starts its engines while the trainer writes their checkpoint; torch and transformers are imported meanwhile); 0: it must exist")) -> None:
+          warm_sampling: str = typer.Option("", "--warm-sampling", help="a JSON sampling_params object: before serving (with --warm-up), one two-token generation with it compiles the decode step and captures its CUDA graphs for that sampling (a run's GPU engines get its rollout's); empty: at the first request"),
+          wait_for_model: float = typer.Option(0, "--wait-for-model", help="seconds to wait for MODEL_DIR to appear (a run starts its engines while the trainer writes their checkpoint; torch and transformers are imported meanwhile); 0: it must exist"),
+          **options: Any) -> None:
     """Serve MODEL_DIR: /generate, /health_generate, abort/pause, weight updates, /model_info, /server_info.
 
+    The engine's options are the local backend's (a run's rollout.engine section), one flag each.
     Clients must send ``Authorization: Bearer KEY`` with the key in the environment variable
     POSTTRAIN_ENGINE_API_KEY (never on the command line, where other users can read it)."""
+    config = engine_config(options)
     if wait_for_model < 0:
         raise UsageError(f"--wait-for-model: must be >= 0 seconds, got {wait_for_model:g}")
     if load_format not in LOAD_FORMATS:
@@ -74,18 +106,6 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
         check_checkpoint(model_dir, weights)
     if not 0 < port < 65536:
         raise UsageError(f"--port: {port} is not a TCP port")
-    if max_running_requests < 1:
-        raise UsageError("--max-running-requests: must be >= 1")
-    if prefill_tokens < 0:
-        raise UsageError(f"--prefill-tokens: must be >= 0, got {prefill_tokens}")
-    if dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise UsageError(f"--dtype: expected auto, float32, bfloat16 or float16, got {dtype!r}")
-    if compile_mode not in COMPILE_MODES:
-        raise UsageError(f"--compile-mode: expected {', '.join(COMPILE_MODES)}, got {compile_mode!r}")
-    if decode_attention not in DECODE_ATTENTION:
-        raise UsageError(f"--decode-attention: expected {', '.join(DECODE_ATTENTION)}, got {decode_attention!r}")
-    if device != "cpu" and not device.startswith("cuda"):
-        raise UsageError(f"--device: expected cpu or cuda[:N], got {device!r}")
     warm = warm_sampling_params(warm_sampling)
     quiet_http2_probes()
     from posttrain.core.rollout.backend import API_KEY_ENV
@@ -103,11 +123,8 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
         check_checkpoint(model_dir, weights)
     from posttrain.plugins.engines.local.server import serve as run
 
-    run(str(model_dir), host=host, port=port, waited_s=waited_s, device=device, dtype=dtype,
-        max_running_requests=max_running_requests, context_length=context_length or None, cuda_graphs=cuda_graphs,
-        decode_attention=decode_attention, compile=compile, stable_memory=stable_memory, overlap=not no_overlap,
-        api_key=api_key, fused_sampling=not no_fused_sampling, prefill_tokens=prefill_tokens or None,
-        compile_mode=compile_mode, from_config=not weights, warm_sampling=warm)
+    run(str(model_dir), config, host=host, port=port, waited_s=waited_s, api_key=api_key, from_config=not weights,
+        warm_sampling=warm)
     # Stopped (SIGTERM/SIGINT) and shut down (the engine thread joined): nothing is left to write, so skip the
     # interpreter's teardown, which frees every model object (a run's stop waits for it) and, after settle_heap
     # froze the heap, has triton's bindings print leak reports.
@@ -115,6 +132,11 @@ def serve(model_dir: Path = typer.Argument(..., help="HF checkpoint directory (c
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+_own = [p for p in inspect.signature(serve, eval_str=True).parameters.values() if p.kind is not p.VAR_KEYWORD]
+serve.__signature__ = inspect.Signature([*_own, *config_parameters()])  # what Typer reads
+app.command()(serve)
 
 
 def warm_sampling_params(text: str) -> dict | None:

@@ -1,6 +1,6 @@
-"""``torch.compile`` as the local engine's decode and prefill parts use it (``ModelRunner(compile=True)``): one
-graph per part, Inductor's options, the row count symbolic from the first call (or after the second size), room
-in Dynamo's recompile limit for every batch bucket, and one Triton cache for the process."""
+"""``torch.compile`` as the local engine's decode and prefill parts use it (``RunnerTuning.compile``): one
+graph per part, Inductor's options, the row count symbolic from the first call, room in Dynamo's recompile limit
+for every batch bucket, and one Triton cache for the process."""
 
 from __future__ import annotations
 
@@ -22,35 +22,19 @@ def batch_marked(fn):
     return call
 
 
-def compiled(fn, mode: str, combo: bool = False, pdl: bool = False, symbolic_batch: bool = True):
+def compiled(fn, mode: str, combo: bool = False):
     """``fn`` under ``torch.compile``: one graph (``fullgraph``), no Inductor CUDA graphs (ours wrap the
-    whole step), and the batch dimension symbolic, so one version serves every bucket. (Static shapes
-    compiled once per bucket, each a few seconds on an H200, so a colocated step that first met a bucket took
-    seconds longer than the others.) Each CUDA graph still captures the kernels at its own bucket's size.
-    ``combo``: Inductor's combo kernels (independent kernels of one graph, such as the Q and the K norm with
-    their rotary, launched as one); ``pdl``: Inductor's kernels launched with programmatic dependent launch
-    (each starts while the kernel before it drains, and waits for its outputs inside); ``symbolic_batch``: the row
-    count symbolic from the first call (:func:`batch_marked`), so the part compiles once; without it Dynamo's
-    automatic dynamic shapes compile the first size seen (the largest bucket, at the first capture) statically
-    and the second symbolic."""
-    options = {**({"combo_kernels": True} if combo else {}), **({"triton.enable_pdl": True} if pdl else {})}
-    if not options:
-        out = torch.compile(fn, fullgraph=True, dynamic=None, mode=None if mode == "default" else mode)
-    else:
-        from torch._inductor import list_mode_options
+    whole step), and the row count symbolic from the first call (:func:`batch_marked`), so one version serves
+    every bucket. (Static shapes compiled once per bucket, each a few seconds on an H200, so a colocated step
+    that first met a bucket took seconds longer than the others.) Each CUDA graph still captures the kernels at
+    its own bucket's size. ``combo``: Inductor's combo kernels (independent kernels of one graph, such as the Q
+    and the K norm with their rotary, launched as one)."""
+    if not combo:
+        return batch_marked(torch.compile(fn, fullgraph=True, dynamic=None, mode=None if mode == "default" else mode))
+    from torch._inductor import list_mode_options
 
-        modes = dict(list_mode_options(mode)) if mode != "default" else {}
-        out = torch.compile(fn, fullgraph=True, dynamic=None, options={**modes, **options})
-    return batch_marked(out) if symbolic_batch else out
-
-
-def inductor_pdl_supported(device: torch.device) -> bool:
-    """Whether Inductor here can launch its kernels with programmatic dependent launch on ``device``."""
-    from posttrain.plugins.engines.local.decode_kernel import pdl_supported
-
-    import torch._inductor.config as inductor_config
-
-    return hasattr(inductor_config.triton, "enable_pdl") and pdl_supported(device)
+    modes = dict(list_mode_options(mode)) if mode != "default" else {}
+    return batch_marked(torch.compile(fn, fullgraph=True, dynamic=None, options={**modes, "combo_kernels": True}))
 
 
 def raise_recompile_limit(shapes: int) -> None:

@@ -1,6 +1,6 @@
 """The local engine's scheduler: continuous batching over :class:`ModelRunner` in one thread.
 
-Requests arrive from the HTTP server (any thread) through :meth:`LocalEngine.submit`; the engine
+Requests arrive from the HTTP server (any thread) through :meth:`BatchEngine.submit`; the engine
 thread loops:
 
 1. take new requests and aborts; while paused, do nothing else;
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from posttrain.plugins.engines.local.sampling import RequestSampling
 
 
-class LocalEngine:
+class BatchEngine:
     """Continuous-batching generation over a HF checkpoint. Thread-safe public methods."""
 
     def __init__(self, runner, tokenizer, eos_token_ids: list[int], overlap: bool | None = None,

@@ -1,6 +1,6 @@
 """The local engine's decode step in CUDA graphs: one graph per (power-of-two batch bucket, 256-token span
 bucket, sampling temperature or None), captured the first time a step meets its key and replayed after; the
-first step at a temperature captures every batch bucket at once (:func:`warm`, ``ModelRunner(warm_graphs=)``).
+first step at a temperature captures every batch bucket at once (:func:`warm`).
 
 Every graph reads its inputs from slices of the runner's step buffers (``ModelRunner.step_tokens`` /
 ``step_positions``) and writes into one memory pool (``ModelRunner._graph_pool``: graphs never run at the
@@ -37,7 +37,7 @@ def replay(runner, tokens, positions, need: int, temperature: float | None = Non
     nb = tokens.shape[0]
     bucket = runner._bucket(nb)
     key = (bucket, runner._span(need), temperature)
-    if key not in runner._graphs and runner.warm_graphs and temperature not in runner._warmed:
+    if key not in runner._graphs and temperature not in runner._warmed:
         warm(runner, key[1], temperature, needed=bucket)
     if key not in runner._graphs:
         capture(runner, *key)

@@ -6,7 +6,7 @@ hold no runner state, so ``torch.compile`` reuses one compiled graph for every l
 parameters are graph inputs). The transformers modules of the checkpoint's own class do the work
 (Llama, Qwen2, Qwen3, GLM-4 with its sandwich norms and half-dim rotary, Qwen3-MoE, GLM-4.5).
 
-The joined parts (``ModelRunner(join_layers=True)``, on with ``compile``) cut the step at the attentions
+The decode step runs through the joined parts, which cut it at the attentions
 only: :func:`finish_then_project` is one layer's end and the next layer's start, :func:`finish_then_head`
 the last layer's end with the final norm and output layer, :func:`embed_and_rotary` the step's start. Run
 eagerly they are the same ops in the same order as the separate parts; compiled, each is one graph, so
@@ -172,8 +172,7 @@ def embed_and_rotary(model, tokens, positions):
 def through_parts(finish, project):
     """The decode step between two attentions, built from a ``finish`` part (:func:`finish_layer`'s
     signature) and a ``project`` part (:func:`project_qkv`'s): ``(finish_then_project, finish_then_head)``.
-    Given the plain parts they are the joined step, compiled as one graph each; given separately compiled
-    parts, the unjoined step (with the head eager)."""
+    Given the plain parts they are the joined step, compiled as one graph each."""
     def finish_then_project(layer, nxt, h, o, cos, sin, rope, gate_up=None, next_qkv=None):
         """``finish`` of ``layer``, then ``project`` of the next layer ``nxt`` on its output:
         ``(h [n, q, hidden], expert ids or None, q, k, v)``."""

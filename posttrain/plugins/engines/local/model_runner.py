@@ -16,9 +16,9 @@ owns one slot from prefill until it finishes; slot ``i`` holds its keys and valu
 The weights, projections, norms, rotary embedding and MLP are the ``transformers`` modules of the
 checkpoint's own class (Llama, Qwen2, Qwen3, GLM-4 with its sandwich norms and half-dim rotary); only the
 attention over the slot cache is ours. On CUDA the decode step over a fixed ``(nb, S_max)`` can be
-captured in a CUDA graph per (batch bucket, span bucket) (``cuda_graphs=True``).
+captured in a CUDA graph per (batch bucket, span bucket) (``RunnerTuning.cuda_graphs``).
 
-Decode levers (constructor arguments, defaults are the safe baseline; ``bench/rollout.py`` compares them):
+Decode levers (:class:`RunnerTuning`'s fields, defaults are the safe baseline; ``bench/rollout.py`` compares them):
 
 - ``decode_attention``: ``"sdpa"`` runs ``scaled_dot_product_attention`` over the GQA-grouped query
   with a boolean mask over the span bucket; ``"bmm"`` runs two batched matmuls with a float32 masked
@@ -30,11 +30,11 @@ Decode levers (constructor arguments, defaults are the safe baseline; ``bench/ro
   attention (norms, projections, rotary, residuals, SwiGLU MLP) so their elementwise work fuses. The
   KV-cache write and the attention stay eager: a compiled in-place write into a cache passed as an
   input may be functionalized into a copy of the whole cache layer. With ``triton`` the attention
-  kernel writes the step's keys and values itself (``attention_writes_kv``): two launches fewer per
+  kernel writes the step's keys and values itself: two launches fewer per
   layer. Decode batches are padded to the power-of-two bucket so the compiled code sees a handful of
-  shapes (automatic dynamic shapes: a few compiles in all). ``join_layers`` (on with ``compile``) cuts the
-  step at the attentions only (``layers.py``): a layer's closing residual add fuses into the next layer's
-  input norm, and the final norm and rotary tables are fused kernels.
+  shapes (the row count symbolic: one compile per part). The compiled step is cut at the attentions only
+  (``layers.py``'s joined parts): a layer's closing residual add fuses into the next layer's input norm, and
+  the final norm and rotary tables are fused kernels.
 - :meth:`ModelRunner.decode_sampled`: the step with the one-pass sampler (``sampling_kernel``) inside its
   CUDA graph, for the engine's uniform batches (all greedy, or one temperature): one launch per step.
 
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,7 @@ from posttrain.plugins.engines.local.cache_write import write_prompt_kv, write_p
 from posttrain.plugins.engines.local.fused import Fused, fuse_layers, layer_parts
 from posttrain.plugins.engines.local.layers import (embed_and_rotary, finish_layer, finish_then_head, finish_then_project,
                                                    finish_then_project_raw, project_qkv, project_raw,
-                                                   rope_in_attention_refusal, rotary_of, through_parts)
+                                                   rope_in_attention_refusal, rotary_of)
 
 DEFAULT_MAX_CONTEXT = 4096
 DECODE_ATTENTION = ("sdpa", "bmm", "triton")  # "triton": decode_kernel.decode_attention
@@ -168,96 +169,116 @@ def resolve_dtype(dtype: str, device: torch.device, model_dir: str | None) -> st
     return named if named in ("float32", "bfloat16", "float16") else "bfloat16"
 
 
+@dataclass
+class RunnerTuning:
+    """How a :class:`ModelRunner` runs its decode step. Every setting computes the same attention and logits
+    (to float rounding); they trade start-up time, memory and speed. ``LocalEngine.Config``'s fields of the
+    same names map onto these (the engine server's ``runner_tuning``).
+
+    - ``decode_attention``: ``"sdpa"``, ``"bmm"``, ``"triton"`` (the module docstring) or ``"auto"`` (``triton``
+      on CUDA when Triton imports, else ``sdpa``). With ``triton`` the kernel also writes each step's keys and
+      values into the cache, and on a GPU applies Qwen3's per-head Q/K norms and the rotary as it loads them
+      where the checkpoint's are the standard ones (``layers.rope_in_attention_refusal``).
+    - ``compile``: ``torch.compile`` the decode step between attentions (``layers``' joined parts: one graph
+      from each attention to the next; Inductor's combo kernels; the row count symbolic, so each part compiles
+      once), with Inductor ``compile_mode`` (``"default"`` or ``"max-autotune-no-cudagraphs"``: autotuned
+      matmuls, much longer compiles; the prefill's parts then stay at ``"default"``).
+    - ``cuda_graphs``: on CUDA, the decode step captured per (batch bucket, span bucket), every batch bucket of
+      a temperature at its first step (``graphs.warm``).
+    - ``fuse_projections``: each layer's Q/K/V and gate/up as one matmul each (``fused``; None: on a GPU, where
+      it is faster; off on the CPU, whose seeded curves were recorded with separate matmuls).
+    - ``float_logits``: :meth:`ModelRunner.decode` returns float32 logits; False: the model's dtype (a bf16
+      step then writes 2 bytes per logit instead of 6, and ``sampling_kernel`` reads half: the engine's choice
+      on a GPU, where its sampling upcasts anyway).
+    - ``attention_launch``: launch settings of the Triton decode attention (``decode_kernel.decode_attention``'s
+      ``block_n``, ``num_warps``, ``num_stages``, ``num_splits``, ``slots_per_program``; None: its defaults).
+    - ``rope_in_attention``: the decode step hands the ``triton`` attention raw Q/K projections, and the kernel
+      applies Qwen3's per-head Q/K norms and the rotary as it loads them (``decode_kernel.Rope``: one kernel and
+      a round trip of ``q`` and ``k`` fewer per layer). None: on where it can be on a GPU; True: on, also on the
+      CPU (through the attention's reference), or a ValueError naming what refuses it; False: off.
+    """
+
+    decode_attention: str = "auto"
+    compile: bool = False
+    compile_mode: str = "default"
+    cuda_graphs: bool = False
+    fuse_projections: bool | None = None
+    float_logits: bool = True
+    attention_launch: dict | None = None
+    rope_in_attention: bool | None = None
+
+    def resolved(self, device: torch.device) -> RunnerTuning:
+        """This tuning checked (a ValueError naming the field) with ``decode_attention: auto`` resolved for
+        ``device``."""
+        attention = self.decode_attention
+        if attention == "auto":  # the measured fastest on an H200 (bench/RESULTS.md)
+            from posttrain.plugins.engines.local.decode_kernel import triton_available
+
+            attention = "triton" if device.type == "cuda" and triton_available() else "sdpa"
+        if attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention: expected one of {', '.join(DECODE_ATTENTION)}, got {attention!r}")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode: expected one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
+        return replace(self, decode_attention=attention, attention_launch=checked_launch(self.attention_launch))
+
+
 class ModelRunner:
     """Owns the model and its slot KV cache. Not thread-safe: the engine thread alone calls it."""
 
     def __init__(self, model_dir: str | Path | None, device: str = "cpu", dtype: str = "auto", max_slots: int = 32,
-                 context_length: int | None = None, cuda_graphs: bool = False, model: Any = None,
-                 decode_attention: str = "sdpa", compile: bool = False, compile_mode: str = "default",
-                 fuse_projections: bool | None = None, attention_writes_kv: bool | None = None,
-                 float_logits: bool = True, join_layers: bool | None = None, combo_kernels: bool | None = None,
-                 attention_launch: dict | None = None, rope_in_attention: bool | None = None,
-                 pdl: bool = False, prefill_kv_kernel: bool | None = None, warm_graphs: bool = True,
-                 from_config: bool = False, symbolic_batch: bool = True):
-        """``decode_attention``: ``"sdpa"``, ``"bmm"``, ``"triton"`` (see the module docstring) or ``"auto"``
-        (``triton`` on CUDA when Triton imports, else ``sdpa``); ``compile``:
-        ``torch.compile`` the per-layer decode parts, with Inductor ``compile_mode`` (``"default"`` or
-        ``"max-autotune-no-cudagraphs"``: autotuned matmuls, much longer compiles); ``fuse_projections``:
-        each layer's Q/K/V and gate/up as one matmul each (``fused``; None: on a GPU, where it is measured
-        faster; off on the CPU, whose seeded curves were recorded with separate matmuls);
-        ``attention_writes_kv``: with ``triton`` decode attention, the kernel writes each step's keys and
-        values into the cache itself (no two cache-write kernels per layer; None: on with ``triton``);
-        ``float_logits``: :meth:`decode` returns float32 logits; False: the model's dtype (a bf16 step then
-        writes 2 bytes per logit instead of 6, and a sampler reading bf16, ``sampling_kernel``, reads half:
-        the engine's choice on a GPU, where its sampling upcasts anyway); ``join_layers``: compile the decode
-        step in one graph per stretch between attentions (``layers.py``: a layer's end with the next layer's
-        start, the last with the final norm and output layer; None: on with ``compile``, else nothing to join);
-        ``combo_kernels``: with ``compile``, Inductor launches independent kernels of a part as one (the Q and
-        the K norm with their rotary: one kernel instead of two per layer; None: on with ``compile``);
-        ``attention_launch``: launch settings of the Triton decode attention (``decode_kernel.decode_attention``'s
-        ``block_n``, ``num_warps``, ``num_stages``, ``num_splits``; None: its defaults);
-        ``rope_in_attention``: the decode step hands the attention raw Q/K projections, and the Triton kernel
-        applies Qwen3's per-head Q/K norms and the rotary as it loads them (``decode_kernel.Rope``; one kernel
-        and a round trip of ``q`` and ``k`` fewer per layer). Needs ``triton`` with ``attention_writes_kv`` and
-        a checkpoint whose rotary and norms are the standard ones (``layers.rope_in_attention_refusal``); None:
-        on where all that holds on a GPU, True: a ValueError naming what does not; ``pdl``: the step's Triton
-        kernels (the decode attention, with ``compile`` Inductor's) launched with programmatic dependent launch
-        where supported (``decode_kernel.pdl_supported``: Hopper or newer), each starting while the kernel
-        before it drains; an ``attention_launch`` ``pdl`` key decides for the attention alone. Off: after
-        cuBLAS's matmuls the gaps grew on an H200 (bench/RESULTS.md); ``prefill_kv_kernel``: a prefill's keys and
-        values go into the slot cache through one Triton launch per layer (``cache_write.write_prompt_kv``; None: where
-        it runs, CUDA with Triton; True where it cannot run: a ValueError), else torch's copies; ``warm_graphs``:
-        with ``cuda_graphs``, the first step at a temperature captures every batch bucket's graph (``graphs.warm``:
-        the kernels a small batch needs compile then, not in a later step), else each bucket at its first step;
-        ``from_config``: the model built from ``model_dir``'s ``config.json`` on the device, every parameter zero
-        (no random init), no weight read (a run's engine, which gets every weight from the first push); until
-        updates have written every tensor, :meth:`unwritten_weights` names those left; ``symbolic_batch``: with
-        ``compile``, each part compiles once, its row count symbolic (False: static at the first bucket, then
-        symbolic at the second; the same tok/s on an H100, 10 graphs instead of 6: bench/RESULTS.md)."""
-        if decode_attention == "auto":  # the measured fastest on an H200 (bench/RESULTS.md)
-            from posttrain.plugins.engines.local.decode_kernel import triton_available
-
-            decode_attention = "triton" if str(device).startswith("cuda") and triton_available() else "sdpa"
-        if decode_attention not in DECODE_ATTENTION:
-            raise ValueError(f"decode_attention: expected one of {', '.join(DECODE_ATTENTION)}, "
-                             f"got {decode_attention!r}")
-        if compile_mode not in COMPILE_MODES:
-            raise ValueError(f"compile_mode: expected one of {', '.join(COMPILE_MODES)}, got {compile_mode!r}")
-
-        self.model_dir = str(model_dir) if model_dir is not None else None
+                 context_length: int | None = None, tuning: RunnerTuning | None = None, *, model: Any = None,
+                 from_config: bool = False):
+        """The runner of ``model_dir``'s checkpoint on ``device`` (``dtype``: :func:`resolve_dtype`), with a KV
+        cache of ``max_slots`` slots of ``context_length`` positions (None: the model's maximum, at most
+        ``DEFAULT_MAX_CONTEXT``), its decode step run as ``tuning`` says (:class:`RunnerTuning`). ``model``: an
+        already built HF model instead (benchmarks of random large shapes); ``from_config``: the model built
+        from ``model_dir``'s ``config.json`` on the device, every parameter zero (no random init), no weight
+        read (a run's engine, which gets every weight from the first push); until updates have written every
+        tensor, :meth:`unwritten_weights` names those left."""
         self.device = torch.device(device)
+        self.tuning = tuning = (tuning or RunnerTuning()).resolved(self.device)
+        self.model_dir = str(model_dir) if model_dir is not None else None
         self.dtype = getattr(torch, resolve_dtype(dtype, self.device, self.model_dir))
-        if model is None:  # ``model``: an already built HF model (benchmarks of random large shapes)
+        if model is None:
             model = _hf_model(self.model_dir, self.device, self.dtype, from_config)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        self.hf_config = self.model.config
-        cfg = self.hf_config
+        self.hf_config = cfg = self.model.config
         self.layers = self.model.model.layers
-        fuse = self.device.type == "cuda" if fuse_projections is None else bool(fuse_projections)
+        fuse = self.device.type == "cuda" if tuning.fuse_projections is None else tuning.fuse_projections
         self.fused_groups = fuse_layers(self.layers) if fuse else 0
         # a model built from its config: the tensors no update has written yet (one name list per tensor)
         self._unwritten = self.required_weights() if from_config else []
         self.weight_updates = 0  # load_weights calls that changed the model
         self.num_layers = len(self.layers)
         attn = self.layers[0].self_attn
-        self.head_dim = attn.head_dim
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.scaling = attn.scaling
-        self.vocab_size = cfg.vocab_size
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        self.num_kv_heads, self.vocab_size = cfg.num_key_value_heads, cfg.vocab_size
         # MoE: experts per token (0 for a dense model); ``routed_experts`` holds the last forward pass's
         # expert ids, ``[n, P, L, k]`` after a prefill and ``[nb, L, k]`` after a decode (-1: dense layer)
         self.moe_top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0) if any(
-            hasattr(layer.mlp, "experts") for layer in self.model.model.layers) else 0
+            hasattr(layer.mlp, "experts") for layer in self.layers) else 0
         self.routed_experts = None
         self._step_routing = None
         # default: the model's maximum, capped so a long-context model does not allocate a huge cache
         self.context_length = int(context_length or min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT))
         self.max_slots = int(max_slots)
         self._rope = rotary_of(self.model)
+        self.cuda_graphs = tuning.cuda_graphs and self.device.type == "cuda"
+        self._allocate()
+        self.decode_attention, self.attention_launch = tuning.decode_attention, tuning.attention_launch
+        from posttrain.plugins.engines.local.decode_kernel import triton_available
+
+        # a prefill's keys and values go into the slot cache through one Triton launch per layer where it runs
+        self.prefill_kv_kernel = self.device.type == "cuda" and triton_available()
+        self.float_logits, self.compile, self.compile_mode = tuning.float_logits, tuning.compile, tuning.compile_mode
+        self.rope_in_attention = self._rope_in_attention(tuning.rope_in_attention)
+        self._build_step()
+
+    def _allocate(self) -> None:
+        """The KV cache ``[L, N, Hkv, S_max, D]`` twice, the decode step's input buffers and the graphs' state."""
         shape = (self.num_layers, self.max_slots, self.num_kv_heads, self.context_length, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         # the decode step's inputs, which every graph reads (slices): a caller passing slices of these
         # buffers (the overlapped engine does) costs no copies, and decode_sampled leaves its draw in
         # step_tokens, the next step's input
@@ -265,68 +286,47 @@ class ModelRunner:
         self.step_positions = torch.zeros(self.max_slots, dtype=torch.long, device=self.device)
         # (batch bucket, span bucket, sampling temperature or None) -> (graph, its static tensors)
         self._graphs: dict[tuple[int, int, float | None], tuple[Any, dict[str, torch.Tensor]]] = {}
-        self.warm_graphs, self._warmed = bool(warm_graphs), set()  # temperatures whose buckets were all captured
+        self._warmed: set[float | None] = set()  # temperatures whose buckets were all captured (graphs.warm)
         self.graph_totals = {"graph_captures": 0, "graph_capture_s": 0.0}  # since start (graphs.capture)
         # graphs share one memory pool: they never run at the same time
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
-        self.decode_attention = decode_attention
-        self.attention_writes_kv = decode_attention == "triton" and attention_writes_kv is not False
-        self.attention_launch = checked_launch(attention_launch)
-        from posttrain.plugins.engines.local.decode_kernel import triton_available
 
-        kernel_runs = self.device.type == "cuda" and triton_available()
-        if prefill_kv_kernel and not kernel_runs:
-            raise ValueError(f"prefill_kv_kernel: the Triton cache write needs CUDA and triton (device {self.device}"
-                             f"{'' if triton_available() else ', triton missing'})")
-        self.prefill_kv_kernel = kernel_runs if prefill_kv_kernel is None else bool(prefill_kv_kernel)
-        self.pdl = bool(pdl) and compiling.inductor_pdl_supported(self.device)  # Inductor's kernels
-        if pdl:
-            self.attention_launch.setdefault("pdl", True)
-        self.float_logits = bool(float_logits)
-        self.compile = bool(compile)
-        self.compile_mode = compile_mode
-        self.join_layers = self.compile if join_layers is None else bool(join_layers)
-        self.combo_kernels = self.compile if combo_kernels is None else bool(combo_kernels)
-        self.symbolic_batch = bool(symbolic_batch)
-        self.rope_in_attention = self._rope_in_attention(rope_in_attention)
-        self._qkv, self._finish = project_qkv, finish_layer  # the per-layer parts (the prefill's, and the
-        # decode step's without join_layers)
+    def _build_step(self) -> None:
+        """The decode step's parts between attentions (``layers``' joined parts: ``_embed``, ``_step``, ``_last``;
+        ``_project`` for the first layer's projections) and the prefill's (``_prefill_parts``), compiled with
+        ``compile``. Uncompiled, the joined parts run the same calls as the layer parts one after another."""
         project = project_raw if self.rope_in_attention else project_qkv  # the decode step's projection part
-        self._project = project
-        # the decode step between attentions: joined (layers.py), or through the separate parts
         joined = (embed_and_rotary, finish_then_project_raw if self.rope_in_attention else finish_then_project,
                   finish_then_head)
-        self._embed, self._step, self._last = joined if self.join_layers else (  # late-bound parts: compiled below
-            embed_and_rotary, *through_parts(lambda *a: self._finish(*a), lambda *a: self._project(*a)))
-        if self.compile:
-            compiling.prepare(self.device, self._bucket(self.max_slots).bit_length() + 1)
-            compiled = lambda f: compiling.compiled(  # noqa: E731
-                f, compile_mode, self.combo_kernels, self.pdl, self.symbolic_batch)
-            self._qkv, self._finish = compiled(project_qkv), compiled(finish_layer)
-            self._project = compiled(project) if self.rope_in_attention else self._qkv
-            if self.join_layers:  # one graph from each attention to the next
-                self._embed, self._step, self._last = (compiled(f) for f in joined)
+        self._project, (self._embed, self._step, self._last) = project, joined
+        self._prefill_parts = (project_qkv, finish_layer)
+        if not self.compile:
+            return
+        compiling.prepare(self.device, self._bucket(self.max_slots).bit_length() + 1)
+        qkv, finish = (compiling.compiled(f, self.compile_mode, combo=True) for f in (project_qkv, finish_layer))
+        self._project = compiling.compiled(project, self.compile_mode, combo=True) if self.rope_in_attention else qkv
+        self._embed, self._step, self._last = (compiling.compiled(f, self.compile_mode, combo=True) for f in joined)
         # the prefill's parts: the decode step's, except under max-autotune, whose timings at the prefill's
         # thousands of rows cost a minute or more of start-up and picked cuBLAS anyway on an H200 (RESULTS.md)
-        self._prefill_parts = (self._qkv, self._finish)
-        if self.compile and compile_mode != "default":
+        self._prefill_parts = (qkv, finish)
+        if self.compile_mode != "default":
             self._prefill_parts = (compiling.compiled(project_qkv, "default"), compiling.compiled(finish_layer, "default"))
+
+    def _rope_in_attention(self, asked: bool | None) -> bool:
+        """``RunnerTuning.rope_in_attention`` resolved: None -> on where it can be on a GPU."""
+        if asked is False or (asked is None and self.device.type != "cuda"):
+            return False
+        why = None if self.decode_attention == "triton" else "it needs decode_attention='triton'"
+        why = why or rope_in_attention_refusal(self.model, self.layers)
+        if why and asked:
+            raise ValueError(f"rope_in_attention: {why}")
+        return why is None
 
     @property
     def advances_positions(self) -> bool:
         """Whether a decode step leaves ``step_positions[:bucket]`` one further than it read them (a CUDA graph's
         step does, ``graphs``): a caller whose rows all move on by one needs no copy before the next step."""
         return self.cuda_graphs
-
-    def _rope_in_attention(self, asked: bool | None) -> bool:
-        """``rope_in_attention`` resolved (see ``__init__``): None -> on where it can be on a GPU."""
-        if asked is False or (asked is None and self.device.type != "cuda"):
-            return False
-        why = None if self.attention_writes_kv else "it needs decode_attention='triton' with attention_writes_kv"
-        why = why or rope_in_attention_refusal(self.model, self.layers)
-        if why and asked:
-            raise ValueError(f"rope_in_attention: {why}")
-        return why is None
 
     # -- weights --------------------------------------------------------------------------------
     def named_weights(self) -> dict[str, torch.Tensor]:
@@ -440,9 +440,8 @@ class ModelRunner:
         dest = slice(lo, lo + len(slots)) if slots == list(range(lo, lo + len(slots))) else index[0]
         h = self.model.model.embed_tokens(ids)
         cos, sin = self.model.model.rotary_emb(h, positions)
-        project, finish = project_qkv, finish_layer
-        if self.compile:  # compiled parts (``_prefill_parts``); one version for every prompt count and width
-            project, finish = self._prefill_parts
+        project, finish = self._prefill_parts  # compiled: one version for every prompt count and width
+        if self.compile:
             for t in (h, cos, sin):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
                 torch._dynamo.maybe_mark_dynamic(t, 1)

@@ -23,7 +23,7 @@ from posttrain.plugins.engines.local.requests import InFlight, Request
 
 
 class OverlappedDecode:
-    """The overlap half of a :class:`~posttrain.plugins.engines.local.engine.LocalEngine`'s decode: the
+    """The overlap half of a :class:`~posttrain.plugins.engines.local.engine.BatchEngine`'s decode: the
     step in flight, the device-side next tokens and two pinned host buffers. Engine thread only."""
 
     def __init__(self, engine: Any, device_positions: bool = True):

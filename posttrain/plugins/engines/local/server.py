@@ -53,7 +53,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -61,9 +61,15 @@ from posttrain.core import jsonio
 from posttrain.core.gcutil import settle_heap
 from posttrain.core.types import row_seed
 
+from posttrain.plugins.engines.local.bodies import (GENERATE_BODY_LIMIT, SMALL_BODY_LIMIT, WEIGHTS_BODY_LIMIT,
+                                                   BadRequest, TooLarge)
 from posttrain.plugins.engines.local.memory import MEMORY_TAGS, EngineMemory
 from posttrain.plugins.engines.local.sampling import SamplingError, parse_sampling, parse_sampling_rows
 from posttrain.plugins.engines.local.weight_routes import WeightRoutes
+
+if TYPE_CHECKING:
+    from posttrain.plugins.engines.local import LocalEngine
+    from posttrain.plugins.engines.local.model_runner import RunnerTuning
 
 log = logging.getLogger("posttrain.engine")
 
@@ -80,50 +86,46 @@ DEFAULT_OK = {"stream": False, "top_logprobs_num": 0, "return_text_in_logprobs":
               "no_logs": False, "return_bytes": False, "return_entropy": False}
 
 
-SMALL_BODY_LIMIT = 1 << 20  # control endpoints
-GENERATE_BODY_LIMIT = 16 << 20  # a batched /generate of a few hundred long prompts
-WEIGHTS_BODY_LIMIT = 1 << 30  # /update_weights_from_tensor carries CPU tensors by value
 MAX_CHARS_PER_TOKEN = 16  # a text prompt longer than this x the context is refused untokenized
 WARM_UP_TIMEOUT_S = 600  # compiles and captures of a large model (seconds)
-
-
-class BadRequest(Exception):
-    status = 400
-
-
-class TooLarge(BadRequest):
-    status = 413
 
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message}, "success": False, "message": message}, status=status)
 
 
+def runner_tuning(config: LocalEngine.Config) -> RunnerTuning:
+    """The model runner's tuning from the backend's config (the fields of the same names); float32 logits off a
+    GPU only (a GPU engine's sampling upcasts the model's dtype itself)."""
+    from posttrain.plugins.engines.local.model_runner import RunnerTuning
+
+    return RunnerTuning(decode_attention=config.decode_attention, compile=config.compile,
+                        compile_mode=config.compile_mode, cuda_graphs=config.cuda_graphs,
+                        float_logits=not config.device.startswith("cuda"))
+
+
 class EngineServer:
     """Holds the engine, tokenizer and server args; builds the aiohttp application."""
 
-    def __init__(self, model_dir: str, host: str = "127.0.0.1", port: int = 30000, device: str = "cpu",
-                 dtype: str = "auto", max_running_requests: int = 32, context_length: int | None = None,
-                 cuda_graphs: bool = False, decode_attention: str = "auto", compile: bool = False,
-                 stable_memory: bool = False, overlap: bool = True, api_key: str | None = None,
-                 generate_body_limit: int = GENERATE_BODY_LIMIT, fused_sampling: bool = True,
-                 prefill_tokens: int | None = None, compile_mode: str = "default", from_config: bool = False,
+    def __init__(self, model_dir: str, config: LocalEngine.Config, host: str = "127.0.0.1", port: int = 30000,
+                 api_key: str | None = None, generate_body_limit: int = GENERATE_BODY_LIMIT, from_config: bool = False,
                  warm_sampling: dict[str, Any] | None = None):
+        """Serve ``model_dir`` as ``config`` says (``rl-cli engine serve``'s options, the local backend's
+        ``Config``); ``from_config``: the model built from its ``config.json`` with zero weights (``--load-format
+        dummy``); ``warm_sampling``: the sampling of the warm-up generation (with ``config.warm_up``)."""
         from transformers import AutoTokenizer
 
-        from posttrain.plugins.engines.local.engine import LocalEngine
+        from posttrain.plugins.engines.local.engine import BatchEngine
         from posttrain.plugins.engines.local.model_runner import ModelRunner
 
         self.model_dir = str(Path(model_dir).resolve())
-        self.host, self.port, self.device = host, port, device
+        self.config, self.host, self.port, self.device = config, host, port, config.device
         t0 = time.perf_counter()
         self.startup_s: dict[str, float] = {}  # seconds of each part of the start (the serving line, /server_info)
         self._first_health: float | None = None  # when the first /health_generate came
-        self.runner = ModelRunner(self.model_dir, device=device, dtype=dtype, max_slots=max_running_requests,
-                                  context_length=context_length, cuda_graphs=cuda_graphs,
-                                  decode_attention=decode_attention, compile=compile, compile_mode=compile_mode,
-                                  float_logits=not str(device).startswith("cuda"),  # sampling upcasts on a GPU
-                                  from_config=from_config)
+        self.runner = ModelRunner(self.model_dir, device=config.device, dtype=config.dtype,
+                                  max_slots=config.max_running_requests, context_length=config.context_length or None,
+                                  tuning=runner_tuning(config), from_config=from_config)
         t1 = time.perf_counter()
         self.startup_s["model"] = t1 - t0
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
@@ -132,12 +134,15 @@ class EngineServer:
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos.append(self.tokenizer.eos_token_id)
-        self.engine = LocalEngine(self.runner, self.tokenizer, eos, overlap=overlap and self.runner.device.type == "cuda",
-                                  fused_sampling=None if fused_sampling else False, prefill_tokens=prefill_tokens)
+        on_gpu = self.runner.device.type == "cuda"
+        self.engine = BatchEngine(self.runner, self.tokenizer, eos, overlap=config.overlap and on_gpu,
+                                  fused_sampling=None if config.fused_sampling else False,
+                                  prefill_tokens=config.prefill_tokens or None)
         self.api_key = api_key
         self.generate_body_limit = generate_body_limit
         self.weights = WeightRoutes(self)
         self.memory = EngineMemory(self.runner)
+        stable_memory = config.stable_memory and on_gpu
         if stable_memory:  # before the first request: graphs are captured over the stable addresses
             t2 = time.perf_counter()
             why = self.engine.call_in_engine(self.memory.make_stable)
@@ -145,7 +150,7 @@ class EngineServer:
             if why:
                 log.warning("stable memory off (%s): CUDA graphs are recaptured after every memory release", why)
         # not where the driver refused stable memory: each release drops the graphs, and the first rollout recaptures
-        if warm_sampling is not None and (self.memory.stable or not stable_memory):
+        if config.warm_up and warm_sampling is not None and (self.memory.stable or not stable_memory):
             t3 = time.perf_counter()
             self._warm_up(warm_sampling)
             self.startup_s["warm_up"] = time.perf_counter() - t3
@@ -153,14 +158,19 @@ class EngineServer:
         self._ready: list[tuple[asyncio.Future, dict[str, Any]]] = []  # finished, not yet handed to the loop
         self._ready_lock = threading.Lock()
         self._wake_pending = False
-        self.server_args = {
-            "model_path": self.model_dir, "tokenizer_path": self.model_dir, "host": host, "port": port,
-            "device": device, "dtype": str(self.runner.dtype).removeprefix("torch."),
-            "context_length": self.runner.context_length, "max_running_requests": max_running_requests,
+        self.server_args = self._server_args(from_config, warm_sampling)
+
+    def _server_args(self, from_config: bool, warm_sampling: dict[str, Any] | None) -> dict[str, Any]:
+        """``/server_info``'s settings: SGLang's names where it has them, each as this server runs it."""
+        cfg = self.config
+        return {
+            "model_path": self.model_dir, "tokenizer_path": self.model_dir, "host": self.host, "port": self.port,
+            "device": cfg.device, "dtype": str(self.runner.dtype).removeprefix("torch."),
+            "context_length": self.runner.context_length, "max_running_requests": cfg.max_running_requests,
             "tp_size": 1, "dp_size": 1, "cuda_graphs": self.runner.cuda_graphs,
             "stable_memory": self.memory.stable, "overlap": self.engine.overlap,
-            "prefill_tokens": self.engine.prefill_tokens, "fused_sampling": fused_sampling,
-            "decode_attention": self.runner.decode_attention, "compile": bool(compile), "compile_mode": compile_mode,
+            "prefill_tokens": self.engine.prefill_tokens, "fused_sampling": cfg.fused_sampling,
+            "decode_attention": self.runner.decode_attention, "compile": cfg.compile, "compile_mode": cfg.compile_mode,
             "skip_tokenizer_init": False, "load_format": "dummy" if from_config else "auto",
             "warm_sampling": warm_sampling,
         }
@@ -506,11 +516,12 @@ def startup_text(parts: dict[str, float], age_s: float | None) -> str:
     return f"ready after {age_s:.1f} s" + (f": {shown}" if shown else "")
 
 
-def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, waited_s: float | None = None,
-          **kwargs: Any) -> None:
-    """Run the server until interrupted (``rl-cli engine serve``); ``waited_s``: how long the command waited for
-    ``model_dir`` to appear (``--wait-for-model``; reported with the start's other parts)."""
-    server = EngineServer(model_dir, host=host, port=port, **kwargs)
+def serve(model_dir: str, config: LocalEngine.Config, host: str = "127.0.0.1", port: int = 30000,
+          waited_s: float | None = None, **kwargs: Any) -> None:
+    """Run the server until interrupted (``rl-cli engine serve``; ``config`` and ``kwargs``: :class:`EngineServer`'s);
+    ``waited_s``: how long the command waited for ``model_dir`` to appear (``--wait-for-model``; reported with the
+    start's other parts)."""
+    server = EngineServer(model_dir, config, host=host, port=port, **kwargs)
     server.startup_s = {**({"waited": waited_s} if waited_s is not None else {}), **server.startup_s}
     settle_heap()  # the model and its modules leave the collector; a request's objects die unscanned
     ready = startup_text(server.startup_s, process_age_s())

@@ -22,6 +22,8 @@ from typing import Any
 
 from aiohttp import web
 
+from posttrain.plugins.engines.local.bodies import WEIGHTS_BODY_LIMIT, BadRequest
+
 
 class WeightRoutes:
     """Handlers bound to an :class:`~posttrain.plugins.engines.local.server.EngineServer`."""
@@ -46,8 +48,6 @@ class WeightRoutes:
         return self.engine.weight_version
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        from posttrain.plugins.engines.local.server import BadRequest
-
         body = await self.server.read_json(request)
         path = body.get("model_path")
         if not isinstance(path, str) or not Path(path).is_dir():
@@ -78,8 +78,6 @@ class WeightRoutes:
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         from posttrain.core.rollout.weight_sync import ReceiverGroup
-        from posttrain.plugins.engines.local.server import BadRequest
-
         body = await self.server.read_json(request)
         missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if k not in body]
         if missing:
@@ -94,8 +92,6 @@ class WeightRoutes:
         return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        from posttrain.plugins.engines.local.server import BadRequest
-
         body = await self.server.read_json(request)
         if self.receiver is None:
             raise BadRequest("no weight update group: call /init_weights_update_group first")
@@ -111,7 +107,6 @@ class WeightRoutes:
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         """SGLang's colocated path: ``serialized_named_tensors`` holds one serialized list per TP rank."""
         from posttrain.core.rollout.weight_sync import deserialize_named_tensors
-        from posttrain.plugins.engines.local.server import WEIGHTS_BODY_LIMIT, BadRequest
 
         body = await self.server.read_json(request, limit=WEIGHTS_BODY_LIMIT)
         data = body.get("serialized_named_tensors")
