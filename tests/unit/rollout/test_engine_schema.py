@@ -69,6 +69,8 @@ def _other_value(f: dataclasses.Field, tp) -> object:
         return next(c for c in reversed(typing.get_args(tp)) if c != f.default)
     if tp is int:
         return f.default + 7
+    if tp is float:
+        return f.default * 2.5
     assert f.name == "device", f"a new field of type {tp}: give it a value here"
     return "cuda:0"
 

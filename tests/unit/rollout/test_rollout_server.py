@@ -152,6 +152,15 @@ def _post_raw(url: str, key: str | None, body: bytes, path: str = "/generate") -
     (json.dumps({"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [2**64]}}).encode(), "stop_token_ids"),
     (b'{"input_ids": [1, 2], "sampling_params": {"top_p": Infinity}}', "top_p"),
     (json.dumps({"input_ids": [1], "return_routed_experts": True}).encode(), "no MoE layers"),
+    # the second probe's: a parser's recursion, and sampling the engine would have ignored silently
+    (b'{"input_ids": [1, 2], "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+    (b'{"input_ids": [1, 2], "sampling_params": ' + b'{"a": ' * 50_000 + b"1" + b"}" * 50_001, "nested too deeply"),
+    (json.dumps({"input_ids": [1, 2], "sampling_params": {"n": 5}}).encode(), "sampling_params.n: 5 is not supported"),
+    (b'{"input_ids": [1, 2], "sampling_params": {"frequency_penalty": NaN}}', "sampling_params.frequency_penalty"),
+    (json.dumps({"input_ids": [1, 2], "sampling_params": {"repetition_penalty": 1.3}}).encode(), "repetition_penalty"),
+    (json.dumps({"input_ids": [1, 2], "sampling_params": {"logit_bias": {"5": 3.0}}}).encode(), "logit_bias"),
+    (json.dumps({"input_ids": [1, 2], "sampling_params": {"min_new_tokens": 5, "max_new_tokens": 2}}).encode(),
+     "min_new_tokens: 5 exceeds max_new_tokens 2"),
 ])
 def test_bad_input_is_a_400_and_the_server_keeps_serving(engine_url, engine_key, body, fragment):
     status, answer = _post_raw(engine_url, engine_key, body)
@@ -159,6 +168,29 @@ def test_bad_input_is_a_400_and_the_server_keeps_serving(engine_url, engine_key,
     assert fragment in answer["error"]["message"]
     status, ok = _post_raw(engine_url, engine_key, json.dumps({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}).encode())
     assert status == 200 and len(ok["output_ids"]) <= 2
+
+
+def test_neutral_values_of_fields_the_engine_does_not_implement_are_accepted(engine_url, engine_key):
+    neutral = {"n": 1, "frequency_penalty": 0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": {},
+               "max_new_tokens": 2}
+    status, answer = _post_raw(engine_url, engine_key, json.dumps({"input_ids": [1, 2], "sampling_params": neutral})
+                               .encode())
+    assert status == 200 and len(answer["output_ids"]) <= 2
+
+
+@pytest.mark.parametrize("change, fragment", [
+    ({"world_size": -1}, "world_size: -1"), ({"backend": "bogus"}, "backend: 'bogus'"),
+    ({"rank_offset": 0}, "rank_offset: 0"), ({"rank_offset": 2}, "rank_offset: 2"),
+    ({"master_port": 70000}, "master_port: 70000"), ({"world_size": "2"}, "world_size: expected an integer"),
+])
+def test_weight_group_arguments_are_refused_before_any_connection_is_tried(engine_url, engine_key, change, fragment):
+    import time
+
+    body = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2, **change}
+    start = time.monotonic()
+    status, answer = _post_raw(engine_url, engine_key, json.dumps(body).encode(), "/init_weights_update_group")
+    assert status == 400 and fragment in answer["error"]["message"], answer
+    assert time.monotonic() - start < 5  # no rendezvous was tried (it waits 30 s for the trainer)
 
 
 async def test_a_bad_request_fails_alone_while_others_are_in_flight(engine_url, engine_key):

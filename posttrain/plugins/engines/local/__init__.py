@@ -79,6 +79,9 @@ class LocalEngine(EngineBackend):
         dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
             "auto", help="weights and KV cache: auto = float32 on the CPU; on a GPU the checkpoint's torch_dtype (a "
                          "float32 policy is sampled in float32), bfloat16 when it names none")
+        request_timeout_s: float = option(
+            60.0, gt=0.0, help="seconds a request body may take to arrive (a stalled or slow client gets HTTP 408 "
+                               "and its connection closed); a connection idle this long is closed too")
 
         def validate(self) -> list[str]:
             device = self.device

@@ -32,12 +32,11 @@ import sys
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from posttrain.plugins.engines.local.overlap import OverlappedDecode
-from posttrain.plugins.engines.local.requests import Request, StepStats, check_finish, input_logprobs
+from posttrain.plugins.engines.local.requests import FairQueue, Request, StepStats, check_finish, input_logprobs
 from posttrain.plugins.engines.local.texts import AnswerTexts
 
 if TYPE_CHECKING:
@@ -68,7 +67,7 @@ class BatchEngine:
         self.eos_token_ids = set(eos_token_ids)
         self.weight_version = "0"
         self._inbox: queue.Queue = queue.Queue()
-        self._waiting: deque[Request] = deque()
+        self._waiting = FairQueue()  # round-robin across submissions: a big batch cannot starve a small request
         self._running: dict[int, Request] = {}
         self._free_slots = list(range(runner.max_slots))
         self._abort_rids: set[str] = set()
@@ -228,14 +227,14 @@ class BatchEngine:
             except queue.Empty:
                 break
             if isinstance(item, list):  # submit_many's requests
-                self._waiting.extend(item)
+                self._waiting.add(item)
             elif item[0] == "abort":
                 _, rid, abort_all = item
                 for req in list(self._waiting) + list(self._running.values()):
                     if abort_all or req.rid == rid:
                         req.finish = {"type": "abort", "message": "aborted by /abort_request"}
                         self._complete(req)
-                self._waiting = deque(r for r in self._waiting if r.finish is None)
+                self._waiting.drop_finished()
             elif item[0] == "pause":
                 self._paused = item[1]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -146,3 +147,46 @@ def check_finish(req: Request, tok: int, eos_token_ids: set[int], tokenizer: Any
         req.finish = {"type": "length", "length": s.max_new_tokens}
     elif len(req.prompt_ids) + n >= context_length:
         req.finish = {"type": "length", "length": n}
+
+
+class FairQueue:
+    """Requests waiting for a slot, admitted round-robin across submissions (one ``/generate``'s rows are one
+    submission): a large batch takes the free slots while it is alone, and a small request that arrives behind
+    it gets the next free slot instead of waiting for every row of the batch. Within a submission, rows keep
+    their order. Engine thread only."""
+
+    def __init__(self) -> None:
+        self._groups: deque[deque[Request]] = deque()
+        self._count = 0
+
+    def add(self, requests: list[Request]) -> None:
+        if requests:
+            self._groups.append(deque(requests))
+            self._count += len(requests)
+
+    def popleft(self) -> Request:
+        group = self._groups.popleft()
+        req = group.popleft()
+        if group:
+            self._groups.append(group)  # its next row waits for one of every other submission's
+        self._count -= 1
+        return req
+
+    def drop_finished(self) -> None:
+        """Forget requests that finished while waiting (aborted)."""
+        kept = (deque(r for r in g if r.finish is None) for g in self._groups)
+        self._groups = deque(g for g in kept if g)
+        self._count = sum(len(g) for g in self._groups)
+
+    def clear(self) -> None:
+        self._groups.clear()
+        self._count = 0
+
+    def __iter__(self):
+        return (r for g in self._groups for r in g)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __bool__(self) -> bool:
+        return self._count > 0

@@ -29,8 +29,11 @@ SAMPLING_DEFAULTS: dict[str, Any] = {
     "stop": None, "stop_token_ids": None, "ignore_eos": False, "skip_special_tokens": True,
     "no_stop_trim": False, "sampling_seed": None, "min_new_tokens": 0,
 }
-IGNORED_SAMPLING_KEYS = {"spaces_between_special_tokens", "n", "frequency_penalty", "presence_penalty",
-                         "repetition_penalty", "custom_params", "logit_bias", "stream_interval"}
+IGNORED_SAMPLING_KEYS = {"spaces_between_special_tokens", "stream_interval"}  # formatting and streaming only
+# SGLang fields that change what is sampled, which this engine does not implement: accepted only with the value
+# that asks for nothing (a client may send the defaults explicitly), refused otherwise, naming the field
+NEUTRAL_SAMPLING: dict[str, Any] = {"n": 1, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+                                    "repetition_penalty": 1.0, "logit_bias": {}, "custom_params": {}}
 
 
 class SamplingError(ValueError):
@@ -66,9 +69,14 @@ def parse_sampling(raw: Any) -> RequestSampling:
     if not isinstance(raw, dict):
         raise SamplingError(f"sampling_params: expected an object, got {type(raw).__name__}")
     raw = {k: v for k, v in raw.items() if v is not None}  # explicit nulls (routers re-serialize) mean default
-    unknown = [k for k in raw if k not in SAMPLING_DEFAULTS and k not in IGNORED_SAMPLING_KEYS]
+    unknown = [k for k in raw if k not in SAMPLING_DEFAULTS and k not in IGNORED_SAMPLING_KEYS
+               and k not in NEUTRAL_SAMPLING]
     if unknown:
         raise SamplingError(f"sampling_params: unknown field(s) {', '.join(sorted(unknown))}")
+    for k, neutral in NEUTRAL_SAMPLING.items():
+        if k in raw and not (raw[k] == neutral and type(raw[k]) in (type(neutral), int) and raw[k] is not True):
+            raise SamplingError(f"sampling_params.{k}: {raw[k]!r} is not supported by this engine (only "
+                                f"{neutral!r}){' -- send that many requests instead' if k == 'n' else ''}")
     vals = {k: raw.get(k, v) for k, v in SAMPLING_DEFAULTS.items()}
     for k, low in (("max_new_tokens", 0), ("top_k", -1), ("min_new_tokens", 0)):
         _integer(k, vals[k], low)
@@ -87,6 +95,9 @@ def parse_sampling(raw: Any) -> RequestSampling:
         raise SamplingError(f"sampling_params.top_k: must be -1 (off) or >= 1, got {vals['top_k']}")
     if not 0.0 <= vals["min_p"] <= 1.0:
         raise SamplingError(f"sampling_params.min_p: must be in [0, 1], got {vals['min_p']}")
+    if vals["min_new_tokens"] > vals["max_new_tokens"]:
+        raise SamplingError(f"sampling_params.min_new_tokens: {vals['min_new_tokens']} exceeds max_new_tokens "
+                            f"{vals['max_new_tokens']}")
     stop = vals["stop"]
     stop = [stop] if isinstance(stop, str) else (stop or [])
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):

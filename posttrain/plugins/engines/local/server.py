@@ -29,11 +29,16 @@ Every endpoint except ``/health*`` needs ``Authorization: Bearer KEY`` with the 
 bodies, so only the run that started the engine may call them. ``rl-cli engine serve`` reads the key
 from the environment (``POSTTRAIN_ENGINE_API_KEY``), never from its command line.
 
-Bad input (malformed JSON, unknown fields, sampling values the engine cannot run, a prompt as long as
-the context) is answered with HTTP 400 ``{"error": {"message": ...}}``, a body over its endpoint's limit
-with 413, and the server keeps serving: a request that breaks a step on its own fails alone (400), the
-others in the batch go on. Prompts are tokenized off the event loop, so ``/health`` stays responsive.
-A client that disconnects aborts its request.
+Bad input (malformed or too deeply nested JSON, unknown fields, sampling values the engine cannot run or
+does not implement -- ``n`` other than 1, penalties, ``logit_bias``: refused by name, never ignored --,
+contradictory ones such as ``min_new_tokens > max_new_tokens``, weight-group arguments no group can
+have, a prompt as long as the context) is answered with HTTP 400 ``{"error": {"message": ...}}``, a body
+over its endpoint's limit with 413, a body that does not arrive within ``request_timeout_s`` with 408
+(and its connection closed; idle connections are closed after the same time), and the server keeps
+serving: a request that breaks a step on its own fails alone (400), the others in the batch go on.
+Requests are admitted round-robin across ``/generate`` calls (``requests.FairQueue``), so a large batch
+does not make a small request wait for all its rows. Prompts are tokenized off the event loop, so
+``/health`` stays responsive. A client that disconnects aborts its request.
 
 Where we differ from SGLang: a batched ``/generate`` whose one ``sampling_params`` has a ``sampling_seed``
 ``s`` seeds row ``j`` with ``s + j`` (SGLang seeds every row with ``s``, so identical prompts would give
@@ -62,7 +67,8 @@ from posttrain.core.gcutil import settle_heap
 from posttrain.core.types import row_seed
 
 from posttrain.plugins.engines.local.bodies import (GENERATE_BODY_LIMIT, SMALL_BODY_LIMIT, WEIGHTS_BODY_LIMIT,
-                                                   BadRequest, TooLarge)
+                                                   BadRequest, TooSlow,
+                                                   read_json)
 from posttrain.plugins.engines.local.memory import MEMORY_TAGS, EngineMemory
 from posttrain.plugins.engines.local.sampling import SamplingError, parse_sampling, parse_sampling_rows
 from posttrain.plugins.engines.local.weight_routes import WeightRoutes
@@ -193,28 +199,9 @@ class EngineServer:
                                f"{box.get('error') or finish.get('message')}")
 
     # -- helpers --------------------------------------------------------------------------------
-    @staticmethod
-    async def read_json(request: web.Request, required: bool = True, limit: int = SMALL_BODY_LIMIT) -> dict[str, Any]:
-        """The JSON object in the body, read up to ``limit`` bytes (413 beyond: a 1 GiB body to a
-        control endpoint is refused before it is held in memory)."""
-        if request.content_length is not None and request.content_length > limit:
-            raise TooLarge(f"request body: {request.content_length} bytes; {request.path} takes at most {limit}")
-        raw = bytearray()
-        async for chunk in request.content.iter_chunked(1 << 16):
-            raw += chunk
-            if len(raw) > limit:
-                raise TooLarge(f"request body: over {limit} bytes; {request.path} takes at most {limit}")
-        if not raw.strip():
-            if required:
-                raise BadRequest("request body: expected a JSON object, got nothing")
-            return {}
-        try:
-            body = jsonio.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise BadRequest(f"request body: malformed JSON ({exc})") from None
-        if not isinstance(body, dict):
-            raise BadRequest(f"request body: expected a JSON object, got {type(body).__name__}")
-        return body
+    async def read_json(self, request: web.Request, required: bool = True, limit: int = SMALL_BODY_LIMIT) -> dict[str, Any]:
+        """:func:`~posttrain.plugins.engines.local.bodies.read_json` within this server's ``request_timeout_s``."""
+        return await read_json(request, self.config.request_timeout_s, required, limit)
 
     def _prompt(self, text: Any, input_ids: Any) -> list[int]:
         if input_ids is not None:
@@ -473,9 +460,16 @@ class EngineServer:
                     return await handler(request)
                 return await asyncio.shield(handler(request))  # a weight update finishes once started
             except BadRequest as exc:
-                return _error(exc.status, str(exc))
+                response = _error(exc.status, str(exc))
+                if isinstance(exc, TooSlow):
+                    response.force_close()
+                return response
+            except RecursionError:  # a body nested just under the parser's limit, walked by a handler
+                return _error(400, "request body: JSON nested too deeply")
 
-        app = web.Application(middlewares=[auth, errors], client_max_size=WEIGHTS_BODY_LIMIT)
+        # lingering_time: after a 408 the rest of a stalled body is awaited 1 s at most, not aiohttp's 10 s
+        app = web.Application(middlewares=[auth, errors], client_max_size=WEIGHTS_BODY_LIMIT,
+                              handler_args={"lingering_time": 1.0})
         r = app.router
         r.add_post("/generate", self.generate)
         for path, fn in (("/health", self.health), ("/health_generate", self.health_generate),
@@ -529,4 +523,5 @@ def serve(model_dir: str, config: LocalEngine.Config, host: str = "127.0.0.1", p
     print(f"posttrain engine serving {server.model_dir}{weights} on http://{host}:{port}"
           f"{'' if server.api_key else ' WITHOUT an API key (any local process may load weights into it)'}"
           f"{f' ({ready})' if ready else ''}", flush=True)
-    web.run_app(server.app(), host=host, port=port, print=None, access_log=None, handler_cancellation=True)
+    web.run_app(server.app(), host=host, port=port, print=None, access_log=None, handler_cancellation=True,
+                keepalive_timeout=config.request_timeout_s)

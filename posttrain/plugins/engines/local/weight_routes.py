@@ -79,14 +79,10 @@ class WeightRoutes:
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         from posttrain.core.rollout.weight_sync import ReceiverGroup
         body = await self.server.read_json(request)
-        missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if k not in body]
-        if missing:
-            raise BadRequest(f"missing field(s): {', '.join(missing)}")
+        address, port, offset, world, name, backend = group_arguments(body)
         try:
-            self.receiver = await asyncio.to_thread(
-                ReceiverGroup.open, body["master_address"], int(body["master_port"]), int(body["rank_offset"]),
-                int(body["world_size"]), body.get("group_name", "weight_update_group"), body.get("backend", "nccl"),
-                self.server.device)
+            self.receiver = await asyncio.to_thread(ReceiverGroup.open, address, port, offset, world, name, backend,
+                                                    self.server.device)
         except Exception as exc:
             raise BadRequest(f"init_weights_update_group failed: {exc}") from None
         return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
@@ -145,3 +141,38 @@ class WeightRoutes:
                          ("/destroy_weights_update_group", self.destroy_weights_update_group)):
             router.add_post(path, fn)
         router.add_get("/weights_checksum", self.weights_checksum)
+
+
+GROUP_BACKENDS = ("nccl", "gloo")
+
+
+def group_arguments(body: dict[str, Any]) -> tuple[str, int, int, int, str, str]:
+    """``/init_weights_update_group``'s arguments, checked before any connection is tried (a 400 naming the
+    field, not a rendezvous that times out): ``(master_address, master_port, rank_offset, world_size,
+    group_name, backend)``; the trainer is rank 0 and this engine's ranks start at ``rank_offset >= 1``."""
+    missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if k not in body]
+    if missing:
+        raise BadRequest(f"missing field(s): {', '.join(missing)}")
+    ints = {}
+    for key in ("master_port", "rank_offset", "world_size"):
+        value = body[key]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise BadRequest(f"{key}: expected an integer, got {value!r}")
+        ints[key] = value
+    port, offset, world = ints["master_port"], ints["rank_offset"], ints["world_size"]
+    if not 1 <= port <= 65535:
+        raise BadRequest(f"master_port: {port} is not a TCP port (1-65535)")
+    if world < 2:
+        raise BadRequest(f"world_size: {world}; a weight-update group holds the trainer and at least one engine rank")
+    if not 1 <= offset < world:
+        raise BadRequest(f"rank_offset: {offset}; this engine's ranks start after the trainer's rank 0 and below "
+                         f"world_size {world}")
+    address, name = body["master_address"], body.get("group_name", "weight_update_group")
+    if not isinstance(address, str) or not address:
+        raise BadRequest(f"master_address: expected a host name or address, got {address!r}")
+    if not isinstance(name, str) or not name:
+        raise BadRequest(f"group_name: expected a non-empty string, got {name!r}")
+    backend = body.get("backend", "nccl")
+    if backend not in GROUP_BACKENDS:
+        raise BadRequest(f"backend: {backend!r} is not one of {', '.join(GROUP_BACKENDS)}")
+    return address, port, offset, world, name, backend
