@@ -27,8 +27,9 @@ from posttrain.core.schema import build, option, to_dict
 
 
 @dataclass
-class Component:
-    """A selected component: its registered name, its validated ``Config`` and, for rewards, a weight."""
+class Selection:
+    """A run config's choice of a component: its registered name, its validated ``Config`` and, for rewards,
+    a weight."""
 
     kind: str
     name: str
@@ -101,7 +102,7 @@ def _parse_one(kind: str, value: Any, path: str, plugins: Any, weighted: bool,
         errors.append(f"{path}.weight: expected a finite number, got {weight!r}")
     cls = registry[name]
     config, errs = build(getattr(cls, "Config", None) or _Empty, rest, path)
-    return (None if errors + errs else Component(kind, name, config, float(weight), cls)), errors + errs
+    return (None if errors + errs else Selection(kind, name, config, float(weight), cls)), errors + errs
 
 
 @dataclass
@@ -418,7 +419,7 @@ class TeacherConfig:
 
 @dataclass
 class RunConfig:
-    """The whole run. Component sections hold a :class:`Component`; the others plain dataclasses."""
+    """The whole run. Component sections hold a :class:`Selection`; the others plain dataclasses."""
 
     seed: int = option(0, help="seeds the trainer's init, the data order and (rollout.seed_sampling) sampling")
     mode: Any = component("modes", default=True, help="what the run does: the RL loop (the default), supervised "
@@ -477,12 +478,12 @@ class RunConfig:
         shared = gpus_shared_with_trainer(engine, self.resources)
         return self.rollout.weight_sync_mode(self.resources.colocate, shared, engine.on_gpu(self.resources))
 
-    def components(self) -> list[Component]:
+    def components(self) -> list[Selection]:
         """Every selected component, the backends inside ``rollout`` and ``trainer`` included."""
         out = [self.rollout.engine, self.trainer.backend]
         for value in vars(self).values():
             out += value if isinstance(value, list) else [value]
-        return [c for c in out if isinstance(c, Component)]
+        return [c for c in out if isinstance(c, Selection)]
 
     def component_errors(self, plugins: Any) -> list[str]:
         """What selected components find wrong with this run: those whose class defines

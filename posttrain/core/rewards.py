@@ -141,7 +141,7 @@ def _light(sample: Sample) -> Sample:
 class RewardRunner:
     """Scores groups of samples with the configured reward parts. See the module docstring.
 
-    :param components: ``Component`` s of kind ``rewards`` (``.name``, ``.weight``, ``.create(plugins)``).
+    :param components: ``Selection`` s of kind ``rewards`` (``.name``, ``.weight``, ``.create(plugins)``).
     :param plugins: the ``Plugins`` the components are built from.
     """
 

@@ -50,14 +50,14 @@ class MultiTurn:
         return errors
 
     def bind(self, plugins) -> None:
-        """Take the tools from the run's plugin set (called by ``Component.create``)."""
+        """Take the tools from the run's plugin set (called by ``Selection.create``)."""
         if self._tools is None:
             names = self.config.tools or list(plugins.tools)
             self._tools = {n: _tool_callable(plugins.tools.get_or_raise(n)) for n in names}
 
     def tools(self) -> dict:
         if self._tools is None:
-            raise RuntimeError("multi_turn: no tools bound; build it with Component.create(plugins) or "
+            raise RuntimeError("multi_turn: no tools bound; build it with Selection.create(plugins) or "
                                "MultiTurn(config, tools={...})")
         return self._tools
 
