@@ -41,6 +41,9 @@ import pluggy
 if TYPE_CHECKING:
     import typer
 
+    from posttrain.core.config import RunConfig
+    from posttrain.core.interfaces import Finding
+    from posttrain.core.plugins import Plugins
     from posttrain.core.registry import Registry
 
 PROJECT = "posttrain"
@@ -235,6 +238,20 @@ def posttrain_register_commands(app: typer.Typer) -> None:
     Fires once when ``rl-cli`` starts, after the built-in commands exist. Keep it import-light: it runs
     for every ``rl-cli`` invocation, ``--help`` included. Use in ``--plugin`` files: no (commands are
     built before options are parsed).
+    """
+
+
+@hookspec
+def posttrain_doctor_checks(run: RunConfig, plugins: Plugins) -> list[Finding]:
+    """Check this machine for a run: what ``rl-cli doctor`` reports beside its own checks.
+
+    :param run: the validated run config (``run.rewards``, ``run.rollout``, ...).
+    :param plugins: the loaded plugins (registries and hooks).
+    :return: ``posttrain.api.Finding`` rows (``ok``, ``area``, ``message``, ``note``); an empty list when
+        nothing of this plugin is in the run. A failed finding makes ``doctor`` exit 2.
+
+    Fires once per ``rl-cli doctor``, after the config is valid; it must not start work that outlives it.
+    Import what a check needs inside the hook. Use in ``--plugin`` files: yes.
     """
 
 

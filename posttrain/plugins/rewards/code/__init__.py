@@ -276,3 +276,21 @@ class CodeReward:
 @hookimpl
 def posttrain_register_rewards(registry):
     registry.add(CodeReward)
+
+
+@hookimpl
+def posttrain_doctor_checks(run):
+    """``rl-cli doctor``: the OS sandbox (bubblewrap) must work here unless every code reward opts out."""
+    import shutil
+
+    from posttrain.core.interfaces import Finding
+
+    needs = [c for c in run.rewards if c.cls is CodeReward and not c.config.insecure_no_os_sandbox]
+    path = shutil.which("bwrap")
+    if not needs:
+        return [Finding(True, "sandbox", f"bwrap {'at ' + path if path else 'not installed'} "
+                                         "(no reward here needs it)", note=True)]
+    from posttrain.plugins.rewards.code.sandbox import isolation
+
+    reason = isolation()["reason"]
+    return [Finding(reason is None, "sandbox", f"bwrap works at {path}" if reason is None else reason)]
