@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from posttrain.core.config_source import apply_overrides, moved_keys, read_yaml, resolve_files
 from posttrain.core.errors import ConfigError
+from posttrain.core.interfaces import needs_of
 from posttrain.core.registry import KINDS
 from posttrain.core.rewards import RewardRunnerConfig
 from posttrain.core.schema import build, option, to_dict
@@ -271,7 +272,7 @@ class TrainerConfig:
     old_log_probs_from_train: bool = option(
         True, help="when a batch is trained in one optimizer step (steps_per_rollout 1) and nothing needs the "
                    "old policy's log-probs before it (no correction, kl_in_reward_coef 0, an estimator without "
-                   "needs_log_probs), take them from the training forward instead of a separate pass")
+                   "needs.log_probs), take them from the training forward instead of a separate pass")
     entropy_coef: float = option(0.0, help="weight of the entropy bonus")
     grad_clip: float = option(1.0, ge=0.0, help="max global grad norm; 0 disables")
     weight_decay: float = option(0.0, ge=0.0, help="AdamW decoupled weight decay")
@@ -404,7 +405,7 @@ class EvalConfig:
 
 @dataclass
 class TeacherConfig:
-    """A teacher for on-policy distillation (estimators with ``needs_teacher``): a second engine fleet that
+    """A teacher for on-policy distillation (estimators whose ``needs.teacher`` is set): a second engine fleet that
     scores the student's samples (``posttrain.core.rollout.teacher``). Its tokenizer must be the student's."""
 
     path: str | None = option(None, help="HF checkpoint the teacher engines serve (not needed for external URLs)")
@@ -497,12 +498,12 @@ class RunConfig:
         return errors
 
     def _teacher_errors(self) -> list[str]:
-        wants = self.estimator is not None and getattr(self.estimator.cls, "needs_teacher", False)
+        wants = self.estimator is not None and needs_of(self.estimator.cls).teacher
         if wants and self.teacher is None:
             return [f"teacher: required by estimator {self.estimator.name!r} (a teacher: section with its "
                     f"checkpoint path, or engine: {{name: external, urls: [...]}})"]
         if self.teacher is not None and not wants:
-            return ["teacher: set, but the estimator does not use one (estimators with needs_teacher do)"]
+            return ["teacher: set, but the estimator does not use one (estimators with needs.teacher do)"]
         if self.teacher is not None and self.teacher.path is None and self.teacher.engine.create().urls() is None:
             return ["teacher.path: required: the checkpoint the teacher engines serve"]
         return []
