@@ -58,9 +58,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from posttrain.core.errors import UsageError
+from posttrain.core.interfaces import Component
 
 
-class TrainerBackend:
+class TrainerBackend(Component):
     """Base of every trainer backend. Subclasses set ``name`` and ``Config`` and implement ``build``."""
 
     name = ""
@@ -72,9 +73,6 @@ class TrainerBackend:
     @dataclass
     class Config:
         pass
-
-    def __init__(self, config: Any = None):
-        self.config = config if config is not None else self.Config()
 
     def check_config(self, run: Any, plugins: Any) -> list[str]:
         """Problems with this backend for ``run`` (a validated RunConfig), as ``key: reason`` lines

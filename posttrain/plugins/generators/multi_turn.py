@@ -6,10 +6,11 @@ import asyncio
 from dataclasses import dataclass
 
 from posttrain import hookimpl
+from posttrain.api import Component
 from posttrain.core.schema import option
 
 
-class MultiTurn:
+class MultiTurn(Component):
     """Generate, run the tools the model calls, append their results, generate again (up to ``max_turns``).
 
     Each turn: ``/generate`` on ``prompt + response so far`` (stopping after ``</tool_call>``); tool calls
@@ -36,7 +37,7 @@ class MultiTurn:
             help="text appended after a turn with tool calls; {result} is the tools' answers joined by newlines")
 
     def __init__(self, config=None, tools=None):
-        self.config = config or self.Config()
+        super().__init__(config)
         self._tools = tools  # name -> callable; None until bind() gives the run's registry
 
     def check_config(self, run, plugins) -> list[str]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from posttrain import hookimpl, option
+from posttrain.api import Component
 from posttrain.core.types import Sample
 from posttrain.plugins.rewards.code.checks import ENCODER, decode, split_assert
 
@@ -142,7 +143,7 @@ class CodeVerdict:
     reason: str
 
 
-class CodeReward:
+class CodeReward(Component):
     """Fraction of test cases the response's Python passes, run in :mod:`posttrain.plugins.rewards.code.sandbox`.
 
     The program is the last fenced code block of the response (else the whole response, unless
@@ -179,7 +180,7 @@ class CodeReward:
     def __init__(self, config: Config | None = None):
         from posttrain.plugins.rewards.code.sandbox import check_os_sandbox
 
-        self.config = config or self.Config()
+        super().__init__(config)
         self._slots: asyncio.Semaphore | None = None
         self._loop = None
         if self.config.insecure_no_os_sandbox:
