@@ -65,3 +65,19 @@ def test_the_built_ins_declare_what_the_loop_computes_for_them():
     assert estimators["opd"].needs == EstimatorNeeds(log_probs=True, teacher=True)
     assert estimators["remax"].needs.baseline_sampling == {"temperature": 0.0}
     assert estimators["grpo"].needs == EstimatorNeeds()
+
+
+def test_a_trainer_backend_without_a_checkpoint_format_says_so_in_one_line():
+    """``rl-cli models verify / convert`` reach a backend through these; one without them names itself."""
+    from posttrain.api import TrainerBackend
+    from posttrain.core.errors import UsageError
+
+    class Plain(TrainerBackend):
+        name = "plain"
+
+    with pytest.raises(UsageError, match="trainer backend 'plain' cannot verify HF checkpoints"):
+        Plain().verify_hf(None, "/nowhere")
+    for call in (lambda b: b.checkpoint_from_hf(None, "/a", "/b"), lambda b: b.checkpoint_meta("/a"),
+                 lambda b: b.checkpoint_to_hf(None, "/a", "/b", {})):
+        with pytest.raises(UsageError, match="trainer backend 'plain' has no checkpoint format"):
+            call(Plain())
