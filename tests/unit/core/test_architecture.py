@@ -94,9 +94,11 @@ def test_the_cli_imports_no_plugin():
     assert not offenders, "\n".join(offenders)
 
 
-# import cycles still allowed, each with why; the local engine's server and its weight routes are being
-# separated elsewhere, and this entry goes with that change
-ALLOWED_CYCLES = {frozenset({"posttrain.plugins.engines.local.server", "posttrain.plugins.engines.local.weight_routes"})}
+# import cycles still allowed: both inside posttrain/plugins/engines/local/, which another change reworks (it
+# removes the first and, as merged on main, its entry module and `rl-cli engine` command module import each
+# other); drop each entry once its circle is gone
+ALLOWED_CYCLES = {frozenset({"posttrain.plugins.engines.local.server", "posttrain.plugins.engines.local.weight_routes"}),
+                  frozenset({"posttrain.plugins.engines.local", "posttrain.plugins.engines.local.command"})}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
