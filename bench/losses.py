@@ -45,7 +45,7 @@ def main() -> None:
     log_probs = old + 0.05 * torch.randn(b, t, generator=gen)
     batch = AdvantageBatch(rewards=torch.randn(b, generator=gen).to(dev),
                            group_index=(torch.arange(b) // args.group_size).to(dev), response_mask=mask.to(dev),
-                           values=(torch.randn(b, t, generator=gen) * mask).to(dev) if estimator.needs_critic else None,
+                           values=(torch.randn(b, t, generator=gen) * mask).to(dev) if estimator.needs.critic else None,
                            metadata={"baseline_rewards": torch.randn(b, generator=gen).to(dev)})
     old, log_probs, mask = old.to(dev), log_probs.to(dev), mask.to(dev)
 

@@ -54,14 +54,14 @@ def make_groups(n: int, group_size: int = 8, seed: int = 0):
 
 
 async def measure(workers: int, n: int) -> dict:
-    from posttrain.core.config import Component
+    from posttrain.core.config import Selection
     from posttrain.core.plugins import load_plugins
     from posttrain.core.rewards import RewardRunner
 
     plugins = load_plugins()
     cls = plugins.rewards["math"]
     groups = make_groups(n)
-    runner = RewardRunner([Component("rewards", "math", cls.Config(), 1.0)], plugins, workers=workers)
+    runner = RewardRunner([Selection("rewards", "math", cls.Config(), 1.0)], plugins, workers=workers)
     try:
         t0 = time.perf_counter()
         runner.warm_up()

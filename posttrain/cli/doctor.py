@@ -2,8 +2,8 @@
 
 Everything ``run --dry-run`` checks (the config, every error at once, and its data), then what needs the
 machine: GPUs and their free memory for the placement (host memory on a CPU placement), free loopback
-ports for the engines, router and weight group (external engines: that they answer), the OS sandbox
-(``bwrap``) when a reward needs it, installed torch / megatron-core / sglang-router / sglang against the
+ports for the engines, router and weight group (external engines: that they answer), what plugins check
+(``posttrain_doctor_checks``: the code reward's OS sandbox, ``bwrap``), installed torch / megatron-core / sglang-router / sglang against the
 versions posttrain is tested with, and free disk for the run directory's checkpoints. ``--engines``
 starts the run's engines (and router) and makes a weight round trip to each: new weights pushed the
 way the run would push them (``rollout.weight_sync``), then every tensor's checksum read back.
@@ -15,7 +15,6 @@ and Adam state; no activations), so a pass is necessary, not sufficient.
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,23 +22,12 @@ import typer
 
 from posttrain.cli.console import console
 from posttrain.cli.options import Disabled, PluginFiles, load
+from posttrain.core.interfaces import Finding
 
 GIB = 1 << 30
 # bytes per parameter: training (weights, fp32 master, gradient, two Adam moments) and a saved checkpoint
 TRAIN_BYTES, CKPT_BYTES = 16, 12
 TESTED = ("torch", "megatron-core", "sglang-router", "sglang")
-
-
-@dataclass
-class Finding:
-    ok: bool
-    area: str
-    message: str
-    note: bool = False  # informational: neither a pass nor a failure
-
-    def line(self) -> str:
-        tag = "note" if self.note else ("ok  " if self.ok else "FAIL")
-        return f"{tag} {self.area}: {self.message}"
 
 
 def doctor(config: Path = typer.Argument(..., help="run config (YAML)", show_default=False),
@@ -55,7 +43,7 @@ def doctor(config: Path = typer.Argument(..., help="run config (YAML)", show_def
         params = model_params(cfg, plugins, findings)
         findings += check_placement(cfg, plugins, params)
         findings += check_ports(cfg, plugins)
-        findings += check_sandbox(cfg)
+        findings += plugin_checks(cfg, plugins)
         findings += check_disk(cfg, params, run_dir)
         if engines:
             from posttrain.cli.doctor_engines import round_trip
@@ -195,17 +183,9 @@ def check_ports(cfg: Any, plugins: Any) -> list[Finding]:
     return [Finding(len(ports) == want, "ports", f"{len(ports)} free loopback ports found, {want} needed")]
 
 
-def check_sandbox(cfg: Any) -> list[Finding]:
-    """The code reward runs programs in bubblewrap: it must work here unless the config opts out."""
-    needs = [c for c in cfg.rewards if c.name == "code" and not getattr(c.config, "insecure_no_os_sandbox", False)]
-    path = shutil.which("bwrap")
-    if not needs:
-        return [Finding(True, "sandbox", f"bwrap {'at ' + path if path else 'not installed'} "
-                                         "(no reward here needs it)", note=True)]
-    from posttrain.plugins.rewards.code.sandbox import isolation
-
-    reason = isolation()["reason"]
-    return [Finding(reason is None, "sandbox", f"bwrap works at {path}" if reason is None else reason)]
+def plugin_checks(cfg: Any, plugins: Any) -> list[Finding]:
+    """What plugins check for this run (``posttrain_doctor_checks``: the code reward's OS sandbox, ...)."""
+    return [f for found in plugins.pm.hook.posttrain_doctor_checks(run=cfg, plugins=plugins) for f in found or []]
 
 
 def check_disk(cfg: Any, params: int | None, run_dir: Path) -> list[Finding]:

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from posttrain.cli.doctor import Finding
+from posttrain.core.interfaces import Finding
 
 
 def hf_checkpoint(cfg: Any, plugins: Any, out: Path) -> str:
@@ -32,7 +32,7 @@ def hf_checkpoint(cfg: Any, plugins: Any, out: Path) -> str:
     torch.manual_seed(cfg.seed)
     AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec.config.dtype)).save_pretrained(str(out))
     if spec.config.tokenizer == "char":
-        from posttrain.testing.tiny import make_tokenizer
+        from posttrain.core.char_tokenizer import make_tokenizer
 
         make_tokenizer(out)
     elif spec.config.tokenizer:

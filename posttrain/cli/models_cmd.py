@@ -135,23 +135,30 @@ def verify(hf_dir: str = typer.Argument(..., help="HF checkpoint directory"), tp
                                  f"`torchrun --nproc_per_node {tp * ep} -m posttrain.cli.main ...` to see why")
             _report(json.loads(out.read_text()), tp, ep)
         return
-    from posttrain.plugins.trainers.megatron.convert import verify_checkpoint
-    from posttrain.plugins.trainers.megatron.model import init_parallel
-
-    model_spec = _spec(load(plugin, disable), spec, hf_dir, dtype, path=hf_dir)
+    plugins = load(plugin, disable)
+    model_spec = _spec(plugins, spec, hf_dir, dtype, path=hf_dir)
     if ep > 1 and not hasattr(model_spec, "num_experts"):
         raise UsageError(f"--ep {ep}: spec {model_spec.name!r} has no experts")
-    init_parallel(tp, 1, ep=ep)
-    result = verify_checkpoint(model_spec, hf_dir, tolerance=tolerance, seq_len=seq_len, attention=attention)
-    result["spec"] = model_spec.name
-    import torch.distributed as dist
-
-    if dist.get_rank() != 0:
+    result = _backend(plugins).verify_hf(model_spec, hf_dir, tp=tp, ep=ep, tolerance=tolerance, seq_len=seq_len,
+                                         attention=attention)
+    if result is None:  # not the reporting rank
         return
+    result["spec"] = model_spec.name
     if result_file:
         Path(result_file).write_text(json.dumps(result))
         return
     _report(result, tp, ep)
+
+
+def _backend(plugins, name: str | None = None):
+    """The trainer backend ``name`` (default: the default one, ``is_default``), built with its defaults: what
+    converts and verifies checkpoints for ``models verify`` and ``models convert``."""
+    registry = plugins.registry("trainer")
+    name = name or registry.default_name()
+    if name is None:
+        raise UsageError(f"no default trainer backend among {sorted(registry)}")
+    cls = registry.get_or_raise(name)
+    return cls(cls.Config())
 
 
 def _report(result: dict, tp: int, ep: int = 1) -> None:
@@ -167,13 +174,15 @@ def _report(result: dict, tp: int, ep: int = 1) -> None:
 @app.command()
 def convert(src: str = typer.Argument(..., help="HF directory (--to megatron) or Megatron directory (--to hf)"),
             out: str = typer.Argument(..., help="output directory"),
-            to: str = typer.Option(..., "--to", help="megatron | hf"), tp: int = TPOption, spec: str = SpecOption,
-            dtype: str = typer.Option(None, "--dtype", help="parameter dtype (default: the checkpoint's)"),
+            to: str = typer.Option(..., "--to", help="a trainer backend's format (megatron) | hf"), tp: int = TPOption,
+            spec: str = SpecOption, dtype: str = typer.Option(None, "--dtype", help="parameter dtype (default: the checkpoint's)"),
             result_file: str = typer.Option(None, "--result-file", hidden=True),
             plugin: list[str] = PluginFiles, disable: list[str] = Disabled) -> None:
-    """Convert HF safetensors to a Megatron dist-checkpoint (torch_dist) or back."""
-    if to not in ("megatron", "hf"):
-        raise UsageError(unknown("--to target", to, ["megatron", "hf"]))
+    """Convert HF safetensors to a trainer backend's checkpoint (megatron: a torch_dist dist-checkpoint) or back."""
+    plugins = load(plugin, disable)
+    trainers = plugins.registry("trainer")
+    if to != "hf" and to not in trainers:
+        raise UsageError(unknown("--to target", to, [*trainers, "hf"]))
     if not Path(src).is_dir():
         raise UsageError(f"{src}: no such directory")
     if tp > 1 and not _in_torchrun():
@@ -183,25 +192,19 @@ def convert(src: str = typer.Argument(..., help="HF directory (--to megatron) or
                 raise UsageError(f"convert under torchrun (tp={tp}) failed with exit code {rc}")
         console.print(f"wrote {out}")
         return
-    from posttrain.plugins.trainers.megatron import convert as C
-    from posttrain.plugins.trainers.megatron.model import init_parallel
     from posttrain.core.model_spec import read_hf_config
 
-    plugins = load(plugin, disable)
-    if to == "megatron":
+    backend = _backend(plugins, None if to == "hf" else to)
+    if to != "hf":
         hf = read_hf_config(src)
         model_spec = _spec(plugins, spec, src, dtype or _dtype_of(hf), path=src)
-        init_parallel(tp, 1)
-        C.hf_to_megatron_dir(model_spec, src, out)
+        report = backend.checkpoint_from_hf(model_spec, src, out, tp=tp)
     else:
-        meta = C.read_meta(src)
+        meta = backend.checkpoint_meta(src)
         model_spec = _spec(plugins, spec or meta["spec"], None, dtype or meta["dtype"])
-        init_parallel(tp, 1)
-        C.megatron_dir_to_hf(model_spec, src, out, meta["hf_config"])
-    import torch.distributed as dist
-
-    if dist.get_rank() == 0 and not result_file:
-        console.print(f"wrote {out} ({model_spec.name}, {'Megatron torch_dist' if to == 'megatron' else 'HF safetensors'})")
+        report = backend.checkpoint_to_hf(model_spec, src, out, meta["hf_config"], tp=tp)
+    if report and not result_file:
+        console.print(f"wrote {out} ({model_spec.name}, {backend.name + ' checkpoint' if to != 'hf' else 'HF safetensors'})")
 
 
 def _dtype_of(hf: dict) -> str:

@@ -15,15 +15,11 @@ app = typer.Typer(help="Scaffold new plugins.", no_args_is_help=True)
 # kind -> (registration hook, contract, fixture, class body)
 BODIES = {
     "estimator": ("posttrain_register_estimators", "EstimatorContract", "estimator", '''
-    needs_critic = False
-    group_baseline = True
+    group_baseline = True  # needs = EstimatorNeeds(critic=True, ...) asks the loop for more than rewards
 
     @dataclass
     class Config:
         scale: float = option(1.0, gt=0.0, help="multiplies the centred reward")
-
-    def __init__(self, config=None):
-        self.config = config or self.Config()
 
     def advantages(self, batch):
         """``batch.rewards [B]`` (plus each sample's summed ``token_rewards``) -> advantages and returns
@@ -42,9 +38,6 @@ BODIES = {
     class Config:
         ignore_case: bool = option(True, help="compare case-insensitively")
 
-    def __init__(self, config=None):
-        self.config = config or self.Config()
-
     def __call__(self, sample):
         """``{"score": 1.0}`` when the label appears in the response, else 0.0."""
         response, label = sample.response, str(sample.label)
@@ -56,9 +49,6 @@ BODIES = {
     @dataclass
     class Config:
         max_new_tokens: int = option(64, ge=1, help="tokens to generate per sample")
-
-    def __init__(self, config=None):
-        self.config = config or self.Config()
 
     async def __call__(self, group, engine, sampling):
         """One ``/generate`` per sample, token in and token out; returns the completed samples."""
@@ -100,9 +90,6 @@ BODIES = {
     class Config:
         high: float = option(2.0, gt=0.0, help="weights above this are truncated to it")
 
-    def __init__(self, config=None):
-        self.config = config or self.Config()
-
     def __call__(self, train_log_probs, rollout_log_probs, response_mask):
         """``(is_weights, metrics)``: ``w = min(exp(logp_train - logp_rollout), high)`` per token, ``[B, T]``,
         0 outside ``response_mask``, without gradient."""
@@ -123,9 +110,6 @@ BODIES = {
     @dataclass
     class Config:
         min_scored: int = option(2, ge=1, help="keep groups with at least this many scored samples")
-
-    def __init__(self, config=None):
-        self.config = config or self.Config()
 
     def __call__(self, group):
         """``None`` keeps the rewarded group; a short reason (a metric name part) drops it."""
@@ -192,11 +176,15 @@ BODIES = {
 
 
 # kinds whose scaffold builds on a posttrain base class (the class line and its import)
-BASES = {"loss": "(PolicyLoss)", "model": "(DenseGPTSpec)", "engine": "(EngineBackend)", "trainer": "(TrainerBackend)"}
-IMPORTS = {"loss": "from posttrain.core.losses import AggregationMode, PolicyLoss\n",
+BASES = {"estimator": "(Estimator)", "reward": "(Component)", "generator": "(Component)", "correction": "(Component)",
+         "filter": "(Component)", "loss": "(PolicyLoss)", "model": "(DenseGPTSpec)", "engine": "(EngineBackend)",
+         "trainer": "(TrainerBackend)"}
+IMPORTS = {"estimator": "from posttrain.api import Estimator\n",
+           **dict.fromkeys(("reward", "generator", "correction", "filter"), "from posttrain.api import Component\n"),
+           "loss": "from posttrain.core.losses import AggregationMode, PolicyLoss\n",
            "model": "from posttrain.plugins.trainers.megatron.spec import DenseGPTSpec\n",
-           "engine": "from posttrain.core.rollout.backend import EngineBackend, EngineLaunch\n",
-           "trainer": "from posttrain.core.trainer_backend import TrainerBackend\n"}
+           "engine": "from posttrain.api import EngineBackend, EngineLaunch\n",
+           "trainer": "from posttrain.api import TrainerBackend\n"}
 DOCS = {"engine": "TODO: one line on what runs behind SGLang's protocol, then where it runs and what it serves.",
         "trainer": "TODO: one line on how this backend trains (devices, parallelism, optimizer), then its limits."}
 # kinds with a second module (the heavy part, imported on use), from a template next to this file

@@ -6,6 +6,7 @@ import itertools
 from statistics import mean
 from typing import TYPE_CHECKING, Any
 
+from posttrain.core.interfaces import needs_of
 from posttrain.core.train_batch import TrainBatch
 from posttrain.core.types import Sample, SampleStatus
 
@@ -101,13 +102,12 @@ def old_log_probs_from_train(cfg: Any, estimator: Any) -> bool:
     step either way. The rollout mode does not matter: both ways compute them with the trainer's current
     weights. Only when nothing reads them before the step: no ``correction`` (importance weights),
     ``trainer.kl_in_reward_coef == 0`` (the reward penalty), and an estimator that reads neither
-    ``AdvantageBatch.log_probs`` (``needs_log_probs``) nor a teacher's (``needs_teacher``: opd). The
+    ``AdvantageBatch.log_probs`` (``needs.log_probs``) nor a teacher's (``needs.teacher``: opd). The
     step's metrics that use them (the engine gap, ``train/entropy``, ``train/kl``) are computed after
     training, from the same values. ``trainer.old_log_probs_from_train: false`` turns it off."""
-    t = cfg.trainer
+    t, needs = cfg.trainer, needs_of(estimator)
     return (t.old_log_probs_from_train and t.steps_per_rollout == 1 and cfg.correction is None
-            and t.kl_in_reward_coef == 0 and not getattr(estimator, "needs_log_probs", False)
-            and not getattr(estimator, "needs_teacher", False))
+            and t.kl_in_reward_coef == 0 and not needs.log_probs and not needs.teacher)
 
 
 def train_tokens(samples: list[Sample]) -> int:

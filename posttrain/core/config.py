@@ -21,14 +21,16 @@ from typing import Any, Literal
 
 from posttrain.core.config_source import apply_overrides, moved_keys, read_yaml, resolve_files
 from posttrain.core.errors import ConfigError
+from posttrain.core.interfaces import needs_of
 from posttrain.core.registry import KINDS
 from posttrain.core.rewards import RewardRunnerConfig
 from posttrain.core.schema import build, option, to_dict
 
 
 @dataclass
-class Component:
-    """A selected component: its registered name, its validated ``Config`` and, for rewards, a weight."""
+class Selection:
+    """A run config's choice of a component: its registered name, its validated ``Config`` and, for rewards,
+    a weight."""
 
     kind: str
     name: str
@@ -101,7 +103,7 @@ def _parse_one(kind: str, value: Any, path: str, plugins: Any, weighted: bool,
         errors.append(f"{path}.weight: expected a finite number, got {weight!r}")
     cls = registry[name]
     config, errs = build(getattr(cls, "Config", None) or _Empty, rest, path)
-    return (None if errors + errs else Component(kind, name, config, float(weight), cls)), errors + errs
+    return (None if errors + errs else Selection(kind, name, config, float(weight), cls)), errors + errs
 
 
 @dataclass
@@ -270,7 +272,7 @@ class TrainerConfig:
     old_log_probs_from_train: bool = option(
         True, help="when a batch is trained in one optimizer step (steps_per_rollout 1) and nothing needs the "
                    "old policy's log-probs before it (no correction, kl_in_reward_coef 0, an estimator without "
-                   "needs_log_probs), take them from the training forward instead of a separate pass")
+                   "needs.log_probs), take them from the training forward instead of a separate pass")
     entropy_coef: float = option(0.0, help="weight of the entropy bonus")
     grad_clip: float = option(1.0, ge=0.0, help="max global grad norm; 0 disables")
     weight_decay: float = option(0.0, ge=0.0, help="AdamW decoupled weight decay")
@@ -403,7 +405,7 @@ class EvalConfig:
 
 @dataclass
 class TeacherConfig:
-    """A teacher for on-policy distillation (estimators with ``needs_teacher``): a second engine fleet that
+    """A teacher for on-policy distillation (estimators whose ``needs.teacher`` is set): a second engine fleet that
     scores the student's samples (``posttrain.core.rollout.teacher``). Its tokenizer must be the student's."""
 
     path: str | None = option(None, help="HF checkpoint the teacher engines serve (not needed for external URLs)")
@@ -418,7 +420,7 @@ class TeacherConfig:
 
 @dataclass
 class RunConfig:
-    """The whole run. Component sections hold a :class:`Component`; the others plain dataclasses."""
+    """The whole run. Component sections hold a :class:`Selection`; the others plain dataclasses."""
 
     seed: int = option(0, help="seeds the trainer's init, the data order and (rollout.seed_sampling) sampling")
     mode: Any = component("modes", default=True, help="what the run does: the RL loop (the default), supervised "
@@ -477,12 +479,12 @@ class RunConfig:
         shared = gpus_shared_with_trainer(engine, self.resources)
         return self.rollout.weight_sync_mode(self.resources.colocate, shared, engine.on_gpu(self.resources))
 
-    def components(self) -> list[Component]:
+    def components(self) -> list[Selection]:
         """Every selected component, the backends inside ``rollout`` and ``trainer`` included."""
         out = [self.rollout.engine, self.trainer.backend]
         for value in vars(self).values():
             out += value if isinstance(value, list) else [value]
-        return [c for c in out if isinstance(c, Component)]
+        return [c for c in out if isinstance(c, Selection)]
 
     def component_errors(self, plugins: Any) -> list[str]:
         """What selected components find wrong with this run: those whose class defines
@@ -496,12 +498,12 @@ class RunConfig:
         return errors
 
     def _teacher_errors(self) -> list[str]:
-        wants = self.estimator is not None and getattr(self.estimator.cls, "needs_teacher", False)
+        wants = self.estimator is not None and needs_of(self.estimator.cls).teacher
         if wants and self.teacher is None:
             return [f"teacher: required by estimator {self.estimator.name!r} (a teacher: section with its "
                     f"checkpoint path, or engine: {{name: external, urls: [...]}})"]
         if self.teacher is not None and not wants:
-            return ["teacher: set, but the estimator does not use one (estimators with needs_teacher do)"]
+            return ["teacher: set, but the estimator does not use one (estimators with needs.teacher do)"]
         if self.teacher is not None and self.teacher.path is None and self.teacher.engine.create().urls() is None:
             return ["teacher.path: required: the checkpoint the teacher engines serve"]
         return []

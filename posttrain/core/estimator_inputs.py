@@ -1,11 +1,12 @@
-"""What an estimator may ask the loop for beyond rewards, declared on the estimator class.
+"""What an estimator may ask the loop for beyond rewards, declared on the estimator class as one value,
+``needs = EstimatorNeeds(...)`` (:class:`posttrain.core.interfaces.EstimatorNeeds`).
 
-- ``needs_critic = True``: critic values ``[B, T]`` (the trainer backend builds a critic role).
-- ``needs_teacher = True``: the teacher's log-probs of every response token, ``metadata["teacher_log_probs"]``
+- ``critic=True``: critic values ``[B, T]`` (the trainer backend builds a critic role).
+- ``teacher=True``: the teacher's log-probs of every response token, ``metadata["teacher_log_probs"]``
   ``[B, T]`` (aligned like ``response_mask``), from the run's ``teacher:`` fleet
   (``posttrain.core.rollout.teacher``); the policy's own are ``AdvantageBatch.log_probs``.
 - ``metrics``: a ``dict[str, float]`` an estimator may fill in ``advantages()``; logged as ``estimator/<key>``.
-- ``baseline_sampling = {...}``: sampling overrides for one extra sample per prompt (ReMax:
+- ``baseline_sampling={...}``: sampling overrides for one extra sample per prompt (ReMax:
   ``{"temperature": 0.0}``, the greedy response). The loop generates it with the run's generator, scores
   it with the run's rewards, and hands its reward to the estimator as ``metadata["baseline_rewards"]``
   (``[B]``, the baseline of each sample's prompt). Baseline samples are never trained on.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from posttrain.core.interfaces import needs_of
 from posttrain.core.types import Sample
 
 BASELINE_KEY = "baseline_reward"  # per-sample metadata key; the batch key is "baseline_rewards"
@@ -27,10 +29,10 @@ BASELINE_KEY = "baseline_reward"  # per-sample metadata key; the batch key is "b
 
 async def add_baseline(group: list[Sample], estimator: Any, generator: Any, engine: Any, sampling: Any,
                        rewards: Any) -> None:
-    """For an estimator with ``baseline_sampling``: generate and score one sample of ``group``'s prompt
+    """For an estimator whose ``needs.baseline_sampling`` is set: generate and score one sample of ``group``'s prompt
     with those overrides, and write its reward into every sample's ``metadata["baseline_reward"]``. A
     baseline whose reward failed counts as 0 (its error is kept in ``metadata["baseline_error"]``)."""
-    overrides = getattr(estimator, "baseline_sampling", None)
+    overrides = needs_of(estimator).baseline_sampling
     if not overrides or not group:
         return
     first = group[0]

@@ -54,7 +54,7 @@ def write_tokenizer(spec: Any, out_dir: str | Path) -> None:
                 shutil.copy(Path(source) / name, out / name)
     tokenizer = spec.config.tokenizer
     if tokenizer == "char" and not (out / "tokenizer.json").exists():
-        from posttrain.testing.tiny import make_tokenizer
+        from posttrain.core.char_tokenizer import make_tokenizer
 
         make_tokenizer(out)
     elif tokenizer and tokenizer != "char":

@@ -41,6 +41,9 @@ import pluggy
 if TYPE_CHECKING:
     import typer
 
+    from posttrain.core.config import RunConfig
+    from posttrain.core.interfaces import Finding
+    from posttrain.core.plugins import Plugins
     from posttrain.core.registry import Registry
 
 PROJECT = "posttrain"
@@ -54,12 +57,14 @@ def posttrain_register_estimators(registry: Registry) -> None:
 
     :param registry: the estimator registry; call ``registry.add(EstimatorClass)``.
 
-    An estimator class has ``name``, a ``Config`` dataclass, a class attribute ``needs_critic``
-    (default False), optionally ``needs_log_probs = True`` when it reads ``AdvantageBatch.log_probs``
-    (else the loop may take the old policy's log-probs from the train step, after the estimator has
-    run, and pass None: ``posttrain.core.batching.old_log_probs_from_train``), and the method ``advantages(batch: AdvantageBatch) -> (advantages, returns)``,
-    both ``[B, T]`` float tensors that are exactly 0 where ``batch.response_mask`` is 0.
-    It is constructed as ``Estimator(Estimator.Config(...))``.
+    An estimator subclasses ``posttrain.api.Estimator``: ``name``, a ``Config`` dataclass, and the method
+    ``advantages(batch: AdvantageBatch) -> (advantages, returns)``, both ``[B, T]`` float tensors that are
+    exactly 0 where ``batch.response_mask`` is 0. It declares what the loop must compute for it beyond
+    rewards as one value, ``needs = posttrain.api.EstimatorNeeds(critic=..., log_probs=..., teacher=...,
+    baseline_sampling=...)`` (default: nothing more). Without ``log_probs`` the loop may take the old
+    policy's log-probs from the train step, after the estimator has run, and pass None
+    (``posttrain.core.batching.old_log_probs_from_train``). It is constructed as
+    ``Estimator(Estimator.Config(...))``.
 
     Fires once per process inside ``load_plugins()``. Use in ``--plugin`` files: yes.
     """
@@ -71,13 +76,14 @@ def posttrain_register_losses(registry: Registry) -> None:
 
     :param registry: the loss registry; call ``registry.add(LossClass)``.
 
-    A loss is constructed as ``Loss(Loss.Config(...))`` and called as
+    A loss satisfies ``posttrain.api.Loss`` (a Protocol). It is constructed as ``Loss(Loss.Config(...))`` and
+    called as
     ``loss_fn(log_probs, old_log_probs, advantages, response_mask, is_weights=None, global_tokens=None,
     global_seqs=None)``, tensors ``[B, T]``, returning ``(loss, metrics)``: a scalar tensor with gradient
     and a ``dict[str, float]`` (at least ``clipfrac``, ``approx_kl``, ``ratio_mean``). A micro-batch passes
     the whole batch's token and sequence counts (``posttrain.core.losses.batch_counts``) so that the sum of
     micro-batch losses equals the full-batch loss. Subclass ``posttrain.core.losses.PolicyLoss`` to get the
-    shape checks, IS weights, aggregation modes and metrics for free.
+    shape checks, IS weights, aggregation modes and metrics for free (``posttrain.api.PolicyLoss``).
 
     Fires once per process inside ``load_plugins()``. Use in ``--plugin`` files: yes.
     """
@@ -89,7 +95,8 @@ def posttrain_register_corrections(registry: Registry) -> None:
 
     :param registry: the correction registry; call ``registry.add(CorrectionClass)``.
 
-    A correction is constructed from its ``Config`` and called as
+    A correction satisfies ``posttrain.api.Correction`` (a Protocol). It is constructed from its ``Config``
+    and called as
     ``correction(train_log_probs, rollout_log_probs, response_mask)`` (all ``[B, T]``), returning
     ``(is_weights [B, T], metrics)``; the policy loss multiplies its per-token terms by ``is_weights``.
 
@@ -103,7 +110,8 @@ def posttrain_register_rewards(registry: Registry) -> None:
 
     :param registry: the reward registry; call ``registry.add(RewardClass)``.
 
-    A reward is constructed as ``Reward(Reward.Config(...))`` and called with one ``Sample``
+    A reward satisfies ``posttrain.api.Reward`` (a Protocol). It is constructed as
+    ``Reward(Reward.Config(...))`` and called with one ``Sample``
     (``scope = "sample"``, the default) or a whole group ``list[Sample]`` (``scope = "group"``).
     It returns a float, or a dict of named floats with the key ``"score"`` (group rewards return one
     such value per sample). ``async def __call__`` is allowed and preferred for I/O.
@@ -119,7 +127,7 @@ def posttrain_register_generators(registry: Registry) -> None:
     :param registry: the generator registry; call ``registry.add(GeneratorClass)``, or
         ``registry.add(async_function, name="...")`` for a generator without options.
 
-    A generator is called as
+    A generator satisfies ``posttrain.api.Generator`` (a Protocol). It is called as
     ``await generator(group: list[Sample], engine: EngineClient, sampling: SamplingParams) -> list[Sample]``
     and may return more samples than it got (fan-out keeps ``group_index``). It builds each request's
     ``sampling_params`` with ``sampling.for_sample(sample, turn)`` (or ``sampling.for_group(group)`` for
@@ -135,8 +143,10 @@ def posttrain_register_models(registry: Registry) -> None:
 
     :param registry: the model-spec registry; call ``registry.add(ModelSpecClass)``.
 
-    A spec maps an HF ``config.json`` to a Megatron ``TransformerConfig`` and layer spec, and HF tensor
-    names and shapes to Megatron's and back. The exact interface is ``posttrain.plugins.trainers.megatron.spec.ModelSpec``.
+    A spec subclasses ``posttrain.api.ModelSpec`` (``posttrain.core.model_spec``: config, presets,
+    ``hf_config()``). It maps an HF ``config.json`` to a Megatron ``TransformerConfig`` and layer spec, and
+    HF tensor names and shapes to Megatron's and back; the built-in specs implement that mapping as
+    ``posttrain.plugins.trainers.megatron.spec.DenseGPTSpec``.
 
     Fires once per process inside ``load_plugins()``. Use in ``--plugin`` files: yes.
     """
@@ -148,7 +158,8 @@ def posttrain_register_filters(registry: Registry) -> None:
 
     :param registry: the filter registry; call ``registry.add(FilterClass)``.
 
-    A filter is constructed from its ``Config`` and called with a completed, rewarded group
+    A filter satisfies ``posttrain.api.Filter`` (a Protocol). It is constructed from its ``Config`` and
+    called with a completed, rewarded group
     ``list[Sample]``; it returns ``None`` to keep the group or a short reason string to drop it
     (reasons are counted in the metrics).
 
@@ -162,7 +173,7 @@ def posttrain_register_tools(registry: Registry) -> None:
 
     :param registry: the tool registry; call ``registry.add(tool_callable, name="search")``.
 
-    A tool is a plain (sync or async) callable taking the tool call's JSON arguments as keywords and
+    A tool satisfies ``posttrain.api.Tool`` (a Protocol): a plain (sync or async) callable taking the tool call's JSON arguments as keywords and
     returning a string shown to the model. It runs with the generator's per-tool timeout; an exception
     is returned to the model as error text rather than ending the rollout.
 
@@ -176,7 +187,7 @@ def posttrain_register_engines(registry: Registry) -> None:
 
     :param registry: the engine registry; call ``registry.add(EngineBackendClass)``.
 
-    A backend subclasses ``posttrain.core.rollout.backend.EngineBackend`` and is constructed as
+    A backend subclasses ``posttrain.api.EngineBackend`` (``posttrain.core.rollout.backend``) and is constructed as
     ``Backend(Backend.Config(...))`` from the run config's ``rollout.engine`` section. It owns its config,
     the launch of each engine server (``launch(slot) -> EngineLaunch``: argv, environment, health path) or
     the URLs of running ones (``urls()``), the weight-update modes its servers implement
@@ -197,7 +208,7 @@ def posttrain_register_trainers(registry: Registry) -> None:
 
     :param registry: the trainer registry; call ``registry.add(TrainerBackendClass)``.
 
-    A backend subclasses ``posttrain.core.trainer_backend.TrainerBackend`` and is constructed as
+    A backend subclasses ``posttrain.api.TrainerBackend`` (``posttrain.core.trainer_backend``) and is constructed as
     ``Backend(Backend.Config(...))`` from ``trainer.backend``; ``build(spec, run, role, seed)`` returns the
     model of one role (``actor`` or ``critic``) with ``log_probs``, ``values``, ``train_step``,
     ``export_hf``, ``save_hf``, ``save`` and ``load`` (the interface is documented in that module). It owns
@@ -215,7 +226,7 @@ def posttrain_register_modes(registry: Registry) -> None:
 
     :param registry: the mode registry; call ``registry.add(ModeClass)``.
 
-    A mode subclasses ``posttrain.core.run_mode.RunMode`` and is constructed as ``Mode(Mode.Config(...))``
+    A mode subclasses ``posttrain.api.RunMode`` (``posttrain.core.run_mode``) and is constructed as ``Mode(Mode.Config(...))``
     from the run config's ``mode`` section (``mode: sft`` or ``{name: sft, ...}``; left out: the mode
     registered with ``is_default = True``, the RL loop). It declares which sections a run needs and
     whether it generates with engines (so the rollout batch identity applies), and runs the whole
@@ -235,6 +246,20 @@ def posttrain_register_commands(app: typer.Typer) -> None:
     Fires once when ``rl-cli`` starts, after the built-in commands exist. Keep it import-light: it runs
     for every ``rl-cli`` invocation, ``--help`` included. Use in ``--plugin`` files: no (commands are
     built before options are parsed).
+    """
+
+
+@hookspec
+def posttrain_doctor_checks(run: RunConfig, plugins: Plugins) -> list[Finding]:
+    """Check this machine for a run: what ``rl-cli doctor`` reports beside its own checks.
+
+    :param run: the validated run config (``run.rewards``, ``run.rollout``, ...).
+    :param plugins: the loaded plugins (registries and hooks).
+    :return: ``posttrain.api.Finding`` rows (``ok``, ``area``, ``message``, ``note``); an empty list when
+        nothing of this plugin is in the run. A failed finding makes ``doctor`` exit 2.
+
+    Fires once per ``rl-cli doctor``, after the config is valid; it must not start work that outlives it.
+    Import what a check needs inside the hook. Use in ``--plugin`` files: yes.
     """
 
 

@@ -258,7 +258,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
                     batch.old_log_probs, entropy = await on_trainer(trainer.log_probs, batch, None, True)
                 if cfg.trainer.uses_reference:
                     batch.ref_log_probs = await on_trainer(trainer.log_probs, batch, "ref")
-                values = await on_trainer(trainer.values, batch) if estimator.needs_critic else None
+                values = await on_trainer(trainer.values, batch) if estimator.needs.critic else None
             step_metrics = {}
             if cfg.correction is not None:
                 batch.is_weights, correction_metrics = trainer.importance_weights(batch, rollout_lp)

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
+from posttrain.core.interfaces import Component
+
 if TYPE_CHECKING:
     import torch
 
@@ -212,7 +214,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return loss, metrics
 
 
-class PolicyLoss:
+class PolicyLoss(Component):
     """Base of the policy losses: shape checks, IS weights, aggregation and the common metrics.
 
     A subclass sets ``name``, a ``Config`` with at least ``aggregation`` and ``max_response_len`` and
@@ -229,9 +231,6 @@ class PolicyLoss:
     """
 
     name = ""
-
-    def __init__(self, config: Any = None):
-        self.config = config or self.Config()  # type: ignore[attr-defined]
 
     def token_losses(self, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
                      mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:

@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from posttrain.core.errors import ConfigError, UsageError, did_you_mean, unknown
+from posttrain.core.interfaces import Component
 from posttrain.core.schema import option
 
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-class ModelSpec:
+class ModelSpec(Component):
     """Base of every model spec; see the module docstring for the interface."""
 
     name = ""
@@ -47,9 +48,6 @@ class ModelSpec:
                                            help="HF config.json keys set on top of the preset's or checkpoint's "
                                                 "config, e.g. {num_hidden_layers: 6} (a preset cut to fit a "
                                                 "benchmark); each key must already be in that config")
-
-    def __init__(self, config: Any = None):
-        self.config = config or self.Config()
 
     # ---------------------------------------------------------------- HF config
     def hf_config(self) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import pluggy
 
 from posttrain.core import hookspecs
 from posttrain.core.errors import PluginError, UsageError, unknown
+from posttrain.core.interfaces import needs_of
 from posttrain.core.registry import KINDS, PluginInfo, Registry
 
 GROUP = "posttrain"
@@ -151,6 +152,8 @@ def load_plugins(plugin_files: tuple[str | os.PathLike, ...] | list = (), disabl
     errors = [e for r in registries.values() for e in r.errors]
     if errors:
         raise PluginError("\n".join(errors))
+    for estimator in registries["estimators"].values():  # every one has ``needs``: older attributes translated
+        needs_of(estimator)
     return Plugins(pm=pm, infos=infos, failures=failures, disabled=list(disabled), enabled=list(enabled),
                    plugin_files=[str(f) for f in plugin_files], **registries)
 

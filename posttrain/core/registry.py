@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from posttrain.core.errors import PluginError, unknown
+from posttrain.core.interfaces import Component
 
 # registry attribute -> singular noun used in messages and in `rl-cli plugins list --kind`
 KINDS: dict[str, str] = {
@@ -126,6 +127,5 @@ def _wrap_function(fn: Any, name: str) -> type:
         return fn(*args, **kwargs)
 
     attrs = {"name": name, "Config": Config, "__doc__": fn.__doc__, "__module__": fn.__module__,
-             "__init__": lambda self, config=None: setattr(self, "config", config or Config()),
              "__call__": acall if inspect.iscoroutinefunction(fn) else call, "function": staticmethod(fn)}
-    return type(f"{name}_function", (), attrs)
+    return type(f"{name}_function", (Component,), attrs)

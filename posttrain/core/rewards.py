@@ -63,7 +63,7 @@ class RewardRunnerConfig:
 
 
 @dataclass
-class _Part:
+class _RewardPart:
     label: str  # the name in reward_parts and metrics
     name: str
     weight: float
@@ -141,7 +141,7 @@ def _light(sample: Sample) -> Sample:
 class RewardRunner:
     """Scores groups of samples with the configured reward parts. See the module docstring.
 
-    :param components: ``Component`` s of kind ``rewards`` (``.name``, ``.weight``, ``.create(plugins)``).
+    :param components: ``Selection`` s of kind ``rewards`` (``.name``, ``.weight``, ``.create(plugins)``).
     :param plugins: the ``Plugins`` the components are built from.
     """
 
@@ -152,7 +152,7 @@ class RewardRunner:
         if workers < 1 or concurrency < 1:
             raise UsageError("reward_runner: workers and concurrency must be >= 1")
         self.workers, self.concurrency, self.on_error, self.timeout = workers, concurrency, on_error, timeout
-        self.parts: list[_Part] = []
+        self.parts: list[_RewardPart] = []
         seen: dict[str, int] = defaultdict(int)
         for comp in components:
             seen[comp.name] += 1
@@ -163,7 +163,7 @@ class RewardRunner:
                 raise UsageError(f"reward {comp.name!r}: scope must be 'sample' or 'group', got {scope!r}")
             is_async = inspect.iscoroutinefunction(getattr(type(reward), "__call__", None)) or \
                 inspect.iscoroutinefunction(reward)
-            self.parts.append(_Part(label, comp.name, float(comp.weight), reward, scope, is_async))
+            self.parts.append(_RewardPart(label, comp.name, float(comp.weight), reward, scope, is_async))
         self._pool = None
         self._semaphore: asyncio.Semaphore | None = None
         self._semaphore_loop = None
@@ -176,7 +176,7 @@ class RewardRunner:
                    timeout=rc.timeout)
 
     # ---- the process pool ----
-    def _sync_pool_parts(self) -> list[_Part]:
+    def _sync_pool_parts(self) -> list[_RewardPart]:
         return [p for p in self.parts if not p.is_async] if self.workers > 1 else []
 
     def _get_pool(self):
@@ -274,13 +274,13 @@ class RewardRunner:
             await asyncio.gather(*tasks)
         return self._combine(eligible, results, time.perf_counter() - start)
 
-    def _call_sync(self, part: _Part, unit) -> tuple[bool, Any]:
+    def _call_sync(self, part: _RewardPart, unit) -> tuple[bool, Any]:
         try:
             return True, part.reward(unit)
         except Exception as exc:
             return False, _describe(exc)
 
-    async def _call_async(self, part: _Part, unit, results) -> None:
+    async def _call_async(self, part: _RewardPart, unit, results) -> None:
         async with self._semaphore:
             try:
                 out = (True, await asyncio.wait_for(part.reward(unit), self.timeout))
@@ -290,7 +290,7 @@ class RewardRunner:
                 out = (False, _describe(exc))
         self._store(part, unit, out, results)
 
-    async def _call_pool(self, part: _Part, units: list, results) -> None:
+    async def _call_pool(self, part: _RewardPart, units: list, results) -> None:
         from concurrent.futures.process import BrokenProcessPool
 
         loop = asyncio.get_running_loop()
@@ -309,7 +309,7 @@ class RewardRunner:
             for unit, out in zip(chunk, outs):
                 self._store(part, unit, out, results)
 
-    async def _retry_chunk(self, part: _Part, payload: list, broken) -> list[tuple[bool, Any]]:
+    async def _retry_chunk(self, part: _RewardPart, payload: list, broken) -> list[tuple[bool, Any]]:
         from concurrent.futures.process import BrokenProcessPool
 
         if self._pool is broken:
@@ -324,7 +324,7 @@ class RewardRunner:
                 self._pool = None
             return [(False, "the worker process died while scoring this sample's chunk")] * len(payload)
 
-    def _store(self, part: _Part, unit, out: tuple[bool, Any], results) -> None:
+    def _store(self, part: _RewardPart, unit, out: tuple[bool, Any], results) -> None:
         ok, value = out
         if part.scope == "group":
             if ok and (not isinstance(value, (list, tuple)) or len(value) != len(unit)):
@@ -336,7 +336,7 @@ class RewardRunner:
             results[part.label, id(unit)] = self._check(part, value, ok)
 
     @staticmethod
-    def _check(part: _Part, value, ok: bool) -> tuple[bool, Any]:
+    def _check(part: _RewardPart, value, ok: bool) -> tuple[bool, Any]:
         if not ok:
             return False, value
         try:

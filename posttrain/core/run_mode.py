@@ -23,8 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from posttrain.core.interfaces import Component
 
-class RunMode:
+
+class RunMode(Component):
     """Base of every run mode. Subclasses set ``name`` and implement :meth:`run` (and ``total_steps``)."""
 
     name = ""
@@ -38,9 +40,6 @@ class RunMode:
     @dataclass
     class Config:
         pass
-
-    def __init__(self, config: Any = None):
-        self.config = config if config is not None else self.Config()
 
     def check_config(self, run: Any, plugins: Any) -> list[str]:
         """Problems with this mode for ``run`` (a validated RunConfig), as ``key: reason`` lines reported

@@ -57,8 +57,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from posttrain.core.errors import UsageError
+from posttrain.core.interfaces import Component
 
-class TrainerBackend:
+
+class TrainerBackend(Component):
     """Base of every trainer backend. Subclasses set ``name`` and ``Config`` and implement ``build``."""
 
     name = ""
@@ -70,9 +73,6 @@ class TrainerBackend:
     @dataclass
     class Config:
         pass
-
-    def __init__(self, config: Any = None):
-        self.config = config if config is not None else self.Config()
 
     def check_config(self, run: Any, plugins: Any) -> list[str]:
         """Problems with this backend for ``run`` (a validated RunConfig), as ``key: reason`` lines
@@ -98,9 +98,31 @@ class TrainerBackend:
         return torch.cuda.is_available()
 
     def build(self, spec: Any, run: Any, role: str = "actor", seed: int = 0) -> Any:
-        """The model of ``role`` (``actor``, or ``critic`` for estimators with ``needs_critic``) from the
-        model spec instance ``spec`` and the whole run config ``run``."""
+        """The model of ``role`` (``actor``, or ``critic`` for estimators whose ``needs.critic`` is set) from
+        the model spec instance ``spec`` and the whole run config ``run``."""
         raise NotImplementedError
+
+    # ---- ``rl-cli models verify / convert``: optional, for backends with their own checkpoint format ----
+
+    def verify_hf(self, spec: Any, hf_dir: str, *, tp: int = 1, ep: int = 1, tolerance: float = 1e-4,
+                  seq_len: int = 16, attention: str = "auto") -> dict[str, Any] | None:
+        """Load the HF checkpoint ``hf_dir`` into this backend's model of ``spec`` (this process's rank of a
+        ``tp x ep`` group) and compare its logits with transformers' on the same tokens. Rank 0 returns
+        ``{"max_abs_diff", "tolerance", "passed", "round_trip_exact", "round_trip_mismatches"}``, others None."""
+        raise UsageError(f"trainer backend {self.name!r} cannot verify HF checkpoints")
+
+    def checkpoint_from_hf(self, spec: Any, hf_dir: str, out: str, *, tp: int = 1) -> bool:
+        """Write ``out`` in this backend's checkpoint format from the HF checkpoint ``hf_dir``; True on the
+        process that reports (rank 0)."""
+        raise UsageError(f"trainer backend {self.name!r} has no checkpoint format to convert to")
+
+    def checkpoint_meta(self, src: str) -> dict[str, Any]:
+        """``{"spec", "dtype", "hf_config"}`` of a checkpoint :meth:`checkpoint_from_hf` (or a run) wrote."""
+        raise UsageError(f"trainer backend {self.name!r} has no checkpoint format to convert from")
+
+    def checkpoint_to_hf(self, spec: Any, src: str, out: str, hf_config: dict[str, Any], *, tp: int = 1) -> bool:
+        """Write the HF checkpoint ``out`` from this backend's checkpoint ``src``; True on rank 0."""
+        raise UsageError(f"trainer backend {self.name!r} has no checkpoint format to convert from")
 
 
 def lr_at(step: int, config: Any) -> float:

@@ -150,11 +150,11 @@ class AdvantageBatch:
     - ``rewards``: ``[B]`` float, one outcome reward per sample.
     - ``group_index``: ``[B]`` int64, samples of one prompt share an id.
     - ``response_mask``: ``[B, T]`` float, 1.0 on response tokens that train, 0.0 elsewhere.
-    - ``values``: ``[B, T]`` critic values (estimators with ``needs_critic = True``), else None.
+    - ``values``: ``[B, T]`` critic values (estimators whose ``needs.critic`` is set), else None.
     - ``token_rewards``: ``[B, T]`` optional dense per-token rewards added to the outcome reward.
     - ``log_probs``: ``[B, T]`` the policy's log-probs of the sampled tokens (the trainer's, before the
       update), for estimators that compare the policy with another model (on-policy distillation);
-      None unless the estimator declares ``needs_log_probs`` (or ``needs_teacher``) or the loop
+      None unless the estimator declares ``needs.log_probs`` (or ``needs.teacher``) or the loop
       computes them before training anyway (``core.batching.old_log_probs_from_train``).
     - ``metadata``: per-batch extras some estimators need (e.g. ``baseline_rewards`` ``[B]`` for ReMax,
       ``teacher_log_probs`` ``[B, T]`` for distillation; see ``posttrain.core.estimator_inputs``).

@@ -8,17 +8,14 @@ initialized ``transformers`` model of the requested family, saved as ``config.js
 
 from __future__ import annotations
 
-import string
 from pathlib import Path
 from typing import Any
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
-                  "<tool_call>", "</tool_call>"]
-CHARS = list(string.printable)  # digits, letters, punctuation, whitespace: 100 characters
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+from posttrain.core.char_tokenizer import CHARS, CHAT_TEMPLATE, SPECIAL_TOKENS, make_tokenizer
+
+# the character tokenizer lives in core (``model.tokenizer: char`` selects it); its names stay importable here
+__all__ = ["CHARS", "CHAT_TEMPLATE", "FAMILIES", "SPECIAL_TOKENS", "make_tiny_checkpoint", "make_tokenizer",
+           "tiny_config"]
 
 # family -> transformers config class name
 FAMILIES = {"qwen3": "Qwen3Config", "qwen2": "Qwen2Config", "llama": "LlamaConfig", "glm4": "Glm4Config",
@@ -31,26 +28,6 @@ _MOE = {"qwen3_moe": dict(head_dim=16, moe_intermediate_size=32, num_experts=8, 
                          num_hidden_layers=3, first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1,
                          routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
                          partial_rotary_factor=0.5, rms_norm_eps=1e-5, num_nextn_predict_layers=0)}
-
-
-def make_tokenizer(out_dir: str | Path | None = None):
-    """A character-level ``PreTrainedTokenizerFast`` (vocab: special tokens, then printable ASCII).
-
-    ``eos`` and ``pad`` are ``<|endoftext|>`` (id 0); ``<|im_end|>`` (id 2) also ends a chat turn.
-    Saved to ``out_dir`` when given.
-    """
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
-    core.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                                  additional_special_tokens=SPECIAL_TOKENS[1:])
-    tok.chat_template = CHAT_TEMPLATE
-    if out_dir is not None:
-        tok.save_pretrained(str(out_dir))
-    return tok
 
 
 def tiny_config(family: str = "qwen3", **overrides: Any):

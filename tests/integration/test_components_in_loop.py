@@ -90,7 +90,7 @@ def test_every_estimator_runs_in_the_loop(name, tmp_path, engine_url):
     from posttrain.core.rollout.backend import API_KEY_ENV
 
     extra = {}
-    if getattr(load_plugins(autoload=False).estimators[name], "needs_teacher", False):  # the engine as teacher
+    if load_plugins(autoload=False).estimators[name].needs.teacher:  # the engine as teacher
         extra["teacher"] = {"engine": {"name": "external", "urls": [engine_url], "device": "cpu",
                                        "api_key_env": API_KEY_ENV}, "use_router": False}
     _check(_run(tmp_path, engine_url, estimator=name, **extra))

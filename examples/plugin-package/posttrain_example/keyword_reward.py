@@ -3,9 +3,10 @@
 from dataclasses import dataclass, field
 
 from posttrain import hookimpl, option
+from posttrain.api import Component
 
 
-class KeywordReward:
+class KeywordReward(Component):
     """Fraction of ``keywords`` (from the config, plus ``metadata["keywords"]``) found in the response.
 
     ``score = |{k : k in response}| / |keywords|``; 0.0 when there are no keywords.
@@ -18,9 +19,6 @@ class KeywordReward:
     class Config:
         keywords: list[str] = field(default_factory=list)
         ignore_case: bool = option(True, help="match case-insensitively")
-
-    def __init__(self, config=None):
-        self.config = config or self.Config()
 
     def __call__(self, sample):
         words = list(self.config.keywords) + list(sample.metadata.get("keywords", []))

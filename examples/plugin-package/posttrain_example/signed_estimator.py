@@ -3,9 +3,10 @@
 from dataclasses import dataclass
 
 from posttrain import hookimpl, option
+from posttrain.api import Estimator
 
 
-class SignedAdvantage:
+class SignedAdvantage(Estimator):
     """``A_i = scale * sign(s_i - mean_g)`` on every response token of sample ``i`` (group ``g``), where
     ``s_i`` is the reward plus the sample's summed ``token_rewards``.
 
@@ -13,15 +14,11 @@ class SignedAdvantage:
     """
 
     name = "signed"
-    needs_critic = False
     group_baseline = True
 
     @dataclass
     class Config:
         scale: float = option(1.0, gt=0.0, help="magnitude of every advantage")
-
-    def __init__(self, config=None):
-        self.config = config or self.Config()
 
     def advantages(self, batch):
         import torch

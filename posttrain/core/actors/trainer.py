@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from posttrain.core.interfaces import needs_of
+
 
 class TrainerRole:
     """Built from the resolved run config (``RunConfig.to_dict()``); all arguments are plain data.
@@ -41,7 +43,7 @@ class TrainerRole:
         self.engine_backend = cfg.rollout.engine.create(plugins)
         self.policy = self.backend.build(self.spec, cfg, role="actor", seed=cfg.seed)
         self.critic = (self.backend.build(self.spec, cfg, role="critic", seed=cfg.seed)
-                       if getattr(estimator, "needs_critic", False) else None)
+                       if needs_of(estimator).critic else None)
         self.sender = None
         self.api_key: str | None = None
         import torch.distributed as dist

@@ -43,6 +43,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from posttrain.core.interfaces import Component
+
 WEIGHT_SYNC_MODES = ("distributed", "tensor", "disk")
 API_KEY_ENV = "POSTTRAIN_ENGINE_API_KEY"  # where engine servers (and the router) find the run's key
 
@@ -81,7 +83,7 @@ class EngineLaunch:
     health_path: str = "/health_generate"
 
 
-class EngineBackend:
+class EngineBackend(Component):
     """Base of every engine backend; every method has a working default except :meth:`launch`.
 
     Class attributes:
@@ -115,9 +117,6 @@ class EngineBackend:
     @dataclass
     class Config:
         pass
-
-    def __init__(self, config: Any = None):
-        self.config = config if config is not None else self.Config()
 
     # ---------------------------------------------------------------- before start
     def check_config(self, run: Any, plugins: Any) -> list[str]:

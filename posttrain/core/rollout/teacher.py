@@ -1,5 +1,5 @@
 """A teacher's log-probs of the student's samples, for on-policy distillation (estimators with
-``needs_teacher = True``, such as ``opd``).
+``needs = EstimatorNeeds(teacher=True)``, such as ``opd``).
 
 The teacher is a second engine fleet (``teacher:`` in the run config, :class:`~posttrain.core.actors.
 teacher.TeacherRole`) queried through SGLang's protocol: one ``/generate`` per sample with the sample's

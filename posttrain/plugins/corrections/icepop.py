@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posttrain import hookimpl, option
+from posttrain.api import Component
 
 
-class IcePop:
+class IcePop(Component):
     """IcePop: token weights ``w = exp(logp_train - logp_rollout)``, 0 outside ``[low, high]``.
 
     IcePop (Ling team, "Every step evolves", 2025), as slime's ``icepop_function``.
@@ -29,9 +30,6 @@ class IcePop:
 
         def validate(self) -> list[str]:
             return [] if self.low <= self.high else [f"low: {self.low} is above high {self.high}"]
-
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
 
     def __call__(self, train_log_probs, rollout_log_probs, response_mask):
         import torch

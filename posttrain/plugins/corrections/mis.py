@@ -6,9 +6,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from posttrain import hookimpl, option
+from posttrain.api import Component
 
 
-class MIS:
+class MIS(Component):
     """MIS: sequence weights ``rho = exp(sum_t (logp_train - logp_rollout))``, 0 outside ``[low, high]``.
 
     Masked importance sampling for the rollout/training mismatch, with the options of slime's ``mis.py``.
@@ -43,9 +44,6 @@ class MIS:
 
         def validate(self) -> list[str]:
             return [] if self.low <= self.high else [f"low: {self.low} is above high {self.high}"]
-
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
 
     def __call__(self, train_log_probs, rollout_log_probs, response_mask):
         import torch

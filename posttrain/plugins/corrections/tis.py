@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posttrain import hookimpl, option
+from posttrain.api import Component
 
 
-class TIS:
+class TIS(Component):
     """TIS: token weights ``w = clamp(exp(logp_train - logp_rollout), low, high)``.
 
     Truncated Importance Sampling (Yao et al., 2025, "Your efficient RL framework secretly brings you
@@ -32,9 +33,6 @@ class TIS:
 
         def validate(self) -> list[str]:
             return [] if self.low <= self.high else [f"low: {self.low} is above high {self.high}"]
-
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
 
     def __call__(self, train_log_probs, rollout_log_probs, response_mask):
         import torch

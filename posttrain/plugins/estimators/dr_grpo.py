@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posttrain import hookimpl
+from posttrain.api import Estimator
 from posttrain.core.types import AdvantageBatch
 
 
-class DrGRPO:
+class DrGRPO(Estimator):
     """Dr. GRPO (Liu et al., 2025): ``A_i = r_i - mean_g`` on every response token (no std).
 
     "GRPO done right": dropping the std division removes GRPO's question-difficulty bias; pair it with
@@ -24,15 +25,11 @@ class DrGRPO:
     """
 
     name = "dr_grpo"
-    needs_critic = False
     group_baseline = True
 
     @dataclass
     class Config:
         pass
-
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
 
     def advantages(self, batch: AdvantageBatch):
         from posttrain.core.group_stats import group_mean_std, sequence_scores

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posttrain import hookimpl, option
+from posttrain.api import Estimator, EstimatorNeeds
 from posttrain.core.types import AdvantageBatch
 
 
-class GAE:
+class GAE(Estimator):
     """GAE (Schulman et al., 2016): ``A_t = delta_t + gamma lam A_{t+1}``, ``delta_t = r_t + gamma V_{t+1} - V_t``.
 
     Generalized Advantage Estimation (Schulman et al., 2016) for PPO; needs critic ``values``.
@@ -31,7 +32,7 @@ class GAE:
     """
 
     name = "gae"
-    needs_critic = True
+    needs = EstimatorNeeds(critic=True)  # the loop computes critic values [B, T] (AdvantageBatch.values)
     group_baseline = False
 
     @dataclass
@@ -39,9 +40,6 @@ class GAE:
         gamma: float = option(1.0, ge=0.0, le=1.0, help="discount per token")
         lam: float = option(1.0, ge=0.0, le=1.0, help="GAE lambda (1: Monte-Carlo returns minus V)")
         whiten: bool = option(True, help="whiten the advantages over the batch's response tokens")
-
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
 
     def advantages(self, batch: AdvantageBatch):
         import torch

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posttrain import hookimpl, option
+from posttrain.api import Estimator
 from posttrain.core.types import AdvantageBatch
 
 
-class GPG:
+class GPG(Estimator):
     """GPG (Chu et al., 2025): ``A_i = alpha (r_i - mean_g) / f_norm``, ``alpha = B / #{j : r_j != 0}``.
 
     Group Policy Gradient: plain REINFORCE with a group-mean baseline (no std division, no ratio
@@ -22,15 +23,11 @@ class GPG:
     """
 
     name = "gpg"
-    needs_critic = False
     group_baseline = False  # alpha counts non-zero rewards, which a shift changes
 
     @dataclass
     class Config:
         f_norm: float = option(1.0, gt=0.0, help="constant the advantages are divided by")
-
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
 
     def advantages(self, batch: AdvantageBatch):
         from posttrain.core.group_stats import group_mean_std, sequence_scores

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posttrain import hookimpl, option
+from posttrain.api import Estimator
 from posttrain.core.types import AdvantageBatch
 
 
-class GRPO:
+class GRPO(Estimator):
     """GRPO (Shao et al., 2024): ``A_i = (r_i - mean_g) / (std_g + epsilon)`` on every response token.
 
     Group Relative Policy Optimization with outcome supervision: sample ``i`` of group ``g`` gets the same
@@ -26,16 +27,12 @@ class GRPO:
     """
 
     name = "grpo"
-    needs_critic = False
     group_baseline = True  # invariant to a constant added to one group's rewards
 
     @dataclass
     class Config:
         normalize_std: bool = option(True, help="divide by the group std (False: mean-centred only)")
         epsilon: float = option(1e-6, gt=0.0, help="added to the std before dividing")
-
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
 
     def advantages(self, batch: AdvantageBatch):
         from posttrain.core.group_stats import group_mean_std, sequence_scores

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posttrain import hookimpl, option
+from posttrain.api import Estimator
 from posttrain.core.types import AdvantageBatch
 
 
-class GRPOPassK:
+class GRPOPassK(Estimator):
     """Pass@k GRPO (arXiv 2503.19595, verl's ``grpo_passk``): ``A_best = (r_max - r_2nd) / (std_g + epsilon)``.
 
     In each group, the single best sample gets the margin of its reward over the second-best one, divided
@@ -22,16 +23,12 @@ class GRPOPassK:
     """
 
     name = "grpo_passk"
-    needs_critic = False
     group_baseline = True  # max, runner-up and std all move with a per-group shift
 
     @dataclass
     class Config:
         normalize_std: bool = option(True, help="divide the margin by the group std")
         epsilon: float = option(1e-6, gt=0.0, help="added to the std before dividing")
-
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
 
     def advantages(self, batch: AdvantageBatch):
         import torch

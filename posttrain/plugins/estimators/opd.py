@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from posttrain import hookimpl, option
+from posttrain.api import Estimator, EstimatorNeeds
 from posttrain.core.types import AdvantageBatch
 
 
-class OnPolicyDistillation:
+class OnPolicyDistillation(Estimator):
     """On-policy distillation (Agarwal et al., 2024; Qwen3; Thinking Machines): ``A_t = -(logp_t - logq_t)``.
 
     Per response token ``t`` of sample ``i``, with ``logp`` the student's log-prob of its own sampled token
@@ -38,9 +39,9 @@ class OnPolicyDistillation:
     """
 
     name = "opd"
-    needs_critic = False
-    needs_log_probs = True  # reads AdvantageBatch.log_probs: the old policy's before training (core.batching)
-    needs_teacher = True  # the loop scores every sample with the teacher (posttrain.core.rollout.teacher)
+    # reads AdvantageBatch.log_probs (the old policy's, before training: core.batching) and the teacher's
+    # log-probs of every sample (posttrain.core.rollout.teacher)
+    needs = EstimatorNeeds(log_probs=True, teacher=True)
     group_baseline = True  # the reward term is group-standardized; the KL term ignores rewards
 
     @dataclass
@@ -53,7 +54,7 @@ class OnPolicyDistillation:
         epsilon: float = option(1e-6, gt=0.0, help="added to the group std before dividing")
 
     def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
+        super().__init__(config)
         self.metrics: dict[str, float] = {}
 
     def advantages(self, batch: AdvantageBatch):

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posttrain import hookimpl
+from posttrain.api import Estimator
 from posttrain.core.types import AdvantageBatch
 
 
-class OPO:
+class OPO(Estimator):
     """OPO (Hao et al., 2025): ``A_i = r_i - sum_g(l_j r_j) / sum_g(l_j)``, ``l_j`` = response length.
 
     On-Policy RL with Optimal reward baseline (Hao et al., 2025).
@@ -25,15 +26,11 @@ class OPO:
     """
 
     name = "opo"
-    needs_critic = False
     group_baseline = True
 
     @dataclass
     class Config:
         pass
-
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
 
     def advantages(self, batch: AdvantageBatch):
         import torch

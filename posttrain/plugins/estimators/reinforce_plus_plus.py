@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posttrain import hookimpl, option
+from posttrain.api import Estimator
 from posttrain.core.types import AdvantageBatch
 
 
-class ReinforcePlusPlus:
+class ReinforcePlusPlus(Estimator):
     """REINFORCE++ (Hu, 2025): ``A = whiten(G)``, ``G_t = sum_k gamma^k r_{t+k}``, reward on the last token.
 
     REINFORCE++ (Hu, 2025), as slime and OpenRLHF implement it.
@@ -26,15 +27,11 @@ class ReinforcePlusPlus:
     """
 
     name = "reinforce_plus_plus"
-    needs_critic = False
     group_baseline = False
 
     @dataclass
     class Config:
         gamma: float = option(1.0, ge=0.0, le=1.0, help="discount per token (1.0: undiscounted, the default)")
-
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
 
     def advantages(self, batch: AdvantageBatch):
         from posttrain.core.group_stats import (check_batch, discounted_returns, masked_token_rewards, masked_whiten,

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posttrain import hookimpl
+from posttrain.api import Estimator
 from posttrain.core.types import AdvantageBatch
 
 
-class ReinforcePlusPlusBaseline:
+class ReinforcePlusPlusBaseline(Estimator):
     """REINFORCE++-baseline (Hu, 2025): ``A = whiten(r_i - mean_g + token_rewards)`` over the batch.
 
     REINFORCE++-baseline (Hu, 2025), as slime implements it.
@@ -23,15 +24,11 @@ class ReinforcePlusPlusBaseline:
     """
 
     name = "reinforce_plus_plus_baseline"
-    needs_critic = False
     group_baseline = True
 
     @dataclass
     class Config:
         pass
-
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
 
     def advantages(self, batch: AdvantageBatch):
         from posttrain.core.group_stats import check_batch, group_mean_std, masked_token_rewards, masked_whiten

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posttrain import hookimpl
+from posttrain.api import Estimator, EstimatorNeeds
 from posttrain.core.types import AdvantageBatch
 
 
-class ReMax:
+class ReMax(Estimator):
     """ReMax (Li et al., 2023): ``A_i = r_i - r_greedy_i``, REINFORCE with the greedy-decoding reward as baseline.
 
     ``A_i = r_i - b_i`` on every response token, where ``b_i = batch.metadata["baseline_rewards"][i]``
@@ -21,16 +22,12 @@ class ReMax:
     """
 
     name = "remax"
-    needs_critic = False
     group_baseline = False  # the baseline comes from the greedy sample, not from the group's rewards
-    baseline_sampling = {"temperature": 0.0}  # the loop generates and scores one greedy sample per prompt
+    needs = EstimatorNeeds(baseline_sampling={"temperature": 0.0})  # one greedy sample per prompt, scored
 
     @dataclass
     class Config:
         pass
-
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
 
     def advantages(self, batch: AdvantageBatch):
         import torch

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posttrain import hookimpl
+from posttrain.api import Estimator
 from posttrain.core.types import AdvantageBatch
 
 
-class RLOO:
+class RLOO(Estimator):
     """RLOO (Kool et al., 2019): ``A_i = r_i - (sum_g r - r_i) / (n_g - 1)`` on every response token.
 
     REINFORCE Leave-One-Out (Kool et al., 2019; Ahmadian et al., 2024).
@@ -24,15 +25,11 @@ class RLOO:
     """
 
     name = "rloo"
-    needs_critic = False
     group_baseline = True
 
     @dataclass
     class Config:
         pass
-
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
 
     def advantages(self, batch: AdvantageBatch):
         import torch

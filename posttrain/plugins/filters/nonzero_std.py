@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posttrain import hookimpl, option
+from posttrain.api import Component
 from posttrain.core.types import Sample
 
 
-class NonzeroStd:
+class NonzeroStd(Component):
     """Keep a group only if the (population) standard deviation of its rewards exceeds ``min_std``.
 
     A group whose samples all scored the same gives every sample a zero GRPO advantage, so it costs
@@ -23,9 +24,6 @@ class NonzeroStd:
     @dataclass
     class Config:
         min_std: float = option(0.0, ge=0.0, help="keep groups whose reward std is strictly above this")
-
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
 
     def __call__(self, group: list[Sample]) -> str | None:
         rewards = [s.reward for s in group if s.reward is not None]

@@ -6,10 +6,11 @@ import asyncio
 from dataclasses import dataclass
 
 from posttrain import hookimpl
+from posttrain.api import Component
 from posttrain.core.schema import option
 
 
-class MultiTurn:
+class MultiTurn(Component):
     """Generate, run the tools the model calls, append their results, generate again (up to ``max_turns``).
 
     Each turn: ``/generate`` on ``prompt + response so far`` (stopping after ``</tool_call>``); tool calls
@@ -36,7 +37,7 @@ class MultiTurn:
             help="text appended after a turn with tool calls; {result} is the tools' answers joined by newlines")
 
     def __init__(self, config=None, tools=None):
-        self.config = config or self.Config()
+        super().__init__(config)
         self._tools = tools  # name -> callable; None until bind() gives the run's registry
 
     def check_config(self, run, plugins) -> list[str]:
@@ -50,14 +51,14 @@ class MultiTurn:
         return errors
 
     def bind(self, plugins) -> None:
-        """Take the tools from the run's plugin set (called by ``Component.create``)."""
+        """Take the tools from the run's plugin set (called by ``Selection.create``)."""
         if self._tools is None:
             names = self.config.tools or list(plugins.tools)
             self._tools = {n: _tool_callable(plugins.tools.get_or_raise(n)) for n in names}
 
     def tools(self) -> dict:
         if self._tools is None:
-            raise RuntimeError("multi_turn: no tools bound; build it with Component.create(plugins) or "
+            raise RuntimeError("multi_turn: no tools bound; build it with Selection.create(plugins) or "
                                "MultiTurn(config, tools={...})")
         return self._tools
 

@@ -6,10 +6,11 @@ import asyncio
 from dataclasses import dataclass
 
 from posttrain import hookimpl
+from posttrain.api import Component
 from posttrain.core.schema import option
 
 
-class SingleTurn:
+class SingleTurn(Component):
     """One ``/generate`` call per sample (token in, token out).
 
     Fills ``tokens`` (prompt + response ids), ``response`` (the engine's text), ``rollout_log_probs``
@@ -26,9 +27,6 @@ class SingleTurn:
         batch_group: bool = option(True, help="send a group as one batched /generate (SGLang's list input) "
                                               "instead of one request per sample (seeded runs on SGLang "
                                               "engines send one per sample: each has its own seed)")
-
-    def __init__(self, config=None):
-        self.config = config or self.Config()
 
     async def __call__(self, group, engine, sampling):
         from posttrain.core.rollout.client import tokens_and_logprobs, weight_version_int

@@ -6,10 +6,11 @@ import re
 from dataclasses import dataclass
 
 from posttrain import hookimpl, option
+from posttrain.api import Component
 from posttrain.core.types import Sample
 
 
-class Choice:
+class Choice(Component):
     r"""1.0 when the chosen letter equals the label's letter, else 0.0; ``format_ok`` says a letter was found.
 
     The choice is read, in order, from the last ``\boxed{X}``, the last ``answer (is)?: (X)``, the last
@@ -27,9 +28,6 @@ class Choice:
         choices_key: str = option("choices", help="metadata key holding the option texts")
         max_choices: int = option(10, ge=2, le=26, help="letters allowed when metadata has no options")
         think_end: str | None = option("</think>", help="score only the text after this marker")
-
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
 
     def _letters(self, options: list | None) -> str:
         n = len(options) if options else self.config.max_choices

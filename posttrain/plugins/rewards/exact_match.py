@@ -6,10 +6,11 @@ import re
 from dataclasses import dataclass
 
 from posttrain import hookimpl, option
+from posttrain.api import Component
 from posttrain.core.types import Sample
 
 
-class ExactMatch:
+class ExactMatch(Component):
     """1.0 when the normalized response equals the normalized label, else 0.0.
 
     Normalization: text after the last ``think_end`` marker (if set), surrounding whitespace removed,
@@ -24,9 +25,6 @@ class ExactMatch:
     class Config:
         ignore_case: bool = option(False, help="compare case-insensitively")
         think_end: str | None = option(None, help="score only the text after the last occurrence of this marker")
-
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
 
     def normalize(self, text: str) -> str:
         if self.config.think_end and self.config.think_end in text:

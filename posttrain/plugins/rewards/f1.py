@@ -8,6 +8,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from posttrain import hookimpl, option
+from posttrain.api import Component
 from posttrain.core.types import Sample
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -31,7 +32,7 @@ def token_f1(prediction: str, reference: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-class F1:
+class F1(Component):
     """SQuAD-style token F1 in [0, 1]; a list label scores against its best element.
 
     With ``think_end`` set, only the text after its last occurrence counts.
@@ -43,9 +44,6 @@ class F1:
     @dataclass
     class Config:
         think_end: str | None = option("</think>", help="score only the text after this marker")
-
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
 
     def __call__(self, sample: Sample) -> float:
         if sample.label is None:

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posttrain import hookimpl, option
+from posttrain.api import Component
 from posttrain.core.types import Sample
 
 
-class Length:
+class Length(Component):
     r"""``r = -per_token * max(0, L - free_tokens)``, optionally floored at ``-max_penalty``;
     ``L = sample.response_length`` (tokens)."""
 
@@ -20,9 +21,6 @@ class Length:
         per_token: float = option(0.001, ge=0.0, help="penalty per response token")
         free_tokens: int = option(0, ge=0, help="tokens that cost nothing")
         max_penalty: float | None = option(None, ge=0.0, help="the penalty never exceeds this")
-
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
 
     def __call__(self, sample: Sample) -> float:
         c = self.config

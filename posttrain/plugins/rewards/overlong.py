@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posttrain import hookimpl, option
+from posttrain.api import Component
 from posttrain.core.types import Sample
 
 
-class Overlong:
+class Overlong(Component):
     r"""With ``L`` the response length in tokens, ``M = max_len``, ``B = buffer`` (DAPO eq. 13)::
 
         r = 0                      if L <= M - B
@@ -32,9 +33,6 @@ class Overlong:
             if self.buffer > self.max_len:
                 return [f"buffer: {self.buffer} exceeds max_len {self.max_len}"]
             return []
-
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
 
     def __call__(self, sample: Sample) -> float:
         c = self.config

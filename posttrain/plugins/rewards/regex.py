@@ -6,10 +6,11 @@ import re
 from dataclasses import dataclass
 
 from posttrain import hookimpl, option
+from posttrain.api import Component
 from posttrain.core.types import Sample
 
 
-class Regex:
+class Regex(Component):
     r"""``match_score`` when ``pattern`` matches the response (``re.search``, or ``re.fullmatch`` with
     ``full_match``; ``.`` matches newlines), else ``miss_score``. E.g. ``pattern: '^<think>.*</think>'``."""
 
@@ -32,7 +33,7 @@ class Regex:
             return []
 
     def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
+        super().__init__(config)
         flags = re.DOTALL | (re.IGNORECASE if self.config.ignore_case else 0)
         self.regex = re.compile(self.config.pattern, flags)
 

@@ -10,13 +10,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from posttrain import hookimpl, option
+from posttrain.api import Component
 from posttrain.core.types import Sample
 
 log = logging.getLogger("posttrain.rewards.remote")
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 
 
-class RemoteReward:
+class RemoteReward(Component):
     """POSTs ``{"prompt", "response", "label", "metadata"}`` as JSON to ``url``; the server answers with a
     number or a JSON object holding ``score_key`` (other numeric fields are kept as extras).
 
@@ -51,7 +52,7 @@ class RemoteReward:
             return []
 
     def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
+        super().__init__(config)
         self.failures = 0  # samples that got failure_reward (over the instance's life)
         self._session = None
         self._loop = None

@@ -8,7 +8,7 @@ The rules, for every estimator (``advantages(batch) -> (advantages, returns)``, 
 - a NaN or inf reward, or a NaN ``token_rewards`` entry on a response token, raises ``ValueError``
   naming the sample (never a NaN advantage);
 - dense ``token_rewards`` (the KL penalty in the reward, reward shaping) change the result: an estimator
-  never ignores them silently (estimators with ``needs_teacher``, whose signal is the teacher's, are exempt);
+  never ignores them silently (estimators whose ``needs.teacher`` is set, whose signal is the teacher's, are exempt);
 - ``rewards``/``group_index`` that are not ``[B]`` and ``token_rewards``/``values`` that are not ``[B, T]``
   raise ``ValueError`` naming the tensor and its shape.
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import pytest
 
+from posttrain.core.interfaces import needs_of
 from posttrain.testing.contracts.common import ComponentContract
 
 
@@ -62,7 +63,7 @@ class EstimatorContract(ComponentContract):
         return estimator
 
     def _batch(self, estimator, **kw):
-        return make_batch(critic=getattr(estimator, "needs_critic", False), **kw)
+        return make_batch(critic=needs_of(estimator).critic, **kw)
 
     def test_shapes_finite_and_zero_outside_mask(self, estimator):
         import torch
@@ -148,8 +149,8 @@ class EstimatorContract(ComponentContract):
         """Dense token rewards (a KL penalty in the reward) must change the result."""
         import torch
 
-        if getattr(estimator, "needs_teacher", False):
-            pytest.skip("learns from a teacher's log-probs (needs_teacher), not from rewards")
+        if needs_of(estimator).teacher:
+            pytest.skip("learns from a teacher's log-probs (needs.teacher), not from rewards")
         batch = self._batch(estimator)
         adv, ret = estimator.advantages(batch)
         gen = torch.Generator().manual_seed(2)

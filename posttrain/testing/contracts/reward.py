@@ -86,7 +86,7 @@ class RewardContract(ComponentContract):
 
         from posttrain.core.rewards import RewardRunner
 
-        class _One:  # a Component stand-in that hands over this very instance
+        class _One:  # a Selection stand-in that hands over this very instance
             kind, name, weight, config = "rewards", type(reward).name, 1.0, reward.config
 
             def create(self, plugins):

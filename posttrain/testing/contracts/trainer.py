@@ -53,11 +53,11 @@ def builtins() -> Any:
 
 def run_config(backend: Any, **trainer: Any) -> Any:
     """The contract's RunConfig with ``backend`` as ``trainer.backend`` (``trainer`` keys override)."""
-    from posttrain.core.config import Component, load_config
+    from posttrain.core.config import Selection, load_config
 
     data = {**RUN, "trainer": {**RUN["trainer"], **trainer}}
     run = load_config(None, data=data, plugins=builtins())
-    run.trainer.backend = Component("trainers", backend.name, backend.config, cls=type(backend))
+    run.trainer.backend = Selection("trainers", backend.name, backend.config, cls=type(backend))
     return run
 
 

@@ -197,7 +197,7 @@ def test_gae_needs_values(batch):
 
 
 # estimators that learn from rewards; those that learn from a teacher (opd) have their own tests (test_opd.py)
-REWARD_ESTIMATORS = sorted(n for n, c in PLUGINS.estimators.items() if not getattr(c, "needs_teacher", False))
+REWARD_ESTIMATORS = sorted(n for n, c in PLUGINS.estimators.items() if not c.needs.teacher)
 
 
 @pytest.mark.parametrize("name", REWARD_ESTIMATORS)
@@ -244,7 +244,7 @@ def test_config_errors_are_reported_by_key():
 def _contract_batch(name):
     from posttrain.testing.contracts.estimator import make_batch
 
-    return make_batch(critic=PLUGINS.estimators[name].needs_critic)
+    return make_batch(critic=PLUGINS.estimators[name].needs.critic)
 
 
 @pytest.mark.parametrize("name", sorted(PLUGINS.estimators))

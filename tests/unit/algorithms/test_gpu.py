@@ -23,7 +23,7 @@ def _to(batch, device):
 def test_estimator_on_cuda_matches_cpu(name):
     cls = PLUGINS.estimators[name]
     est = cls(cls.Config())
-    batch = make_batch(critic=cls.needs_critic)
+    batch = make_batch(critic=cls.needs.critic)
     adv, ret = est.advantages(batch)
     adv_c, ret_c = est.advantages(_to(batch, "cuda"))
     torch.testing.assert_close(adv_c.cpu(), adv, atol=1e-5, rtol=1e-5)

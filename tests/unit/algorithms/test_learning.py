@@ -49,7 +49,7 @@ def train(estimator_name: str, loss_name: str, steps: int = 40, **loss_config) -
                 lp = torch.log_softmax(theta, -1)[torch.arange(T), tokens[rows]]
                 loss, _ = loss_fn(lp, old[rows], advantages[rows], mask[rows], global_tokens=tokens_n,
                                   global_seqs=seqs_n)
-                if estimator.needs_critic:
+                if estimator.needs.critic:
                     vf, _ = value_loss(critic.expand(b, T)[rows], old_values[rows], returns[rows], mask[rows],
                                        global_tokens=tokens_n)
                     loss = loss + 0.5 * vf
@@ -60,7 +60,7 @@ def train(estimator_name: str, loss_name: str, steps: int = 40, **loss_config) -
 
 
 @pytest.mark.parametrize("estimator", sorted(n for n, c in PLUGINS.estimators.items()
-                                              if not getattr(c, "needs_teacher", False)))  # opd: test_opd.py
+                                              if not c.needs.teacher))  # opd: test_opd.py
 def test_every_estimator_learns_with_ppo_clip(estimator):
     assert train(estimator, "ppo_clip") > 0.8
 

@@ -87,3 +87,28 @@ def test_an_offloaded_colocated_trainer_needs_both_sides_on_the_gpu_and_its_stat
         assert found["host memory"].message.endswith(f"the offloaded trainer state needs at least {want} GiB")
     else:
         assert "host memory" not in found
+
+
+PLUGIN_CHECK = '''
+from posttrain import hookimpl
+from posttrain.core.interfaces import Finding
+
+
+@hookimpl
+def posttrain_doctor_checks(run):
+    return [Finding(False, "licence server", f"unreachable for {len(run.rewards)} reward(s)")]
+'''
+
+
+def test_plugins_add_their_checks_through_the_hook(tmp_path):
+    """``posttrain_doctor_checks``: a plugin's findings join doctor's own; the code reward's sandbox check is one."""
+    from posttrain.cli.doctor import plugin_checks
+    from posttrain.core.config import load_config
+    from posttrain.core.plugins import load_plugins
+
+    (tmp_path / "licence.py").write_text(PLUGIN_CHECK)
+    plugins = load_plugins(plugin_files=[tmp_path / "licence.py"])
+    cfg = load_config(QUICKSTART, [], plugins=plugins)
+    lines = {f.line() for f in plugin_checks(cfg, plugins)}
+    assert f"FAIL licence server: unreachable for {len(cfg.rewards)} reward(s)" in lines
+    assert any(line.startswith("note sandbox: bwrap") and "no reward here needs it" in line for line in lines), lines

@@ -61,7 +61,7 @@ def test_overriding_a_component_name_drops_the_files_keys_for_the_old_one():
 
 def test_auto_weight_sync_falls_back_to_a_mode_the_engine_backend_has(plugins):
 
-    from posttrain.core.config import Component, RolloutConfig
+    from posttrain.core.config import RolloutConfig, Selection
     from posttrain.core.rollout.backend import EngineBackend
 
     class DiskOnly(EngineBackend):
@@ -69,9 +69,9 @@ def test_auto_weight_sync_falls_back_to_a_mode_the_engine_backend_has(plugins):
         weight_sync_modes = ("disk",)
 
     rollout = RolloutConfig()
-    rollout.engine = Component("engines", "disk_only", DiskOnly.Config(), cls=DiskOnly)
+    rollout.engine = Selection("engines", "disk_only", DiskOnly.Config(), cls=DiskOnly)
     assert rollout.weight_sync_mode(colocate=False) == rollout.weight_sync_mode(colocate=True) == "disk"
-    rollout.engine = Component("engines", "local", None, cls=plugins.registry("engine")["local"])
+    rollout.engine = Selection("engines", "local", None, cls=plugins.registry("engine")["local"])
     assert rollout.weight_sync_mode(colocate=False) == "distributed"
     assert rollout.weight_sync_mode(colocate=True) == "tensor"
     # colocated CPU engines: Gloo, not every weight by value in an HTTP body

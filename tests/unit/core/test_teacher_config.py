@@ -39,7 +39,7 @@ def test_teacher_mistakes_are_reported_before_start(write, plugins):
         "teacher: required by estimator 'opd' (a teacher: section with its checkpoint path, or engine: "
         "{name: external, urls: [...]})"]
     assert _errors(write, BASE.replace("opd, reward_weight: 0.5", "grpo") + "teacher: {path: .}\n", plugins) == [
-        "teacher: set, but the estimator does not use one (estimators with needs_teacher do)"]
+        "teacher: set, but the estimator does not use one (estimators with needs.teacher do)"]
     assert _errors(write, BASE + "teacher: {num_engines: 1}\n", plugins) == [
         "teacher.path: required: the checkpoint the teacher engines serve"]
     assert _errors(write, BASE + "teacher: {path: missing-dir}\n", plugins) == [

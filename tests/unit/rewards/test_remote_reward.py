@@ -6,7 +6,7 @@ import socket
 import pytest
 from aiohttp import web
 
-from posttrain.core.config import Component
+from posttrain.core.config import Selection
 from posttrain.core.plugins import load_plugins
 from posttrain.core.rewards import RewardError, RewardRunner
 from posttrain.core.types import Sample, SampleStatus
@@ -110,7 +110,7 @@ async def test_server_down_and_on_error_raise(server):
 
 async def test_through_the_runner_concurrency_and_metrics(server):
     server.delay = 0.05
-    comp = Component("rewards", "remote", Remote.Config(url=server.url, concurrency=3, timeout=2.0), 1.0)
+    comp = Selection("rewards", "remote", Remote.Config(url=server.url, concurrency=3, timeout=2.0), 1.0)
     runner = RewardRunner([comp], PLUGINS, concurrency=64)
     groups = [[sample(str(i % 2), "0", i) for i in range(j * 4, j * 4 + 4)] for j in range(3)]
     server.plan = ["500"]
@@ -122,7 +122,7 @@ async def test_through_the_runner_concurrency_and_metrics(server):
 
 
 async def test_runner_on_error_raise_with_a_raising_remote(server):
-    comp = Component("rewards", "remote", Remote.Config(url=server.url, retries=0, on_error="raise"), 1.0)
+    comp = Selection("rewards", "remote", Remote.Config(url=server.url, retries=0, on_error="raise"), 1.0)
     server.plan = ["500"]
     group = [sample(i=0), sample(i=1)]
     runner = RewardRunner([comp], PLUGINS)

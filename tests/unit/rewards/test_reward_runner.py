@@ -6,7 +6,7 @@ import os
 import pytest
 from reward_helpers import Boom, Die, GroupRank, Pid, SlowAsync
 
-from posttrain.core.config import Component
+from posttrain.core.config import Selection
 from posttrain.core.errors import UsageError
 from posttrain.core.plugins import load_plugins
 from posttrain.core.rewards import RewardError, RewardRunner
@@ -23,7 +23,7 @@ def plugins():
 
 def comp(plugins, name, weight=1.0, **config):
     cls = plugins.rewards[name]
-    return Component("rewards", name, cls.Config(**config), weight)
+    return Selection("rewards", name, cls.Config(**config), weight)
 
 
 def groups_of(responses, label="4", size=2):

@@ -27,7 +27,7 @@ def load_tokenizer(cfg: Any) -> Any:
     """The model's tokenizer (``model.tokenizer``, else ``model.path``; ``char``: posttrain's own)."""
     source = getattr(cfg.model.config, "tokenizer", None) or getattr(cfg.model.config, "path", None)
     if source == "char":
-        from posttrain.testing.tiny import make_tokenizer
+        from posttrain.core.char_tokenizer import make_tokenizer
 
         return make_tokenizer()
     if not source:

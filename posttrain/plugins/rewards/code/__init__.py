@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from posttrain import hookimpl, option
+from posttrain.api import Component
 from posttrain.core.types import Sample
 from posttrain.plugins.rewards.code.checks import ENCODER, decode, split_assert
 
@@ -191,7 +192,7 @@ class CodeVerdict:
     reason: str
 
 
-class CodeReward:
+class CodeReward(Component):
     """Fraction of test cases the response's Python passes, run in :mod:`posttrain.plugins.rewards.code.sandbox`.
 
     The program is the last fenced code block of the response (else the whole response, unless
@@ -241,7 +242,7 @@ class CodeReward:
     def __init__(self, config: Config | None = None):
         from posttrain.plugins.rewards.code.sandbox import check_os_sandbox
 
-        self.config = config or self.Config()
+        super().__init__(config)
         self._slots: asyncio.Semaphore | None = None
         self._ref_cache: dict[str, list | str] = {}  # reference-leaf specs (JSON) -> encoded values or error
         self._loop = None
@@ -381,3 +382,21 @@ class CodeReward:
 @hookimpl
 def posttrain_register_rewards(registry):
     registry.add(CodeReward)
+
+
+@hookimpl
+def posttrain_doctor_checks(run):
+    """``rl-cli doctor``: the OS sandbox (bubblewrap) must work here unless every code reward opts out."""
+    import shutil
+
+    from posttrain.core.interfaces import Finding
+
+    needs = [c for c in run.rewards if c.cls is CodeReward and not c.config.insecure_no_os_sandbox]
+    path = shutil.which("bwrap")
+    if not needs:
+        return [Finding(True, "sandbox", f"bwrap {'at ' + path if path else 'not installed'} "
+                                         "(no reward here needs it)", note=True)]
+    from posttrain.plugins.rewards.code.sandbox import isolation
+
+    reason = isolation()["reason"]
+    return [Finding(reason is None, "sandbox", f"bwrap works at {path}" if reason is None else reason)]

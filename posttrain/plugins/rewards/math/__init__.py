@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posttrain import hookimpl, option
+from posttrain.api import Component
 from posttrain.core.types import Sample
 
 
-class MathReward:
+class MathReward(Component):
     r"""1.0 when the final answer equals the label mathematically, else 0.0 (both configurable).
 
     The answer is the content of the last ``\boxed{...}``; else the first group of the last match of
@@ -44,9 +45,6 @@ class MathReward:
         wrong_score: float = option(0.0, help="score of a wrong or missing answer (DAPO uses -1)")
         label_marker: str | None = option("####", help="a label holding it is the text after its last occurrence "
                                                        "(GSM8K's '... #### 72'); null disables")
-
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
 
     @staticmethod
     def contract_cases() -> list[tuple[Sample, float]]:

@@ -6,28 +6,27 @@ Modules (none but the light ``cpu_shims`` is imported here, so this entry module
 - ``spec``: ``DenseGPTSpec``, the Megatron mapping the built-in dense model specs implement; ``moe_spec``:
   ``MoEGPTSpec``, its MoE subclass (router, experts per expert, shared experts, dense first layers);
 - ``cpu_shims``: the CPU stand-ins Megatron needs (inactive with CUDA);
-- ``model``: parallel init, ``build_gpt``, ``load_hf``, ``iter_hf``, ``save_hf``;
+- ``options``: ``MegatronConfig``, the backend's ``trainer.backend`` options;
+- ``model``: parallel init, ``build_gpt``, ``load_hf``, ``iter_hf``, ``save_hf``; ``sharding``: TP shards of
+  full tensors and back; ``init``: seeded initialization of a rank's shards;
 - ``attention``: SDPA / flash-varlen core attention (GPU without TE, CPU, packed sequences);
 - ``layers``: GLM-4's post-norm wrappers; ``logprobs``: chunked vocab-parallel log-probs and entropy;
 - ``optim``: fused AdamW inside Megatron's optimizer; ``trainer``: ``MegatronTrainer`` (actor or critic);
 - ``moe``: routing replay (R3), load-balancing metrics and expert-bias updates of MoE models;
-- ``convert``: ``verify_checkpoint`` and HF <-> Megatron directory conversion (``rl-cli models``).
+- ``convert``: ``verify_checkpoint`` and HF <-> Megatron directory conversion (``rl-cli models verify`` and
+  ``convert`` reach them through the backend's ``verify_hf`` / ``checkpoint_from_hf`` / ``checkpoint_to_hf``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from posttrain import hookimpl
-from posttrain.core.schema import option
 from posttrain.core.trainer_backend import TrainerBackend
 from posttrain.plugins.trainers.megatron import cpu_shims
+from posttrain.plugins.trainers.megatron.options import OFFLOAD_PARTS, MegatronConfig
 
 cpu_shims.eager_fusers_without_cuda()  # before any module of this package imports megatron.core
-
-OFFLOAD_PARTS = ("weights", "reference", "optimizer", "grads")  # offload.state_parts
-
 
 class MegatronBackend(TrainerBackend):
     """Megatron-core GPTModel with TP, PP and (MoE) EP, Megatron's DDP and (distributed) optimizer on GPUs.
@@ -40,58 +39,7 @@ class MegatronBackend(TrainerBackend):
     name = "megatron"
     is_default = True  # a run config without trainer.backend runs this
 
-    @dataclass
-    class Config:
-        tp: int = option(1, ge=1, help="tensor-parallel size")
-        pp: int = option(1, ge=1, help="pipeline-parallel size (needs sequence_packing; actor only)")
-        cp: int = option(1, ge=1, help="context-parallel size (GPUs with Transformer Engine only)")
-        ep: int = option(1, ge=1, help="expert-parallel size (MoE models): experts split over ep of the data-parallel "
-                                       "ranks")
-        routing_replay: bool = option(False, help="MoE: the trainer's routers use the experts the engine chose (R3; "
-                                                  "the engines are asked for return_routed_experts)")
-        attention: Literal["auto", "sdpa", "local", "te"] = option(
-            "auto", help="core attention: auto = TE if installed on GPU, else SDPA")
-        compile: bool = option(False, help="torch.compile each transformer layer (fuses norms, SwiGLU, rotary)")
-        sequence_packing: bool = option(True, help="pack a micro-batch's samples into one row (THD attention)")
-        dedup_inputs: bool = option(True, help="padded rows: samples with the same inputs run the layers once "
-                                    "(GRPO's one-token answers; dense models without dropout; trainers/megatron/dedup.py)")
-        log_probs_chunk_size: int = option(1024, ge=1, help="tokens per chunk of the vocab-parallel log-softmax")
-        log_probs_recompute: bool = option(True, help="backward recomputes each chunk's logits (least memory); "
-                                                      "false keeps them (tokens x vocab/tp in bf16) and skips that matmul")
-        ref_offload: Literal["auto", "never", "always"] = option(
-            "auto", help="where the reference weights live: never = on the device (no copy per reference pass), "
-                         "always = pinned host memory copied in per pass, auto = on the device when they take "
-                         "at most 10% of its memory")
-        offload_parts: list[Literal["weights", "reference", "optimizer", "grads"]] = option(
-            default_factory=lambda: list(OFFLOAD_PARTS),
-            help="what resources.offload_trainer moves off the GPU while the engines generate: weights (the model's "
-                 "parameters), reference (the reference weights kept on the GPU), optimizer (fp32 master weights and "
-                 "Adam's moments), grads (gradient buffers: freed, not copied). What stays costs no copy; "
-                 "[optimizer, grads] is verl's optimizer_offload + grad_offload")
-        offload_overlap: bool = option(
-            True, help="offloaded (GPU): the optimizer's state moves on a side stream, back behind the log-prob and "
-                       "forward/backward passes (awaited only by the optimizer step and a checkpoint) and out with the "
-                       "weight push; false moves it with the rest")
-        use_distributed_optimizer: bool = option(True, help="Megatron's distributed optimizer (GPU only; CPU uses "
-                                                            "torch AdamW)")
-        fused_adam: bool = option(True, help="GPU without TE/Apex: torch's fused AdamW inside Megatron's optimizer")
-        megatron: dict[str, Any] = option(default_factory=dict,
-                                          help="Megatron TransformerConfig/DDP/optimizer fields by name")
-
-        def validate(self) -> list[str]:
-            if not self.offload_parts:
-                return ["offload_parts: empty (name at least one of " + ", ".join(OFFLOAD_PARTS) + ", or set "
-                        "resources.offload_trainer: false)"]
-            if not self.megatron:
-                return []
-            from posttrain.core.errors import UsageError
-            from posttrain.plugins.trainers.megatron.model import split_megatron_overrides
-
-            try:  # checked against Megatron's own dataclasses: a misspelled field is an error
-                split_megatron_overrides(self.megatron)
-            except UsageError as exc:
-                return [str(exc).removeprefix("trainer.backend.")]
-            return []
+    Config = MegatronConfig
 
     offloads = True  # MegatronTrainer.offload/onload (offload.HostOffload)
     # named, with their values, when a pass runs out of GPU memory (core.out_of_memory)
@@ -160,6 +108,44 @@ class MegatronBackend(TrainerBackend):
 
         return MegatronTrainer(spec, run.trainer, backend=self.config, seed=seed, role=role,
                                max_response_len=run.rollout.max_new_tokens)
+
+
+    def verify_hf(self, spec: Any, hf_dir: str, *, tp: int = 1, ep: int = 1, tolerance: float = 1e-4,
+                  seq_len: int = 16, attention: str = "auto") -> dict[str, Any] | None:
+        from posttrain.plugins.trainers.megatron.convert import verify_checkpoint
+        from posttrain.plugins.trainers.megatron.model import init_parallel
+
+        init_parallel(tp, 1, ep=ep)
+        result = verify_checkpoint(spec, hf_dir, tolerance=tolerance, seq_len=seq_len, attention=attention)
+        return result if _rank() == 0 else None
+
+    def checkpoint_from_hf(self, spec: Any, hf_dir: str, out: str, *, tp: int = 1) -> bool:
+        """A Megatron dist-checkpoint (torch_dist) of ``tp`` shards."""
+        from posttrain.plugins.trainers.megatron.convert import hf_to_megatron_dir
+        from posttrain.plugins.trainers.megatron.model import init_parallel
+
+        init_parallel(tp, 1)
+        hf_to_megatron_dir(spec, hf_dir, out)
+        return _rank() == 0
+
+    def checkpoint_meta(self, src: str) -> dict[str, Any]:
+        from posttrain.plugins.trainers.megatron.convert import read_meta
+
+        return read_meta(src)
+
+    def checkpoint_to_hf(self, spec: Any, src: str, out: str, hf_config: dict[str, Any], *, tp: int = 1) -> bool:
+        from posttrain.plugins.trainers.megatron.convert import megatron_dir_to_hf
+        from posttrain.plugins.trainers.megatron.model import init_parallel
+
+        init_parallel(tp, 1)
+        megatron_dir_to_hf(spec, src, out, hf_config)
+        return _rank() == 0
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
 
 
 @hookimpl

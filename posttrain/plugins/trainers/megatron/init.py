@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from posttrain.core.errors import UsageError
+from posttrain.plugins.trainers.megatron.sharding import shard, tp_info
 
 
 def _inner(model: Any) -> Any:
@@ -103,8 +104,6 @@ def _plan(gpt: Any, spec: Any, hf: dict[str, Any], tp: int) -> list[tuple[str, l
 @torch.no_grad()
 def seeded_init(model: Any, spec: Any, hf: dict[str, Any], seed: int) -> None:
     """Fill this rank's parameters of ``model`` (built with ``perform_initialization=False``) from ``seed``."""
-    from posttrain.plugins.trainers.megatron.model import shard, tp_info
-
     gpt = _inner(model)
     rank, tp = tp_info()
     cfg = gpt.config

@@ -8,7 +8,7 @@
 - :func:`iter_hf` yields the model as ``(hf_name, full tensor)`` with TP shards gathered;
   :func:`save_hf` writes a loadable HF checkpoint from it.
 
-TP sharding is generic: a parameter Megatron marks ``tensor_model_parallel`` is split along its
+TP sharding is generic (:mod:`~posttrain.plugins.trainers.megatron.sharding`): a parameter Megatron marks ``tensor_model_parallel`` is split along its
 ``partition_dim``; a gated MLP's ``linear_fc1`` (``[gate; up]``, dense, routed or shared expert) is split
 gate and up separately so each rank holds ``[gate_r; up_r]``, which is what Megatron's MLP chunks in two.
 Routed experts are split over the expert-TP group (Megatron's default: the TP size) and, with EP, rank
@@ -33,6 +33,7 @@ import torch.distributed as dist
 from posttrain.core.errors import UsageError
 from posttrain.core.hf_init import HF_EXTRA_FILES, config_json
 from posttrain.plugins.trainers.megatron import cpu_shims
+from posttrain.plugins.trainers.megatron.sharding import ep_info, gather, is_expert, shard, tp_group_of, tp_info
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -79,35 +80,6 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0, cp: int = 1, ep: int 
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                                  context_parallel_size=cp, expert_model_parallel_size=ep)
     cpu_shims.init_rng(seed)
-
-
-def tp_info() -> tuple[int, int]:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
-
-
-def ep_info() -> tuple[int, int]:
-    """``(expert-parallel rank, size)``."""
-    from megatron.core import parallel_state
-
-    return parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_world_size()
-
-
-def is_expert(name: str) -> bool:
-    """A routed expert's parameter (sharded over EP, and over the expert-TP group instead of TP)."""
-    return ".mlp.experts." in name
-
-
-def _tp_group_of(name: str) -> tuple[int, int, Any]:
-    """``(rank, size, group)`` of the tensor-parallel group that splits parameter ``name``."""
-    from megatron.core import parallel_state
-
-    if is_expert(name):
-        return (parallel_state.get_expert_tensor_parallel_rank(), parallel_state.get_expert_tensor_parallel_world_size(),
-                parallel_state.get_expert_tensor_parallel_group())
-    return (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_tensor_model_parallel_group())
 
 
 def megatron_config_fields() -> dict[str, set[str]]:
@@ -269,36 +241,6 @@ def _tied_copy(spec: Any, hf: dict[str, Any], name: str) -> bool:
     return name == "output_layer.weight" and spec.tied(hf)
 
 
-def _is_gated_fc1(name: str, param: Any) -> bool:
-    """A gated MLP's ``[gate; up]`` (dense, routed-expert or shared-expert ``linear_fc1``), TP-split."""
-    return name.endswith("linear_fc1.weight") and ".mlp." in f".{name}" and getattr(param, "tensor_model_parallel", False)
-
-
-def shard(name: str, param: Any, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
-    """This rank's piece of the unsharded tensor ``full`` for parameter ``param``."""
-    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
-        return full
-    dim = param.partition_dim
-    if _is_gated_fc1(name, param):
-        gate, up = full.chunk(2, dim=0)
-        return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]], dim=0)
-    return full.chunk(tp, dim=dim)[rank]
-
-
-def gather(name: str, param: Any) -> torch.Tensor:
-    """The unsharded tensor of ``param`` (all-gathered over its TP group when it is split), detached."""
-    _, tp, group = _tp_group_of(name)
-    local = param.detach()
-    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
-        return local
-    parts = [torch.empty_like(local) for _ in range(tp)]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    if _is_gated_fc1(name, param):
-        gates, ups = zip(*(p.chunk(2, dim=0) for p in parts))
-        return torch.cat([*gates, *ups], dim=0)
-    return torch.cat(parts, dim=param.partition_dim)
-
-
 class HFCheckpoint:
     """Lazy access to the tensors of an HF safetensors checkpoint (single file or sharded with an index)."""
 
@@ -341,7 +283,7 @@ def load_hf(model: Any, spec: Any, hf: dict[str, Any], path: str | Path) -> None
     used: set[str] = set()
     with torch.no_grad():
         for name, param in params.items():
-            rank, tp, _ = _tp_group_of(name)
+            rank, tp, _ = tp_group_of(name)
             source_name = "embedding.word_embeddings.weight" if _tied_copy(spec, hf, name) else name
             sources = spec.hf_sources(hf, source_name)
             used.update(sources)

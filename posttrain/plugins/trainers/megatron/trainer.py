@@ -58,6 +58,7 @@ from posttrain.core.train_batch import TrainBatch, pack
 from posttrain.plugins.trainers.megatron.logprobs import vocab_parallel_log_probs
 from posttrain.plugins.trainers.megatron.moe import MoERuntime, moe_overrides
 from posttrain.plugins.trainers.megatron.optim import use_fused_adam
+from posttrain.plugins.trainers.megatron.options import MegatronConfig
 from posttrain.plugins.trainers.megatron.snapshots import Snapshots
 
 
@@ -74,10 +75,9 @@ class MegatronTrainer:
         """``config``: the run's ``trainer`` section (algorithm keys); ``backend``: this backend's own
         (``trainer.backend``: parallelism, attention, compile, optimizer kernels, Megatron pass-through)."""
         from posttrain.core.config import TrainerConfig
-        from posttrain.plugins.trainers.megatron import MegatronBackend
 
         self.spec, self.config = spec, config or TrainerConfig()
-        self.backend = backend or MegatronBackend.Config()
+        self.backend = backend or MegatronConfig()
         self.role, self._packed = role, self.backend.sequence_packing and self.backend.attention != "local"
         self.max_response_len = max_response_len
         self.hf = spec.hf_config()
