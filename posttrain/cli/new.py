@@ -204,12 +204,30 @@ def plugin(directory: Path = typer.Argument(..., help="where to create the packa
         raise UsageError(f"--name: {name!r} must be lower-case letters, digits and underscores, starting with a letter")
     if directory.exists() and any(directory.iterdir()) and not force:
         raise UsageError(f"{directory}: directory exists and is not empty (use --force)")
+    files = _files(kind, name)
+    for rel, text in files.items():
+        path = directory / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    console.print(f"created {directory}/ ({', '.join(files)})\nnext: pip install -e {directory}[test] && "
+                  f"pytest {directory}")
+
+
+def _files(kind: str, name: str) -> dict[str, str]:
+    """The package's files (path relative to the package directory -> text) for a ``kind`` component ``name``."""
     package = f"posttrain_{name}"
-    hook, contract, fixture, body = BODIES[kind]
-    body = body.replace("{package}", package)
     cls = "".join(part.capitalize() for part in name.split("_"))
-    files = {
-        "pyproject.toml": f'''[build-system]
+    files = {"pyproject.toml": _pyproject(kind, name, package),
+             f"{package}/__init__.py": _module(kind, name, package, cls),
+             "tests/test_contract.py": _contract_test(kind, name, package, cls), "README.md": _readme(kind, name)}
+    if kind in MODULES:
+        module, template = MODULES[kind]
+        files[f"{package}/{module}"] = (Path(__file__).with_name(template)).read_text().format(name=name)
+    return files
+
+
+def _pyproject(kind: str, name: str, package: str) -> str:
+    return f'''[build-system]
 requires = ["setuptools>=68"]
 build-backend = "setuptools.build_meta"
 
@@ -228,8 +246,14 @@ test = ["pytest>=8"]
 
 [tool.setuptools]
 packages = ["{package}"]
-''',
-        f"{package}/__init__.py": f'''"""posttrain plugin: the {kind} `{name}`.
+'''
+
+
+def _module(kind: str, name: str, package: str, cls: str) -> str:
+    """The entry module: the component class, its config, the hookimpl that registers it."""
+    hook, contract, _, body = BODIES[kind]
+    body = body.replace("{package}", package)
+    return f'''"""posttrain plugin: the {kind} `{name}`.
 
 The rules posttrain's {contract} checks (`pytest tests/`, and `rl-cli plugins check {name}` once
 installed); posttrain's own {kind}s pass the same suite.
@@ -251,8 +275,13 @@ class {cls}{BASES.get(kind, "")}:
 @hookimpl
 def {hook}(registry):
     registry.add({cls})
-''',
-        "tests/test_contract.py": f'''import pytest
+'''
+
+
+def _contract_test(kind: str, name: str, package: str, cls: str) -> str:
+    """posttrain's contract suite on the component, and its discovery through the entry point."""
+    _, contract, fixture, _ = BODIES[kind]
+    return f'''import pytest
 
 from posttrain.testing import {contract}
 from {package} import {cls}
@@ -270,8 +299,11 @@ def test_discovered_through_the_entry_point():
     plugins = load_plugins()
     assert plugins.registry("{kind}")["{name}"] is {cls}
     assert plugins.registry("{kind}").provider("{name}").distribution == "posttrain-{name.replace('_', '-')}"
-''',
-        "README.md": f'''# posttrain-{name.replace('_', '-')}
+'''
+
+
+def _readme(kind: str, name: str) -> str:
+    return f'''# posttrain-{name.replace('_', '-')}
 
 A [posttrain](https://pypi.org/project/posttrain/) {kind} plugin.
 
@@ -285,17 +317,7 @@ Use it in a run config:
 ```yaml
 {_yaml_snippet(kind, name)}
 ```
-''',
-    }
-    if kind in MODULES:
-        module, template = MODULES[kind]
-        files[f"{package}/{module}"] = (Path(__file__).with_name(template)).read_text().format(name=name)
-    for rel, text in files.items():
-        path = directory / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    console.print(f"created {directory}/ ({', '.join(files)})\nnext: pip install -e {directory}[test] && "
-                  f"pytest {directory}")
+'''
 
 
 def _rules(contract: str) -> str:

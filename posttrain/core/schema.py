@@ -98,15 +98,7 @@ def coerce(value: Any, tp: Any, path: str, context: Any = None) -> tuple[Any, li
     if tp is Any or tp is object:
         return value, []
     if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None, []
-        first: list[str] = []
-        for arg in (a for a in args if a is not type(None)):
-            out, errs = coerce(value, arg, path, context)
-            if not errs:
-                return out, []
-            first = first or errs
-        return None, first
+        return _coerce_union(value, args, path, context)
     if origin is Literal:
         if value in args:
             return value, []
@@ -115,44 +107,73 @@ def coerce(value: Any, tp: Any, path: str, context: Any = None) -> tuple[Any, li
     if dataclasses.is_dataclass(tp):
         return build(tp, value, path, context)
     if origin in (list, tuple) or tp in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            return None, [f"{path}: expected a list, got {_kind(value)}"]
-        item = args[0] if args else Any
-        out, errors = [], []
-        for i, v in enumerate(value):
-            o, e = coerce(v, item, f"{path}.{i}")
-            out.append(o)
-            errors += e
-        return (tuple(out) if (origin or tp) is tuple else out), errors
+        return _coerce_sequence(value, args[0] if args else Any, (origin or tp) is tuple, path)
     if origin is dict or tp is dict:
-        if not isinstance(value, Mapping):
-            return None, [f"{path}: expected a mapping, got {_kind(value)}"]
-        item = args[1] if len(args) == 2 else Any
-        out, errors = {}, []
-        for k, v in value.items():
-            out[k], e = coerce(v, item, f"{path}.{k}")
-            errors += e
-        return out, errors
+        return _coerce_mapping(value, args[1] if len(args) == 2 else Any, path)
+    if tp is float:
+        return _coerce_float(value, path)
+    return _coerce_scalar(value, tp, path)
+
+
+def _coerce_union(value: Any, args: tuple, path: str, context: Any) -> tuple[Any, list[str]]:
+    """The first member of the union that takes ``value``; else the first member's errors."""
+    if value is None and type(None) in args:
+        return None, []
+    first: list[str] = []
+    for arg in (a for a in args if a is not type(None)):
+        out, errs = coerce(value, arg, path, context)
+        if not errs:
+            return out, []
+        first = first or errs
+    return None, first
+
+
+def _coerce_sequence(value: Any, item: Any, as_tuple: bool, path: str) -> tuple[Any, list[str]]:
+    if not isinstance(value, (list, tuple)):
+        return None, [f"{path}: expected a list, got {_kind(value)}"]
+    out, errors = [], []
+    for i, v in enumerate(value):
+        o, e = coerce(v, item, f"{path}.{i}")
+        out.append(o)
+        errors += e
+    return (tuple(out) if as_tuple else out), errors
+
+
+def _coerce_mapping(value: Any, item: Any, path: str) -> tuple[Any, list[str]]:
+    if not isinstance(value, Mapping):
+        return None, [f"{path}: expected a mapping, got {_kind(value)}"]
+    out, errors = {}, []
+    for k, v in value.items():
+        out[k], e = coerce(v, item, f"{path}.{k}")
+        errors += e
+    return out, errors
+
+
+def _coerce_float(value: Any, path: str) -> tuple[Any, list[str]]:
+    """A finite float from a number or a numeric string (YAML reads ``1e-6``, without a dot, as a string)."""
+    number = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            pass
+    if number is None:
+        return None, [f"{path}: expected a number, got {_kind(value)}"]
+    if not math.isfinite(number):  # .nan, .inf, or 1e400 (a string that overflows to inf)
+        return None, [f"{path}: expected a finite number, got {value!r}"]
+    return number, []
+
+
+def _coerce_scalar(value: Any, tp: Any, path: str) -> tuple[Any, list[str]]:
+    """bool, int (not a bool), str, or any other class by ``isinstance``; other annotations pass unchecked."""
     if tp is bool:
         return (value, []) if isinstance(value, bool) else (None, [f"{path}: expected true or false, got {_kind(value)}"])
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value, []
         return None, [f"{path}: expected an integer, got {_kind(value)}"]
-    if tp is float:
-        number = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
-        elif isinstance(value, str):  # YAML reads 1e-6 (no dot) as a string
-            try:
-                number = float(value)
-            except ValueError:
-                pass
-        if number is None:
-            return None, [f"{path}: expected a number, got {_kind(value)}"]
-        if not math.isfinite(number):  # .nan, .inf, or 1e400 (a string that overflows to inf)
-            return None, [f"{path}: expected a finite number, got {value!r}"]
-        return number, []
     if tp is str:
         return (value, []) if isinstance(value, str) else (None, [f"{path}: expected a string, got {_kind(value)}"])
     if isinstance(tp, type):

@@ -97,6 +97,10 @@ def test_a_default_changed_in_the_config_is_seen_by_launch_and_by_serve(serve_co
         max_running_requests: int = option(7, ge=1, help="KV-cache slots")
         decode_attention: typing.Literal["auto", "sdpa", "bmm", "triton"] = option("bmm", help="decode attention")
 
+    from posttrain.plugins.engines.local import options
+
+    assert LocalEngine.Config is options.EngineOptions  # one class: the backend's Config is the options module's
+    monkeypatch.setattr(options, "EngineOptions", Patched)  # so replacing it replaces both names
     monkeypatch.setattr(LocalEngine, "Config", Patched)
     argv = _launch(LocalEngine(), serve_config.model_dir, colocate=False)
     assert argv[argv.index("--max-running-requests") + 1] == "7" and argv[argv.index("--decode-attention") + 1] == "bmm"

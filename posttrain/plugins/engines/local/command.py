@@ -46,11 +46,11 @@ def config_parameters() -> list[inspect.Parameter]:
     """One ``--name`` option per field of the local backend's ``Config`` (bools as ``--name/--no-name``), for
     ``serve``'s signature: each option's help, type and choices come from the field; left out, the option is None
     and the field keeps the dataclass's default (read when ``serve`` runs, not here)."""
-    from posttrain.plugins.engines.local import LocalEngine
+    from posttrain.plugins.engines.local.options import EngineOptions
 
-    hints = typing.get_type_hints(LocalEngine.Config)
+    hints = typing.get_type_hints(EngineOptions)
     params = []
-    for f in dataclasses.fields(LocalEngine.Config):
+    for f in dataclasses.fields(EngineOptions):
         tp, flag = hints[f.name], "--" + f.name.replace("_", "-")
         choices = typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else ()
         text = f.metadata.get("help", "") + (f" (one of: {', '.join(map(str, choices))})" if choices else "")
@@ -67,11 +67,11 @@ def engine_config(given: dict[str, Any]) -> Any:
     checked by ``posttrain.core.schema`` as a run's ``rollout.engine`` section is; a bad value is a one-line
     :class:`UsageError` naming its option."""
     from posttrain.core.schema import build
-    from posttrain.plugins.engines.local import LocalEngine
+    from posttrain.plugins.engines.local.options import EngineOptions
 
-    config, errors = build(LocalEngine.Config, {k: v for k, v in given.items() if v is not None}, "")
+    config, errors = build(EngineOptions, {k: v for k, v in given.items() if v is not None}, "")
     if errors:
-        names = {f.name for f in dataclasses.fields(LocalEngine.Config)}
+        names = {f.name for f in dataclasses.fields(EngineOptions)}
         raise UsageError("; ".join(_as_flag(e, names) for e in errors))
     return config
 

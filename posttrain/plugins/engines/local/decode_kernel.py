@@ -503,17 +503,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
         raise RuntimeError("decode_attention needs triton; use decode_attention_reference")
     q3, four_d = _as_3d(q)
     nb, heads, hkv, span, d = _check(q3, k, v, lengths)
-    if not (q3.device == k.device == v.device == lengths.device):
-        raise ValueError("q, k, v and lengths must be on one device")
-    if k.dtype != q3.dtype or v.dtype != q3.dtype:
-        raise ValueError(f"q, k, v must share a dtype, got {q3.dtype}, {k.dtype}, {v.dtype}")
-    for t, name in ((k, "k"), (v, "v")):  # in-slot offsets stay in int32 (the slot/head bases are int64)
-        if span and (span - 1) * t.stride(2) + (d - 1) * t.stride(3) > _INT32_MAX:
-            raise ValueError(f"{name}: one (slot, head) spans more than 2**31 elements")
-    if out is None:
-        out = torch.empty((nb, heads, d), dtype=q3.dtype, device=q3.device)
-    elif out.shape != (nb, heads, d) or out.dtype != q3.dtype:
-        raise ValueError(f"out: expected {q3.dtype} [{nb}, {heads}, {d}], got {out.dtype} {tuple(out.shape)}")
+    out = _checked_out(q3, k, v, lengths, out, nb, heads, span, d)
     if k_new is not None:
         k_new, v_new = _new_rows(k_new, k, "k_new"), _new_rows(v_new, k, "v_new")
     if rope is not None:
@@ -530,36 +520,64 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
         raise ValueError(f"block_n: expected a power of two >= 16, got {block}")
     group = _plan_group(nb, hkv, g, q3.device, slots_per_program, num_splits)
     kn, vn = (q3, q3) if k_new is None else (k_new, v_new)  # unread without WRITE_NEW
-    scale_log2 = float(scale) * math.log2(math.e)
-    strides = (*q3.stride(), *kn.stride(), *vn.stride(), *k.stride(), *v.stride(), *out.stride())
     pdl = bool(pdl) and pdl_supported(q3.device)
     common = dict(G=g, HEAD_D=d, BLOCK_D=block_d, BLOCK=block, IEEE=q3.dtype == torch.float32,
                   WRITE_NEW=k_new is not None, ROPE=rope is not None, PDL=pdl,
                   QK_NORM=rope is not None and rope.q_norm is not None, num_warps=num_warps, num_stages=num_stages,
                   **({"launch_pdl": True} if pdl else {}))
-    # the rotary's operands (unread without ROPE / QK_NORM)
+    # the operands every kernel takes: tensors, the rotary's (unread without ROPE / QK_NORM), scale, strides
     cos, sin = (q3, q3) if rope is None else (rope.cos, rope.sin)
     qw, kw = (q3, q3) if rope is None or rope.q_norm is None else (rope.q_norm, rope.k_norm)
     rotary = (cos, sin, qw, kw, 1e-6 if rope is None else rope.eps)
     cs_strides = (0, 0) if rope is None else cos.stride()
+    strides = (*q3.stride(), *kn.stride(), *vn.stride(), *k.stride(), *v.stride(), *out.stride())
+    scale_log2 = float(scale) * math.log2(math.e)
     with torch.cuda.device(q3.device) if q3.is_cuda else contextlib.nullcontext():
         if group > 1:
             _grouped_kernel[(_cdiv(nb, group), hkv)](q3, k, v, lengths, out, kn, vn, *rotary, scale_log2, span, nb,
                                                      *cs_strides, *strides,
                                                      P=group, ROWS=max(MIN_DOT_ROWS, _pow2(group * g)), **common)
-            return out[:, :, None, :] if four_d else out
-        splits, chunk = _plan_splits(nb, hkv, span, q3.device, num_splits)
-        if splits > 1:
-            part_acc = torch.empty((nb, heads, splits, block_d), dtype=torch.float32, device=q3.device)
-            part_m = torch.empty((nb, heads, splits), dtype=torch.float32, device=q3.device)
-            part_l = torch.empty((nb, heads, splits), dtype=torch.float32, device=q3.device)
-        else:  # unused by the single-pass kernel: any float32 tensors
-            part_acc = part_m = part_l = out
-        _decode_kernel[(nb, hkv, splits)](q3, k, v, lengths, out, part_acc, part_m, part_l, kn, vn, *rotary, scale_log2,
-                                          span, chunk, *cs_strides, *strides, G_PAD=max(MIN_DOT_ROWS, _pow2(g)),
-                                          SPLIT=splits > 1,
-                                          **common)
-        if splits > 1:
-            _merge_kernel[(nb, heads)](out, part_acc, part_m, part_l, splits, *out.stride(),
-                                       HEAD_D=d, BLOCK_D=block_d, SPLITS_PAD=max(2, _pow2(splits)), num_warps=4)
+        else:
+            _launch_split(q3, k, v, lengths, out, (kn, vn, *rotary, scale_log2, span), (*cs_strides, *strides),
+                          num_splits, common)
     return out[:, :, None, :] if four_d else out
+
+
+def _checked_out(q3: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor | None,
+                 nb: int, heads: int, span: int, d: int) -> torch.Tensor:
+    """:func:`decode_attention`'s checks of devices, dtypes and int32 in-slot offsets; its output ``[nb, H, D]``
+    (``out``, checked, or a new tensor)."""
+    if not (q3.device == k.device == v.device == lengths.device):
+        raise ValueError("q, k, v and lengths must be on one device")
+    if k.dtype != q3.dtype or v.dtype != q3.dtype:
+        raise ValueError(f"q, k, v must share a dtype, got {q3.dtype}, {k.dtype}, {v.dtype}")
+    for t, name in ((k, "k"), (v, "v")):  # in-slot offsets stay in int32 (the slot/head bases are int64)
+        if span and (span - 1) * t.stride(2) + (d - 1) * t.stride(3) > _INT32_MAX:
+            raise ValueError(f"{name}: one (slot, head) spans more than 2**31 elements")
+    if out is None:
+        return torch.empty((nb, heads, d), dtype=q3.dtype, device=q3.device)
+    if out.shape != (nb, heads, d) or out.dtype != q3.dtype:
+        raise ValueError(f"out: expected {q3.dtype} [{nb}, {heads}, {d}], got {out.dtype} {tuple(out.shape)}")
+    return out
+
+
+def _launch_split(q3: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor,
+                  operands: tuple, strides: tuple, num_splits: int | None, common: dict) -> None:
+    """One program per (slot, KV head, sequence chunk): :func:`_decode_kernel` over ``_plan_splits``'s chunks,
+    then, with more than one chunk, :func:`_merge_kernel` over their float32 partials ``[nb, H, splits]`` (max,
+    sum) and ``[nb, H, splits, BLOCK_D]`` (accumulator). ``operands``: ``(k_new, v_new, *rotary, scale_log2,
+    span)``; ``strides``: the rotary's, then every tensor's."""
+    nb, heads, d = out.shape
+    hkv, span, g, block_d = k.shape[1], operands[-1], common["G"], common["BLOCK_D"]
+    splits, chunk = _plan_splits(nb, hkv, span, q3.device, num_splits)
+    if splits > 1:
+        part_acc = torch.empty((nb, heads, splits, block_d), dtype=torch.float32, device=q3.device)
+        part_m = torch.empty((nb, heads, splits), dtype=torch.float32, device=q3.device)
+        part_l = torch.empty((nb, heads, splits), dtype=torch.float32, device=q3.device)
+    else:  # unused by the single-pass kernel: any float32 tensors
+        part_acc = part_m = part_l = out
+    _decode_kernel[(nb, hkv, splits)](q3, k, v, lengths, out, part_acc, part_m, part_l, *operands, chunk, *strides,
+                                      G_PAD=max(MIN_DOT_ROWS, _pow2(g)), SPLIT=splits > 1, **common)
+    if splits > 1:
+        _merge_kernel[(nb, heads)](out, part_acc, part_m, part_l, splits, *out.stride(),
+                                   HEAD_D=d, BLOCK_D=block_d, SPLITS_PAD=max(2, _pow2(splits)), num_warps=4)

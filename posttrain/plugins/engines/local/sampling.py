@@ -73,10 +73,7 @@ def parse_sampling(raw: Any) -> RequestSampling:
                and k not in NEUTRAL_SAMPLING]
     if unknown:
         raise SamplingError(f"sampling_params: unknown field(s) {', '.join(sorted(unknown))}")
-    for k, neutral in NEUTRAL_SAMPLING.items():
-        if k in raw and not (raw[k] == neutral and type(raw[k]) in (type(neutral), int) and raw[k] is not True):
-            raise SamplingError(f"sampling_params.{k}: {raw[k]!r} is not supported by this engine (only "
-                                f"{neutral!r}){' -- send that many requests instead' if k == 'n' else ''}")
+    _refuse_unimplemented(raw)
     vals = {k: raw.get(k, v) for k, v in SAMPLING_DEFAULTS.items()}
     for k, low in (("max_new_tokens", 0), ("top_k", -1), ("min_new_tokens", 0)):
         _integer(k, vals[k], low)
@@ -114,6 +111,14 @@ def parse_sampling(raw: Any) -> RequestSampling:
             raise SamplingError(f"sampling_params.{k}: expected true or false, got {vals[k]!r}")
     vals["stop"], vals["stop_token_ids"] = list(stop), list(ids)
     return RequestSampling(**vals)
+
+
+def _refuse_unimplemented(raw: dict[str, Any]) -> None:
+    """A :data:`NEUTRAL_SAMPLING` field with another value than its neutral one is a :class:`SamplingError`."""
+    for k, neutral in NEUTRAL_SAMPLING.items():
+        if k in raw and not (raw[k] == neutral and type(raw[k]) in (type(neutral), int) and raw[k] is not True):
+            raise SamplingError(f"sampling_params.{k}: {raw[k]!r} is not supported by this engine (only "
+                                f"{neutral!r}){' -- send that many requests instead' if k == 'n' else ''}")
 
 
 def parse_sampling_rows(raws: list[Any]) -> list[RequestSampling]:

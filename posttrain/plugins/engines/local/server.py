@@ -74,7 +74,7 @@ from posttrain.plugins.engines.local.sampling import SamplingError, parse_sampli
 from posttrain.plugins.engines.local.weight_routes import WeightRoutes
 
 if TYPE_CHECKING:
-    from posttrain.plugins.engines.local import LocalEngine
+    from posttrain.plugins.engines.local.options import EngineOptions
     from posttrain.plugins.engines.local.model_runner import RunnerTuning
 
 log = logging.getLogger("posttrain.engine")
@@ -100,7 +100,7 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message}, "success": False, "message": message}, status=status)
 
 
-def runner_tuning(config: LocalEngine.Config) -> RunnerTuning:
+def runner_tuning(config: EngineOptions) -> RunnerTuning:
     """The model runner's tuning from the backend's config (the fields of the same names); float32 logits off a
     GPU only (a GPU engine's sampling upcasts the model's dtype itself)."""
     from posttrain.plugins.engines.local.model_runner import RunnerTuning
@@ -113,7 +113,7 @@ def runner_tuning(config: LocalEngine.Config) -> RunnerTuning:
 class EngineServer:
     """Holds the engine, tokenizer and server args; builds the aiohttp application."""
 
-    def __init__(self, model_dir: str, config: LocalEngine.Config, host: str = "127.0.0.1", port: int = 30000,
+    def __init__(self, model_dir: str, config: EngineOptions, host: str = "127.0.0.1", port: int = 30000,
                  api_key: str | None = None, generate_body_limit: int = GENERATE_BODY_LIMIT, from_config: bool = False,
                  warm_sampling: dict[str, Any] | None = None):
         """Serve ``model_dir`` as ``config`` says (``rl-cli engine serve``'s options, the local backend's
@@ -510,7 +510,7 @@ def startup_text(parts: dict[str, float], age_s: float | None) -> str:
     return f"ready after {age_s:.1f} s" + (f": {shown}" if shown else "")
 
 
-def serve(model_dir: str, config: LocalEngine.Config, host: str = "127.0.0.1", port: int = 30000,
+def serve(model_dir: str, config: EngineOptions, host: str = "127.0.0.1", port: int = 30000,
           waited_s: float | None = None, **kwargs: Any) -> None:
     """Run the server until interrupted (``rl-cli engine serve``; ``config`` and ``kwargs``: :class:`EngineServer`'s);
     ``waited_s``: how long the command waited for ``model_dir`` to appear (``--wait-for-model``; reported with the
