@@ -40,11 +40,11 @@ class SDPAttention(MegatronModule):
     """Drop-in for ``DotProductAttention`` in a layer spec's ``core_attention`` slot."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, k_channels=None, v_channels=None):
         super().__init__(config=config)
         if config.context_parallel_size != 1:
             raise ValueError("SDPAttention does not support context parallelism; use TE's attention")
-        head_dim = config.kv_channels
+        head_dim = k_channels or config.kv_channels  # MLA: q/k heads of d_nope + d_rope, v heads of d_v
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         # Opt-in (a GPU lever to measure): let SDPA read the shared k/v heads instead of repeating them.
