@@ -178,6 +178,7 @@ class EngineMemory:
             self.released.add("weights")
         if "kv_cache" in tags and "kv_cache" not in self.released:
             self._kv_shape = tuple(r.k_cache.shape)
+            self._v_shape = tuple(r.v_cache.shape)  # MLA: the values are c of the keys' c + r numbers (mla.py)
             r.k_cache = r.v_cache = None
             self.released.add("kv_cache")
         self._empty_cache()
@@ -199,7 +200,7 @@ class EngineMemory:
             self.released.discard("weights")
         if "kv_cache" in tags and "kv_cache" in self.released:
             r.k_cache = torch.zeros(self._kv_shape, dtype=r.dtype, device=r.device)
-            r.v_cache = torch.zeros(self._kv_shape, dtype=r.dtype, device=r.device)
+            r.v_cache = torch.zeros(getattr(self, "_v_shape", self._kv_shape), dtype=r.dtype, device=r.device)
             self.released.discard("kv_cache")
 
     # -- stable mode: same addresses after resume, graphs kept ------------------------------------

@@ -59,6 +59,7 @@ from posttrain.plugins.engines.local.fused import Fused, fuse_layers, layer_part
 from posttrain.plugins.engines.local.layers import (embed_and_rotary, finish_layer, finish_then_head, finish_then_project,
                                                    finish_then_project_raw, project_qkv, project_raw,
                                                    rope_in_attention_refusal, rotary_of, through_parts)
+from posttrain.plugins.engines.local.mla import adopt_latent_attention, is_mla
 
 DEFAULT_MAX_CONTEXT = 4096
 DECODE_ATTENTION = ("sdpa", "bmm", "triton")  # "triton": decode_kernel.decode_attention
@@ -240,7 +241,7 @@ class ModelRunner:
         self.weight_updates = 0  # load_weights calls that changed the model
         self.num_layers = len(self.layers)
         attn = self.layers[0].self_attn
-        self.head_dim = attn.head_dim
+        self.head_dim = getattr(attn, "head_dim", 0)  # 0: MLA (a latent cache replaces the empty one, mla.py)
         self.num_kv_heads = cfg.num_key_value_heads
         self.scaling = attn.scaling
         self.vocab_size = cfg.vocab_size
@@ -311,6 +312,7 @@ class ModelRunner:
         self._prefill_parts = (self._qkv, self._finish)
         if self.compile and compile_mode != "default":
             self._prefill_parts = (compiling.compiled(project_qkv, "default"), compiling.compiled(finish_layer, "default"))
+        self.mla = adopt_latent_attention(self) if is_mla(self.model) else None  # its cache, prefill parts, decode
 
     @property
     def advances_positions(self) -> bool:
@@ -440,9 +442,8 @@ class ModelRunner:
         dest = slice(lo, lo + len(slots)) if slots == list(range(lo, lo + len(slots))) else index[0]
         h = self.model.model.embed_tokens(ids)
         cos, sin = self.model.model.rotary_emb(h, positions)
-        project, finish = project_qkv, finish_layer
-        if self.compile:  # compiled parts (``_prefill_parts``); one version for every prompt count and width
-            project, finish = self._prefill_parts
+        project, finish = self._prefill_parts  # compiled with ``compile``: one version for every prompt count and width
+        if self.compile:
             for t in (h, cos, sin):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
                 torch._dynamo.maybe_mark_dynamic(t, 1)
