@@ -94,21 +94,63 @@ def test_models_verify_cli_passes_split_two_ways(tiny_ckpts, mode):
 
 
 
-def test_seeded_init_draws_every_latent_attention_weight(megatron_tp1):
-    """Without a checkpoint every MLA projection is drawn from the seed (none left ``torch.empty``), the
-    latent norms start at one, and the same seed gives the same model. (All layers MoE here: seeded init
-    needs identical layers.)"""
-    from posttrain.plugins.trainers.megatron.model import build_gpt, megatron_params
+def test_seeded_init_draws_every_weight_from_the_seed(megatron_tp1):
+    """Without a checkpoint every weight (MLA projections, a dense first layer, routers, experts) is drawn
+    from the seed, none left ``torch.empty``; latent norms start at one. (Megatron's own CPU init also
+    draws a GQA-shaped output projection that MLA then replaces, so it is not the reference here.)"""
+    from posttrain.plugins.trainers.megatron import model as M
 
     spec = spec_for("deepseek_v3")
-    hf = {**spec.hf_config(), "first_k_dense_replace": 0}
-    a, b = (megatron_params(build_gpt(spec, hf, attention="sdpa", seed=5)) for _ in range(2))
+    hf = spec.hf_config()
+    a, b, c = (M.megatron_params(M.build_gpt(spec, hf, attention="sdpa", seed=s)) for s in (5, 5, 6))
+    assert [n for n in a if not torch.equal(a[n], b[n])] == []
     for name, p in a.items():
-        assert torch.equal(p, b[name]), name
-    attn = {n: p for n, p in a.items() if ".self_attention." in n}
-    assert len(attn) == 4 * 7
-    for name, p in attn.items():
         if "layernorm" in name:
             assert torch.equal(p, torch.ones_like(p)), name
-        else:
-            assert 0.015 < float(p.std()) < 0.025 or name.endswith("linear_proj.weight"), (name, float(p.std()))
+        elif not name.endswith("expert_bias"):
+            assert not torch.equal(p, c[name]) and 0.005 < float(p.std()) < 0.025, (name, float(p.std()))
+
+
+def _routed_checkpoint(src, out, router_noise: float):
+    """``src`` with experts that matter (down projections x10) and, with ``router_noise``, every router moved
+    by that much Gaussian noise (the dense first layer has neither)."""
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.testing.tiny import make_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "experts"):
+                layer.mlp.experts.down_proj.mul_(10.0)
+                layer.mlp.gate.weight.add_(router_noise * torch.randn(layer.mlp.gate.weight.shape, generator=g))
+    model.save_pretrained(str(out))
+    make_tokenizer(out)
+    return out
+
+
+def test_routing_replay_gives_the_trainer_the_engines_experts(tiny_ckpts, tmp_path, megatron_tp1):
+    """The local engine's MLA samples carry its routing; a trainer on the same weights reproduces its
+    log-probs, and one whose routers moved is brought back towards them by replaying that routing."""
+    from dataclasses import replace
+
+    from posttrain.core import batching
+    from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
+    from test_routing_replay import _gap, _rollouts
+    from train_helpers import trainer_configs
+
+    engine_dir = _routed_checkpoint(tiny_ckpts("deepseek_v3"), tmp_path / "engine", 0.0)
+    samples = _rollouts(engine_dir)
+    for s in samples:  # 4 layers x 2 experts per token; the dense first layer routes nothing
+        assert s.rollout_routed_experts.shape == (len(s.tokens) - 1, 4 * 2)
+        assert (s.rollout_routed_experts[:, :2] == -1).all() and (s.rollout_routed_experts[:, 2:] >= 0).all()
+    batch, _, _, rollout = batching.to_batch(samples)
+    mask = batch.response_mask
+    cfg = trainer_configs(micro_batch_size=4, global_batch_size=8, routing_replay=True)
+    assert _gap(MegatronTrainer(spec_for("deepseek_v3", engine_dir), **cfg).log_probs(batch)[0], rollout, mask) < 1e-5
+    moved = MegatronTrainer(spec_for("deepseek_v3", _routed_checkpoint(tiny_ckpts("deepseek_v3"), tmp_path / "moved",
+                                                                       0.05)), **cfg)
+    gap_replay = _gap(moved.log_probs(batch)[0], rollout, mask)
+    gap_own = _gap(moved.log_probs(replace(batch, routed_experts=None))[0], rollout, mask)
+    assert gap_own > 0.01 and gap_replay < 0.5 * gap_own, (gap_replay, gap_own)
