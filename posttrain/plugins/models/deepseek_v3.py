@@ -57,7 +57,10 @@ class DeepseekV3Spec(MoEGPTSpec):
     ``s + b`` in them, weights ``routed_scaling_factor * s_i / sum_j s_j``; plus ``n_shared_experts`` shared
     experts (one MLP, ungated); the first ``first_k_dense_replace`` layers are dense. Multi-token-prediction
     layers (``num_nextn_predict_layers``, stored past ``num_hidden_layers``) are skipped on load.
-    Rope scaling (YaRN: DeepSeek-V3, Kimi-K2) is refused; Moonlight uses none.
+    YaRN rope scaling (DeepSeek-V3, Kimi-K2; Moonlight has none) maps to Megatron's ``rope_type="yarn"``:
+    ``inv_freq`` ramped between ``beta_fast``/``beta_slow`` corrections, cos/sin times
+    ``m(s, mscale) / m(s, mscale_all_dim)`` and the softmax scale times ``m(s, mscale_all_dim)^2``, with
+    ``m(s, a) = 0.1 a ln(s) + 1`` (``s`` = ``factor``), as HF computes them.
     """
 
     name = "deepseek_v3"
@@ -85,14 +88,41 @@ class DeepseekV3Spec(MoEGPTSpec):
                                      topk_group=1, routed_scaling_factor=2.446, max_position_embeddings=8192,
                                      rope_theta=50000.0, rms_norm_eps=1e-5, num_nextn_predict_layers=0,
                                      bos_token_id=163584, eos_token_id=163585),
+        "deepseek-v3": _preset(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                               num_hidden_layers=61, first_k_dense_replace=3, num_attention_heads=128,
+                               num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                               qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8,
+                               n_group=8, topk_group=4, routed_scaling_factor=2.5, max_position_embeddings=163840,
+                               rope_theta=10000.0, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1,
+                               rope_scaling=dict(type="yarn", factor=40.0, original_max_position_embeddings=4096,
+                                                 beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
+        "kimi-k2": _preset(vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                           num_hidden_layers=61, first_k_dense_replace=1, num_attention_heads=64, num_key_value_heads=64,
+                           q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                           n_routed_experts=384, num_experts_per_tok=8, n_group=1, topk_group=1,
+                           routed_scaling_factor=2.827, max_position_embeddings=131072, rope_theta=50000.0,
+                           rms_norm_eps=1e-6, num_nextn_predict_layers=0, bos_token_id=163584, eos_token_id=163585,
+                           rope_scaling=dict(type="yarn", factor=32.0, original_max_position_embeddings=4096,
+                                             beta_fast=1, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
     }
 
     # ------------------------------------------------------------ HF config
     def head_dim(self, hf: dict[str, Any]) -> int:
         return int(hf["qk_nope_head_dim"]) + int(hf["qk_rope_head_dim"])
 
+    @staticmethod
+    def _yarn(hf: dict[str, Any]) -> dict[str, Any] | None:
+        """HF's YaRN rope parameters (``rope_scaling`` or transformers 5's ``rope_parameters``), or None."""
+        scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+        kind = (scaling.get("rope_type") or scaling.get("type")) if isinstance(scaling, dict) else None
+        return scaling if kind == "yarn" else None
+
     def check_supported(self, hf: dict[str, Any]) -> None:
-        super().check_supported(hf)
+        yarn = self._yarn(hf)
+        super().check_supported({k: v for k, v in hf.items() if k not in ("rope_scaling", "rope_parameters")}
+                                if yarn else hf)
+        if yarn and ("mscale" in yarn) != ("mscale_all_dim" in yarn):
+            raise UsageError(f"{self.name}: YaRN rope scaling with only one of mscale / mscale_all_dim is not supported")
         if hf.get("attention_bias"):
             raise UsageError(f"{self.name}: attention_bias: true is not supported (DeepSeek-V3 has none)")
         if int(hf.get("qk_rope_head_dim", 0)) % 2:
@@ -107,6 +137,12 @@ class DeepseekV3Spec(MoEGPTSpec):
                    num_query_groups=int(hf["num_attention_heads"]), rope_type="rope",
                    rotary_base=float(hf.get("rope_theta", 10000.0)), rotary_scaling_factor=1.0,
                    rotary_interleaved=False, qk_layernorm=True)
+        yarn = self._yarn(hf)
+        if yarn:  # Megatron's YaRN: the same inv_freq ramp, cos/sin and softmax mscales as HF's (verified)
+            out.update(rope_type="yarn", rotary_scaling_factor=float(yarn["factor"]),
+                       original_max_position_embeddings=int(yarn.get("original_max_position_embeddings", 4096)),
+                       beta_fast=float(yarn.get("beta_fast", 32)), beta_slow=float(yarn.get("beta_slow", 1)),
+                       mscale=float(yarn.get("mscale", 1.0)), mscale_all_dim=float(yarn.get("mscale_all_dim", 0.0)))
         return out
 
     def layer_spec(self, hf: dict[str, Any], core_attention: Any = None) -> Any:

@@ -11,6 +11,10 @@ import torch
 from posttrain.plugins.engines.local.model_runner import ModelRunner
 
 
+YARN = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4, "beta_fast": 1, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 50000.0}
+
+
 @pytest.fixture(scope="module")
 def dsv3_ckpt(tmp_path_factory):
     from posttrain.testing.tiny import make_tiny_checkpoint
@@ -37,10 +41,17 @@ def hf_routing(model, ids: list[int]) -> np.ndarray:
     return np.sort(out, axis=-1)
 
 
-def test_latent_cache_prefill_and_decode_match_hf(dsv3_ckpt):
+@pytest.mark.parametrize("yarn", [False, True])
+def test_latent_cache_prefill_and_decode_match_hf(dsv3_ckpt, tmp_path, yarn):
+    """With and without YaRN (Kimi-K2's parameters at a tiny original context: HF's rotary tables and softmax
+    scale carry it)."""
+    from posttrain.testing.tiny import make_tiny_checkpoint
+
     torch.set_num_threads(1)
-    r = ModelRunner(dsv3_ckpt, max_slots=4, context_length=64)
-    hf = hf_model(dsv3_ckpt)
+    path = dsv3_ckpt if not yarn else make_tiny_checkpoint(tmp_path / "yarn", family="deepseek_v3", seed=3,
+                                                           rope_parameters=YARN)
+    r = ModelRunner(path, max_slots=4, context_length=64)
+    hf = hf_model(path)
     assert r.mla is not None and r.k_cache.shape == (4, 4, 1, 64, 32 + 8)
     assert r.v_cache.data_ptr() == r.k_cache.data_ptr() and r.v_cache.shape[-1] == 32  # no memory of its own
     prompts = {0: [5, 6, 7, 8, 9], 2: [10, 11, 40]}  # slot 1 idle

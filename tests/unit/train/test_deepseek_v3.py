@@ -20,11 +20,17 @@ from posttrain.plugins.trainers.megatron.convert import verify_checkpoint
 from train_helpers import spec_for
 
 
-def test_moonlight_preset_has_the_published_size():
-    """Moonlight-16B-A3B: 16B parameters, 3B activated (embeddings counted in both)."""
-    hf = load_plugins().registry("model")["deepseek_v3"].presets["moonlight-16B-A3B"]
-    assert count_params(hf) / 1e9 == pytest.approx(15.96, abs=0.02)
-    assert count_params(hf, active=True) / 1e9 == pytest.approx(2.91, abs=0.02)
+@pytest.mark.parametrize("preset,total,active", [("moonlight-16B-A3B", 15.96, 2.91), ("deepseek-v3", 671.0, 37.55),
+                                                 ("kimi-k2", 1026.4, 32.86)])
+def test_presets_have_the_published_sizes(preset, total, active):
+    """Published: Moonlight 16B / 3B activated, DeepSeek-V3 671B / 37B, Kimi-K2 1.04T / 32B (without the MTP
+    layers; embeddings counted in both)."""
+    cls = load_plugins().registry("model")["deepseek_v3"]
+    hf = cls.presets[preset]
+    assert count_params(hf) / 1e9 == pytest.approx(total, abs=0.06)
+    assert count_params(hf, active=True) / 1e9 == pytest.approx(active, abs=0.06)
+    spec = cls(cls.Config(preset=preset))
+    assert spec.transformer_config(spec.hf_config())["rope_type"] == ("rope" if preset.startswith("moon") else "yarn")
 
 
 def test_mapping_names_latent_attention_and_routing_fields():
@@ -45,21 +51,28 @@ def test_mapping_names_latent_attention_and_routing_fields():
     assert tc["moe_router_num_groups"] == 2 and tc["moe_router_group_topk"] == 1
     assert tc["moe_router_score_function"] == "sigmoid" and tc["moe_router_topk_scaling_factor"] == 2.5
     assert spec.ignored_hf_tensor(hf, "model.layers.4.eh_proj.weight")  # an MTP layer
-    with pytest.raises(UsageError, match="rope scaling 'yarn'"):
-        spec.transformer_config({**hf, "rope_scaling": {"type": "yarn", "factor": 40}})
+    with pytest.raises(UsageError, match="rope scaling 'dynamic'"):
+        spec.transformer_config({**hf, "rope_scaling": {"type": "dynamic", "factor": 4}})
+    with pytest.raises(UsageError, match="only one of mscale"):
+        spec.transformer_config({**hf, "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 1.0}})
     with pytest.raises(UsageError, match="attention_bias"):
         spec.transformer_config({**hf, "attention_bias": True})
 
 
-@pytest.mark.parametrize("variant", [{}, {"q_lora_rank": None, "rope_interleave": False, "rms_norm_eps": 1e-5}])
+YARN = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4, "beta_fast": 1, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 50000.0}  # Kimi-K2's, at a tiny original context
+
+
+@pytest.mark.parametrize("variant", [{}, {"q_lora_rank": None, "rope_interleave": False, "rms_norm_eps": 1e-5},
+                                     {"rope_parameters": YARN}])
 def test_verify_tp1_matches_transformers_and_round_trips(tmp_path, megatron_tp1, variant):
     """fp32 logits of the whole model (dense first layer, group-limited sigmoid routing, shared expert)
-    equal HF's; Megatron -> HF gives back every tensor bit for bit (the halved rotary layout is permuted
-    both ways)."""
+    equal HF's over 32 positions; Megatron -> HF gives back every tensor bit for bit (the halved rotary
+    layout is permuted both ways); YaRN as HF scales it (without it the logits differ by ~2e-3)."""
     from posttrain.testing.tiny import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(tmp_path / "ckpt", "deepseek_v3", **variant)
-    result = verify_checkpoint(spec_for("deepseek_v3", path), path, attention="sdpa")
+    result = verify_checkpoint(spec_for("deepseek_v3", path), path, attention="sdpa", seq_len=32)
     assert result["passed"] and result["max_abs_diff"] < 1e-5, result
 
 
