@@ -90,3 +90,23 @@ def test_greedy_generation_equals_hf_generate(dsv3_ckpt):
             s.append(int(out[i].argmax()))
     for p, s in zip(prompts, seqs):
         assert s[len(p):] == hf_greedy(hf, p, 8)
+
+
+def test_stable_memory_release_and_resume_keep_the_latent_cache_working(dsv3_ckpt):
+    """Colocated GPU engines keep weights and cache at fixed addresses (``memory.make_stable``; the CUDA driver
+    stood in for on the CPU): the latent cache and its narrower values move, release and come back, and the
+    model decodes as before, bit for bit."""
+    from posttrain.plugins.engines.local.memory import EngineMemory
+    from test_engine_memory import StandInDriver, _decode_logits
+
+    torch.set_num_threads(1)
+    r = ModelRunner(dsv3_ckpt, max_slots=2, context_length=32)
+    before = _decode_logits(r).clone()
+    mem = EngineMemory(r)
+    assert mem.make_stable(StandInDriver().buffer) is None
+    assert r.k_cache.shape[-1] == 40 and r.v_cache.shape[-1] == 32
+    torch.testing.assert_close(_decode_logits(r), before, rtol=0, atol=0)
+    mem.release({"weights", "kv_cache"})
+    mem.resume({"weights", "kv_cache"})
+    assert int(r.k_cache.count_nonzero()) == 0
+    torch.testing.assert_close(_decode_logits(r), before, rtol=0, atol=0)
