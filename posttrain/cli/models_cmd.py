@@ -31,6 +31,7 @@ app = typer.Typer(help="Model specs: list families and presets, convert and veri
 SpecOption = typer.Option(None, "--spec", help="model spec name (default: chosen by config.json's model_type)")
 TPOption = typer.Option(1, "--tp", min=1, help="tensor-parallel size (N > 1 runs N processes)")
 EPOption = typer.Option(1, "--ep", min=1, help="expert-parallel size of MoE specs (runs tp*ep processes)")
+PPOption = typer.Option(1, "--pp", min=1, help="pipeline-parallel size (runs tp*ep*pp processes)")
 
 
 def _spec(plugins, name: str | None, hf_dir: str | None, dtype: str, path: str | None = None):
@@ -117,7 +118,7 @@ def _human(n: int) -> str:
 
 @app.command()
 def verify(hf_dir: str = typer.Argument(..., help="HF checkpoint directory"), tp: int = TPOption,
-           ep: int = EPOption, spec: str = SpecOption, tolerance: float = typer.Option(1e-4, "--tolerance", help="max |logit diff|"),
+           ep: int = EPOption, pp: int = PPOption, spec: str = SpecOption, tolerance: float = typer.Option(1e-4, "--tolerance", help="max |logit diff|"),
            dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16"),
            attention: str = typer.Option("auto", "--attention", help="core attention: auto | sdpa | local | te"),
            seq_len: int = typer.Option(16, "--seq-len", min=2),
@@ -126,28 +127,28 @@ def verify(hf_dir: str = typer.Argument(..., help="HF checkpoint directory"), tp
     """Load HF_DIR into Megatron, compare logits with transformers on the same tokens: PASS or FAIL (exit 1)."""
     if not Path(hf_dir, "config.json").is_file():
         raise UsageError(f"{hf_dir}: not an HF checkpoint directory (no config.json)")
-    if tp * ep > 1 and not _in_torchrun():
+    if tp * ep * pp > 1 and not _in_torchrun():
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "result.json"
-            rc = _relaunch(tp * ep, str(out))
+            rc = _relaunch(tp * ep * pp, str(out))
             if not out.is_file():
-                raise UsageError(f"verify under torchrun (tp={tp} ep={ep}) failed with exit code {rc}; run it with "
-                                 f"`torchrun --nproc_per_node {tp * ep} -m posttrain.cli.main ...` to see why")
-            _report(json.loads(out.read_text()), tp, ep)
+                raise UsageError(f"verify under torchrun (tp={tp} ep={ep} pp={pp}) failed with exit code {rc}; run "
+                                 f"it with `torchrun --nproc_per_node {tp * ep * pp} -m posttrain.cli.main ...` to see why")
+            _report(json.loads(out.read_text()), tp, ep, pp)
         return
     plugins = load(plugin, disable)
     model_spec = _spec(plugins, spec, hf_dir, dtype, path=hf_dir)
     if ep > 1 and not hasattr(model_spec, "num_experts"):
         raise UsageError(f"--ep {ep}: spec {model_spec.name!r} has no experts")
-    result = _backend(plugins).verify_hf(model_spec, hf_dir, tp=tp, ep=ep, tolerance=tolerance, seq_len=seq_len,
-                                         attention=attention)
+    result = _backend(plugins).verify_hf(model_spec, hf_dir, tp=tp, ep=ep, pp=pp, tolerance=tolerance,
+                                         seq_len=seq_len, attention=attention)
     if result is None:  # not the reporting rank
         return
     result["spec"] = model_spec.name
     if result_file:
         Path(result_file).write_text(json.dumps(result))
         return
-    _report(result, tp, ep)
+    _report(result, tp, ep, pp)
 
 
 def _backend(plugins, name: str | None = None):
@@ -161,9 +162,9 @@ def _backend(plugins, name: str | None = None):
     return cls(cls.Config())
 
 
-def _report(result: dict, tp: int, ep: int = 1) -> None:
+def _report(result: dict, tp: int, ep: int = 1, pp: int = 1) -> None:
     verdict = "[bold green]PASS[/]" if result["passed"] else "[bold red]FAIL[/]"
-    console.print(f"spec {result['spec']}  tp={tp}{f'  ep={ep}' if ep > 1 else ''}  max |logit diff| = {result['max_abs_diff']:.3e}  "
+    console.print(f"spec {result['spec']}  tp={tp}{f'  ep={ep}' if ep > 1 else ''}{f'  pp={pp}' if pp > 1 else ''}  max |logit diff| = {result['max_abs_diff']:.3e}  "
                   f"(tolerance {result['tolerance']:.0e})  HF->Megatron->HF: "
                   f"{'exact' if result['round_trip_exact'] else 'MISMATCH ' + ', '.join(result['round_trip_mismatches'][:3])}"
                   f"  {verdict}")

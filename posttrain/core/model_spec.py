@@ -200,6 +200,11 @@ def count_params(hf: dict[str, Any], cls: type | None = None, active: bool = Fal
     groups = hf.get("num_key_value_heads", heads)
     hd = hf.get("head_dim") or h // heads
     attn = h * hd * (heads + 2 * groups) + heads * hd * h
+    if hf.get("kv_lora_rank"):  # multi-head latent attention (DeepSeek-V2/V3): low-rank q and kv, latent norms
+        qk, rank, q_rank = hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"], hf["kv_lora_rank"], hf.get("q_lora_rank")
+        q = (h * q_rank + q_rank + q_rank * heads * qk) if q_rank else h * heads * qk
+        attn = (q + h * (rank + hf["qk_rope_head_dim"]) + rank + rank * heads * (hf["qk_nope_head_dim"] + hf["v_head_dim"])
+                + heads * hf["v_head_dim"] * h)
     moe = moe_layer_flags(hf)
     experts = num_experts(hf)
     used = int(hf.get("num_experts_per_tok", 0) or 0) if active else experts

@@ -104,10 +104,10 @@ class TrainerBackend(Component):
 
     # ---- ``rl-cli models verify / convert``: optional, for backends with their own checkpoint format ----
 
-    def verify_hf(self, spec: Any, hf_dir: str, *, tp: int = 1, ep: int = 1, tolerance: float = 1e-4,
+    def verify_hf(self, spec: Any, hf_dir: str, *, tp: int = 1, ep: int = 1, pp: int = 1, tolerance: float = 1e-4,
                   seq_len: int = 16, attention: str = "auto") -> dict[str, Any] | None:
         """Load the HF checkpoint ``hf_dir`` into this backend's model of ``spec`` (this process's rank of a
-        ``tp x ep`` group) and compare its logits with transformers' on the same tokens. Rank 0 returns
+        ``tp x ep x pp`` group) and compare its logits with transformers' on the same tokens. Rank 0 returns
         ``{"max_abs_diff", "tolerance", "passed", "round_trip_exact", "round_trip_mismatches"}``, others None."""
         raise UsageError(f"trainer backend {self.name!r} cannot verify HF checkpoints")
 

@@ -19,7 +19,7 @@ __all__ = ["CHARS", "CHAT_TEMPLATE", "FAMILIES", "SPECIAL_TOKENS", "make_tiny_ch
 
 # family -> transformers config class name
 FAMILIES = {"qwen3": "Qwen3Config", "qwen2": "Qwen2Config", "llama": "LlamaConfig", "glm4": "Glm4Config",
-            "qwen3_moe": "Qwen3MoeConfig", "glm4_moe": "Glm4MoeConfig"}
+            "qwen3_moe": "Qwen3MoeConfig", "glm4_moe": "Glm4MoeConfig", "deepseek_v3": "DeepseekV3Config"}
 # MoE families: 8 experts of width 32 (Qwen3-MoE: 4 per token; GLM: 2, a dense first layer, a shared
 # expert, sigmoid routing with a scaling factor, q/k norms): the spec presets named ``tiny`` have these shapes
 _MOE = {"qwen3_moe": dict(head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=4,
@@ -27,7 +27,14 @@ _MOE = {"qwen3_moe": dict(head_dim=16, moe_intermediate_size=32, num_experts=8, 
         "glm4_moe": dict(head_dim=16, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
                          num_hidden_layers=3, first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1,
                          routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
-                         partial_rotary_factor=0.5, rms_norm_eps=1e-5, num_nextn_predict_layers=0)}
+                         partial_rotary_factor=0.5, rms_norm_eps=1e-5, num_nextn_predict_layers=0),
+        # DeepSeek-V3: multi-head latent attention (q and kv low-rank, 8 rotary dims of 24 per q/k head,
+        # interleaved), 2 groups of 4 experts with one group chosen per token, 4 layers (PP=2 splits them)
+        "deepseek_v3": dict(num_hidden_layers=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
+                            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32,
+                            n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                            first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
+                            rope_interleave=True, num_nextn_predict_layers=0)}
 
 
 def tiny_config(family: str = "qwen3", **overrides: Any):

@@ -11,7 +11,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 @pytest.fixture(scope="session")
 def tiny_ckpts(tmp_path_factory):
-    """``family -> HF checkpoint dir`` (qwen3, qwen2, llama, glm4, qwen3_moe, glm4_moe), made once per session
+    """``family -> HF checkpoint dir`` (qwen3, qwen2, llama, glm4, qwen3_moe, glm4_moe, deepseek_v3), made once per session
     on demand."""
     from posttrain.testing.tiny import make_tiny_checkpoint
 

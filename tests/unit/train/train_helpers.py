@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 SPEC_OF_FAMILY = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama3", "glm4": "glm4", "qwen3_moe": "qwen3_moe",
-                  "glm4_moe": "glm4_moe"}
+                  "glm4_moe": "glm4_moe", "deepseek_v3": "deepseek_v3"}
 
 
 def spec_for(family: str, path=None, dtype: str = "float32"):

@@ -27,7 +27,7 @@ from posttrain.plugins.engines.local.options import EngineOptions
 MODEL_WAIT_S = 3600  # how long a server launched before its checkpoint waits for it (a trainer's build and save)
 # HF architectures whose decoder layer the model runner knows (layers.project_qkv/finish_layer)
 SERVED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Glm4ForCausalLM",
-                        "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM")
+                        "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
 
 
 class LocalEngine(EngineBackend):

@@ -4,7 +4,8 @@
 attention over the slot cache, then ``finish_layer`` (output projection, residuals, MLP). The functions
 hold no runner state, so ``torch.compile`` reuses one compiled graph for every layer (the layer's
 parameters are graph inputs). The transformers modules of the checkpoint's own class do the work
-(Llama, Qwen2, Qwen3, GLM-4 with its sandwich norms and half-dim rotary, Qwen3-MoE, GLM-4.5).
+(Llama, Qwen2, Qwen3, GLM-4 with its sandwich norms and half-dim rotary, Qwen3-MoE, GLM-4.5; DeepSeek-V3's
+latent attention is ``mla``'s, its MoE MLP :func:`finish_layer`'s).
 
 The decode step runs through the joined parts, which cut it at the attentions
 only: :func:`finish_then_project` is one layer's end and the next layer's start, :func:`finish_then_head`

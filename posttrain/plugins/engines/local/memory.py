@@ -80,6 +80,7 @@ class EngineMemory:
         self.released: set[str] = set()
         self._host: dict[Any, Any] = {}  # plain mode: slot key -> pinned host copy, reused by every release
         self._kv_shape: tuple[int, ...] | None = None
+        self._v_shape: tuple[int, ...] | None = None  # MLA: the values are narrower than the keys (mla.py)
         self._weights: _StableWeights | None = None
         self._kv: Any = None  # stable mode: the buffer holding k_cache then v_cache
 
@@ -127,11 +128,11 @@ class EngineMemory:
             make_buffer = lambda n: StableBuffer(n, driver)  # noqa: E731
         r.reset_graphs()
         self._weights = _StableWeights(list(self._slots()), make_buffer)
-        self._kv_shape = tuple(r.k_cache.shape)
-        self._kv_dtype, half = r.k_cache.dtype, r.k_cache.nbytes
+        self._kv_shape, self._v_shape = tuple(r.k_cache.shape), tuple(r.v_cache.shape)
+        self._kv_dtype, size = r.k_cache.dtype, r.k_cache.nbytes + r.v_cache.nbytes
         r.k_cache = r.v_cache = None  # the plain cache is freed before the stable one is mapped
         self._empty_cache()
-        self._kv = make_buffer(2 * half)
+        self._kv = make_buffer(size)
         self._point_kv()
         return None
 
@@ -140,9 +141,9 @@ class EngineMemory:
 
         r, base = self.runner, self._kv.tensor
         base.zero_()
-        stride = torch.empty(self._kv_shape, device="meta").stride()
-        r.k_cache = _view(base, 0, self._kv_dtype, self._kv_shape, stride)
-        r.v_cache = _view(base, base.numel() // 2, self._kv_dtype, self._kv_shape, stride)
+        k, v = (torch.empty(s, device="meta", dtype=self._kv_dtype) for s in (self._kv_shape, self._v_shape))
+        r.k_cache = _view(base, 0, self._kv_dtype, self._kv_shape, k.stride())
+        r.v_cache = _view(base, k.nbytes, self._kv_dtype, self._v_shape, v.stride())  # MLA: values narrower (mla.py)
 
     def _sync(self) -> None:
         if self.on_gpu:
@@ -178,6 +179,7 @@ class EngineMemory:
             self.released.add("weights")
         if "kv_cache" in tags and "kv_cache" not in self.released:
             self._kv_shape = tuple(r.k_cache.shape)
+            self._v_shape = tuple(r.v_cache.shape)  # MLA: the values are c of the keys' c + r numbers (mla.py)
             r.k_cache = r.v_cache = None
             self.released.add("kv_cache")
         self._empty_cache()
@@ -199,7 +201,7 @@ class EngineMemory:
             self.released.discard("weights")
         if "kv_cache" in tags and "kv_cache" in self.released:
             r.k_cache = torch.zeros(self._kv_shape, dtype=r.dtype, device=r.device)
-            r.v_cache = torch.zeros(self._kv_shape, dtype=r.dtype, device=r.device)
+            r.v_cache = torch.zeros(self._v_shape, dtype=r.dtype, device=r.device)
             self.released.discard("kv_cache")
 
     # -- stable mode: same addresses after resume, graphs kept ------------------------------------

@@ -60,6 +60,7 @@ from posttrain.plugins.engines.local.fused import Fused, fuse_layers, layer_part
 from posttrain.plugins.engines.local.layers import (embed_and_rotary, finish_layer, finish_then_head, finish_then_project,
                                                    finish_then_project_raw, project_qkv, project_raw,
                                                    rope_in_attention_refusal, rotary_of)
+from posttrain.plugins.engines.local.mla import adopt_latent_attention, is_mla
 
 DEFAULT_MAX_CONTEXT = 4096
 DECODE_ATTENTION = ("sdpa", "bmm", "triton")  # "triton": decode_kernel.decode_attention
@@ -251,7 +252,8 @@ class ModelRunner:
         self.weight_updates = 0  # load_weights calls that changed the model
         self.num_layers = len(self.layers)
         attn = self.layers[0].self_attn
-        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        # head_dim 0: MLA, whose latent cache replaces the empty one (mla.py)
+        self.head_dim, self.scaling = getattr(attn, "head_dim", 0), attn.scaling
         self.num_kv_heads, self.vocab_size = cfg.num_key_value_heads, cfg.vocab_size
         # MoE: experts per token (0 for a dense model); ``routed_experts`` holds the last forward pass's
         # expert ids, ``[n, P, L, k]`` after a prefill and ``[nb, L, k]`` after a decode (-1: dense layer)
@@ -273,6 +275,7 @@ class ModelRunner:
         self.float_logits, self.compile, self.compile_mode = tuning.float_logits, tuning.compile, tuning.compile_mode
         self.rope_in_attention = self._rope_in_attention(tuning.rope_in_attention)
         self._build_step()
+        self.mla = adopt_latent_attention(self) if is_mla(self.model) else None  # its cache, prefill parts, decode
 
     def _allocate(self) -> None:
         """The KV cache ``[L, N, Hkv, S_max, D]`` twice, the decode step's input buffers and the graphs' state."""

@@ -110,12 +110,12 @@ class MegatronBackend(TrainerBackend):
                                max_response_len=run.rollout.max_new_tokens)
 
 
-    def verify_hf(self, spec: Any, hf_dir: str, *, tp: int = 1, ep: int = 1, tolerance: float = 1e-4,
+    def verify_hf(self, spec: Any, hf_dir: str, *, tp: int = 1, ep: int = 1, pp: int = 1, tolerance: float = 1e-4,
                   seq_len: int = 16, attention: str = "auto") -> dict[str, Any] | None:
         from posttrain.plugins.trainers.megatron.convert import verify_checkpoint
         from posttrain.plugins.trainers.megatron.model import init_parallel
 
-        init_parallel(tp, 1, ep=ep)
+        init_parallel(tp, pp, ep=ep)
         result = verify_checkpoint(spec, hf_dir, tolerance=tolerance, seq_len=seq_len, attention=attention)
         return result if _rank() == 0 else None
 

@@ -40,11 +40,11 @@ class SDPAttention(MegatronModule):
     """Drop-in for ``DotProductAttention`` in a layer spec's ``core_attention`` slot."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, k_channels=None, v_channels=None):
         super().__init__(config=config)
         if config.context_parallel_size != 1:
             raise ValueError("SDPAttention does not support context parallelism; use TE's attention")
-        head_dim = config.kv_channels
+        head_dim = k_channels or config.kv_channels  # MLA: q/k heads of d_nope + d_rope, v heads of d_v
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         # Opt-in (a GPU lever to measure): let SDPA read the shared k/v heads instead of repeating them.
@@ -69,7 +69,7 @@ class SDPAttention(MegatronModule):
         if attention_bias is not None:
             raise ValueError("SDPAttention: attention_bias is not supported")
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            if self._varlen_ok(query):
+            if self._varlen_ok(query, value):
                 return self._varlen(query, key, value, packed_seq_params)
             return self._per_sample(query, key, value, packed_seq_params)
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, hn]
@@ -77,9 +77,10 @@ class SDPAttention(MegatronModule):
         out = out.permute(2, 0, 1, 3)
         return out.reshape(out.shape[0], out.shape[1], -1).contiguous()
 
-    def _varlen_ok(self, query) -> bool:
+    def _varlen_ok(self, query, value=None) -> bool:
         return (varlen_attn is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
-                and (self.dropout == 0.0 or not self.training))
+                and (self.dropout == 0.0 or not self.training)
+                and (value is None or value.shape[-1] == query.shape[-1]))  # MLA's narrower v: per-sample loop
 
     def _varlen(self, query, key, value, psp):
         """``[t, np, hn]`` packed -> ``[t, np * hn]``, causal within each ``cu_seqlens`` segment."""

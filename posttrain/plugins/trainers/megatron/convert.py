@@ -56,13 +56,38 @@ def verify_checkpoint(spec: Any, hf_dir: str | Path, *, tolerance: float = 1e-4,
     with torch.no_grad():
         positions = torch.arange(seq_len).unsqueeze(0).expand(batch, -1)
         mask = torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), 1)[None, None]
-        ours = model(ids.to(device), positions.to(device), attention_mask=mask.to(device),
-                     runtime_gather_output=True)[..., : int(hf["vocab_size"])].float().cpu()
+        ours = _staged_logits(model, ids.to(device), positions.to(device), mask.to(device),
+                              int(hf["vocab_size"]), int(hf["hidden_size"]))
         reference = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=M.DTYPES[spec.config.dtype]).eval()
         theirs = reference(ids).logits.float()
     diff = float((ours - theirs).abs().max())
     return {"max_abs_diff": diff, "tolerance": tolerance, "passed": diff <= tolerance and not mismatches,
             "round_trip_exact": not mismatches, "round_trip_mismatches": mismatches}
+
+
+def _staged_logits(model: Any, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, vocab: int,
+                   hidden: int) -> torch.Tensor:
+    """Logits ``[b, s, vocab]`` (fp32, CPU, on every rank) of ``ids [b, s]``; with PP each stage receives
+    the previous stage's hidden states ``[s, b, H]``, runs its layers and sends them on, and the last
+    stage's logits are broadcast over the pipeline group."""
+    from megatron.core import parallel_state as ps
+
+    if M.pp_size() == 1:
+        return model(ids, positions, attention_mask=mask, runtime_gather_output=True)[..., :vocab].float().cpu()
+    dtype = next(model.parameters()).dtype
+    if not ps.is_pipeline_first_stage():
+        received = torch.empty(ids.shape[1], ids.shape[0], hidden, dtype=dtype, device=ids.device)
+        dist.recv(received, src=ps.get_pipeline_model_parallel_prev_rank())
+        model.set_input_tensor(received)
+    out = model(ids, positions, attention_mask=mask, runtime_gather_output=True)
+    if not ps.is_pipeline_last_stage():
+        dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+        out = torch.empty(*ids.shape, vocab, dtype=torch.float32, device=ids.device)
+    else:
+        out = out[..., :vocab].float().contiguous()
+    group = ps.get_pipeline_model_parallel_group()
+    dist.broadcast(out, src=dist.get_global_rank(group, M.pp_size() - 1), group=group)  # on the model's device
+    return out.cpu()
 
 
 def hf_to_megatron_dir(spec: Any, hf_dir: str | Path, out_dir: str | Path) -> Path:

@@ -31,7 +31,8 @@ One stand-in applies on GPUs too, whenever Transformer Engine is absent (:func:`
 ``megatron.core.transformer.moe.moe_utils`` imports ``te_general_gemm`` and the fused MoE kernels
 inside a ``try`` and tests ``te_general_gemm is not None`` later, but never binds the names when the
 import fails (a ``NameError`` in the router's gating). They are bound to None, which selects
-Megatron's plain-torch paths.
+Megatron's plain-torch paths. Likewise multi-latent attention sees ``HAVE_TE`` true when the mock
+stand-ins of TE's classes import, and calls ``isinstance`` on one of them: its flag is set to False.
 """
 
 from __future__ import annotations
@@ -121,6 +122,11 @@ def install_without_te() -> None:
         for name in _TE_NAMES:
             if not hasattr(moe_utils, name):
                 setattr(moe_utils, name, None)
+    from megatron.core.extensions import transformer_engine as te_ext
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if not te_ext.HAVE_TE:  # MLA imports TE's classes (mock stand-ins then) and tests isinstance on them
+        mla.HAVE_TE = False
 
 
 def init_rng(seed: int) -> None:

@@ -88,12 +88,19 @@ def _plan(gpt: Any, spec: Any, hf: dict[str, Any], tp: int) -> list[tuple[str, l
     def shapes(layer):
         return [(name, _full_shape(p, tp), kind) for name, kind, p in _entries(layer, "")]
 
-    template = shapes(layers[0])
-    if any(shapes(layer) != template for layer in layers[1:]):  # other stages' layers are drawn like ours
-        raise UsageError("seeded initialization needs identical decoder layers; load a checkpoint instead")
+    # layers of one kind (MoE specs: dense or MoE, ``moe_layers``) have one layout; another stage's layer is
+    # drawn like this stage's layers of its kind
+    kinds = spec.moe_layers(hf) if hasattr(spec, "moe_layers") else [False] * int(hf["num_hidden_layers"])
+    templates: dict[bool, list] = {}
+    for i, layer in local.items():
+        if templates.setdefault(kinds[i], shapes(layer)) != shapes(layer):
+            raise UsageError("seeded initialization needs identical decoder layers of each kind; load a checkpoint")
     for i in range(int(hf["num_hidden_layers"])):
+        if kinds[i] not in templates:
+            raise UsageError(f"seeded initialization: this pipeline stage holds no layer like layer {i}; load a "
+                             f"checkpoint instead")
         params = {n: p for n, _, p in _entries(local[i], "")} if i in local else {}
-        plan += [(f"decoder.layers.{i}.{n}", shape, kind, params.get(n)) for n, shape, kind in template]
+        plan += [(f"decoder.layers.{i}.{n}", shape, kind, params.get(n)) for n, shape, kind in templates[kinds[i]]]
     # the final norm draws nothing; an untied output layer draws last (a tied one is the embedding)
     if not spec.tied(hf):
         weight = getattr(getattr(gpt, "output_layer", None), "weight", None)

@@ -160,6 +160,8 @@ def build_gpt(spec: Any, hf: dict[str, Any], *, dtype: str = "float32", attentio
                       batch_p2p_comm=torch.cuda.is_available())  # gloo: plain isend/irecv
     kwargs.update(transformer_overrides or {})
     layer_spec = spec.layer_spec(hf, core_attention_for(attention))
+    if kwargs.get("multi_latent_attention"):  # MLA's fields live on a subclass
+        from megatron.core.transformer.transformer_config import MLATransformerConfig as TransformerConfig
     config = TransformerConfig(**kwargs)
     model = GPTModel(config=config, transformer_layer_spec=layer_spec,
                      vocab_size=spec.padded_vocab_size(hf, tp), **spec.gpt_model_kwargs(hf),
@@ -297,7 +299,11 @@ def load_hf(model: Any, spec: Any, hf: dict[str, Any], path: str | Path) -> None
             param.copy_(piece.to(param.dtype))
     used = _mp_union(used)
     ignored = getattr(spec, "ignored_hf_tensor", lambda hf, name: False)
-    unused = {n for n in ckpt.names() - used if not n.endswith("rotary_emb.inv_freq") and not ignored(hf, n)}
+    skipped = {n for n in ckpt.names() - used if ignored(hf, n)}
+    if skipped and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"{spec.name}: skipping {len(skipped)} checkpoint tensors no Megatron parameter takes (layers past "
+              f"num_hidden_layers={hf['num_hidden_layers']}: multi-token prediction)", flush=True)
+    unused = {n for n in ckpt.names() - used - skipped if not n.endswith("rotary_emb.inv_freq")}
     if spec.tied(hf):
         unused.discard("lm_head.weight")
     if unused:

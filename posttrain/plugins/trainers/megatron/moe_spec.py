@@ -65,6 +65,7 @@ class MoEGPTSpec(DenseGPTSpec):
     expert_bias = False
     shared_experts = False
     load_balancing_type = "aux_loss"
+    multi_latent_attention = False
 
     # ------------------------------------------------------------ HF config, normalized
     def num_experts(self, hf: dict[str, Any]) -> int:
@@ -137,7 +138,8 @@ class MoEGPTSpec(DenseGPTSpec):
 
         def local(num_experts):
             spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
-                                            qk_layernorm=self.qk_norm, normalization="RMSNorm")
+                                            qk_layernorm=self.qk_norm, normalization="RMSNorm",
+                                            multi_latent_attention=self.multi_latent_attention)
             if core_attention is not None:
                 spec.submodules.self_attention.submodules.core_attention = core_attention
             return spec
