@@ -1,4 +1,4 @@
-"""The parts of one decode step timed alone on a GPU, one JSON line per measurement (issue 17's decode profile).
+"""The parts of one decode step timed alone on a GPU, one JSON line per measurement.
 
     python bench/decode_parts.py [--slots 256] [--mean-context 256] [--attention] [--sampling] [--gemms] [--gemm-backends]
 

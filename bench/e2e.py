@@ -9,7 +9,7 @@ JSON line: wall seconds, steps, mean reward of the first and last 10 steps, the 
 step, over all steps and over the steps after the first (``steady_*``: warm-up and CUDA-graph capture
 excluded), and where logged the correctness and memory signals of GPU runs: the engine/trainer log-prob
 gap and the reference/policy gap at step 0, weight-push seconds, peak GiB of trainer and engine.
-Target (the loop issue, quickstart only): last-10 reward >= 0.8 within 120 s on the 2-core CPU machine,
+Target (quickstart only): last-10 reward >= 0.8 within 120 s on the 2-core CPU machine,
 starting from <= 0.2.
 """
 

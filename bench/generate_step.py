@@ -7,8 +7,8 @@ real generator (``single_turn``), client and local engine server, without the tr
 Starts ``rl-cli engine serve`` on a tiny random-init Qwen3 (the quickstart's shape and character
 vocabulary), optionally behind sglang-router (``--router``, as the quickstart runs), then times
 ``--rounds`` rounds of the loop's generation (``collect_groups`` over the quickstart prompts, seeded
-sampling) and prints one JSON line: median and mean seconds per round (target: <= 0.15 s on 2 cores,
-issue 17), and the engine's and the client's CPU seconds per round (on a loaded machine the wall clock
+sampling) and prints one JSON line: median and mean seconds per round (target: <= 0.15 s on 2
+cores), and the engine's and the client's CPU seconds per round (on a loaded machine the wall clock
 includes waiting for a core; CPU time does not). ``--profile`` writes a cProfile of the client side (the driver's event loop) to OUT.prof.
 """
 

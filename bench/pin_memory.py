@@ -12,7 +12,7 @@ Each method runs in its own process (a fresh address space and pinned cache) and
 - ``torch_register``: PyTorch's allocator with ``pinned_use_cuda_host_register`` (its own threads, power of two).
 
 and for each the device-to-host and host-to-device bandwidth of 4 GiB of it (non-blocking copies, CUDA events).
-At Qwen3-1.7B the offloaded optimizer state is 28.8 GiB (bench/RESULTS.md): the default size. Needs CUDA.
+At Qwen3-1.7B the colocated run offloads 28.8 GiB of optimizer state: the default size. Needs CUDA.
 """
 
 from __future__ import annotations

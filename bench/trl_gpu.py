@@ -1,5 +1,5 @@
 """TRL's ``GRPOTrainer`` on the workload of ``examples/gpu/qwen3-1.7b-grpo.yaml``, on one GPU: the other side of
-``bench/gpu_session.sh colocated`` (issue 17: our step against TRL's, measured in the same device call).
+``python -m bench e2e`` on a GPU (our colocated step against TRL's, best measured on the same machine).
 
     python bench/trl_gpu.py [--steps 3] [--prompts 64] [--generations 8] [--new-tokens 512]
 
@@ -16,14 +16,14 @@ completion length, the GPU's peak memory.
 
 Packages: the GPU image (torch 2.11, transformers, accelerate, pandas, pyarrow, xxhash, fsspec,
 huggingface-hub, requests, pyyaml, jinja2, psutil) plus these wheels, carried in ``.whl/trl/`` and installed
-with ``pip install --no-deps --target`` (``bench/gpu_session.sh trl_gpu`` does it): ``trl-1.16.0``,
+with ``pip install --no-deps --target /tmp/trl`` (then ``PYTHONPATH=/tmp/trl``): ``trl-1.16.0``,
 ``datasets-5.2.0``, ``dill-0.4.1``, ``multiprocess-0.70.19`` (py3, Python 3.12, manylinux x86_64). Fetch them
 here with::
 
     pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \\
         -d .whl/trl trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 
-and posttrain itself (for the model preset and the tokenizer) from the session's ``/tmp/site``.
+and posttrain itself (for the model preset and the tokenizer).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ kernels); what TRL needs beyond them (trl, datasets, ...) is installed into it a
 
 Prints one JSON line per side: ``step_s_median`` over the steps after the first (warm-up excluded),
 ``step_s_mean``, ``reward_first5``/``reward_last5``, ``wall_s``; the TRL line adds ``ours_over_trl``
-(our median seconds per step / TRL's: <= 1 is the issue-17 target). ``--rounds R`` runs R such pairs, each
+(our median seconds per step / TRL's: <= 1 is the target). ``--rounds R`` runs R such pairs, each
 line tagged with its ``round``, and ends with a summary line (every round's ratio and their median): on a
 2-core box one pair's ratio swings by +-0.2 from minute to minute.
 """

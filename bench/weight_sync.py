@@ -7,7 +7,7 @@ Builds the trainer and the engines as a run does (local executor), pushes the we
 and prints one JSON line: bytes per push, the median and each push's seconds, GB/s, the seconds of
 ``export_hf`` alone (conversion without transport) and which transport ran. That the pushed weights
 are the right ones is checked by the runs (``train_rollout_logprob_abs_diff`` after each push).
-Target (the GPU issue, 1.7B shape, 3.4 GB bf16, NCCL between two H200s): under 0.2 s.
+Target (1.7B shape, 3.4 GB bf16, NCCL between two H200s): under 0.2 s.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ A page holds a marker on a line of its own and this hook replaces it when the si
 - ``<!-- generated: components -->``: every built-in component by kind, its docstring and the keys of its
   ``Config`` (the rows of ``rl-cli plugins show NAME``);
 - ``<!-- generated: cli -->``: every ``rl-cli`` command with its arguments and options (from the Typer app);
-- ``<!-- generated: include PATH -->``: a file of the repository (``bench/RESULTS.md``), with links into the
+- ``<!-- generated: include PATH -->``: a file of the repository (``bench/README.md``), with links into the
   repository made absolute to it on GitHub-less builds (plain text paths).
 
 The hook reference is mkdocstrings' rendering of ``posttrain/core/hookspecs.py`` (``::: posttrain.core.hookspecs``).

@@ -6,7 +6,7 @@ then it raises the young generation's threshold from CPython's 700 allocations t
 allocates tens of thousands of short-lived objects (per-row request dicts, samples' lists); with a young
 threshold of 700 the collector scanned each of them a few times before it died, about 8 ms of a 0.17 s
 CPU quickstart step (2,600 young and 235 middle collections in 60 steps). With ``YOUNG`` most die before
-any scan: 8 young collections in the same run (bench/RESULTS.md, issue 17). Cyclic garbage waits longer
+any scan: a few young collections in the same run. Cyclic garbage waits longer
 for its collection, a few MB at most.
 
 Where triton is loaded (every GPU install, and Megatron imports it), the frozen objects are unfrozen at exit:

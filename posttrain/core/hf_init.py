@@ -8,9 +8,8 @@ no trainer, milliseconds), and engines whose backend can start without weights
 files before the trainer has built, and load, compile and capture while it builds.
 
 ``checkpoint.hf_init_weights: true``, or an engine backend that must read weights, has the trainer write the
-initial policy's safetensors here too (``save_hf``), and the engines load them. That write and read sat on every
-run's start before (3.4-6.5 s at 1.7B on the GPU hosts, bench/RESULTS.md), and kept a copy of the model in every
-run directory (60 GB at 30B).
+initial policy's safetensors here too (``save_hf``), and the engines load them. That write and read sit on the
+run's start (seconds at 1.7B on a GPU host) and keep a copy of the model in the run directory (60 GB at 30B).
 
 - :func:`config_json`: the ``config.json`` mapping every writer uses (the trainer's ``save_hf`` too);
 - :func:`write_tokenizer`: the tokenizer and the checkpoint's companion files (generation config, chat

@@ -52,7 +52,7 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
     executor = EXECUTORS[cfg.resources.executor](cfg, **plugins.load_args)
     # A step's trainer calls run on one thread of their own, not on asyncio's pool: PyTorch gives each thread that
     # runs a matmul its own cuBLAS handle and each handle a workspace (32 MiB on Hopper); with the pool's threads
-    # taking turns, the trainer's memory grew by one workspace a step
+    # taking turns, the trainer's memory would grow by one workspace a step
     trainer_thread = ThreadPoolExecutor(1, thread_name_prefix="posttrain-trainer")
 
     def on_trainer(fn, *args):

@@ -2,7 +2,7 @@
 
 ``load_config`` checks each key's type, range and plugin name; it cannot see that ``data.label_key``
 names a key the data does not have, that the data runs out before ``rollout.num_rollouts``, or that
-``model.path`` is a hub id rather than a directory. Each of those used to pass ``--dry-run`` and fail
+``model.path`` is a hub id rather than a directory. Each of those would pass ``--dry-run`` and fail
 minutes later inside a worker. :func:`check_run` finds them from the config and the first rows of each
 dataset (no engine, no model, no tokenizer), one ``key: message`` line per problem::
 

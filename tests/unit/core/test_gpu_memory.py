@@ -3,7 +3,7 @@
 NVML cannot run on these machines (no driver): the binding is checked against a stand-in library that answers
 through the same ``ctypes`` calls (handles by index or UUID, ``nvmlMemory_t`` filled in), and the sampler
 against a reader whose values the test moves. On a GPU the colocated run logs the real figures
-(``bench/gpu_session.sh colocated5``, bench/RESULTS.md)."""
+(the colocated GRPO run's memory by phase, bench/RESULTS.md)."""
 
 from __future__ import annotations
 

@@ -171,7 +171,7 @@ def wait_for_checkpoint(model_dir: Path, timeout_s: float, poll_s: float = 0.02)
     """Import what loading a checkpoint needs (torch, transformers' model and tokenizer machinery, the engine),
     then wait up to ``timeout_s`` for ``model_dir`` to appear; returns the seconds waited. The run's trainer writes
     it under another name and renames it in, so a directory that exists is whole. The imports take most of an engine's start on a
-    CPU (3-4 s of 4, bench/RESULTS.md), and they run while the trainer builds."""
+    CPU, and they run while the trainer builds."""
     import time
 
     import torch  # noqa: F401

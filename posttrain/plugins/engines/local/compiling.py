@@ -53,7 +53,7 @@ def one_triton_cache(device: torch.device) -> None:
     when it first builds a kernel of its own; the engine's own kernels (the decode attention, the sampler)
     compiled before that went to Triton's default cache, those after it to Inductor's, and which came first
     differed between a cold start and a warm one. A warm start then missed the cache and compiled the small
-    batch buckets' attention kernels again, 1.1-1.6 s each on an H100 (bench/RESULTS.md)."""
+    batch buckets' attention kernels again, over a second each."""
     if device.type == "cuda" and "TRITON_CACHE_DIR" not in os.environ:
         from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
 

@@ -27,10 +27,9 @@ never NaN); lengths past the cache view's span are clamped to it.
   With ``slots_per_program`` (default 8) the batch's slots share programs instead: grid ``(ceil(nb / P),
   Hkv)``, the ``P * G`` query rows of a group in one tile, one loop over the group's position blocks
   slot after slot (``_grouped_kernel``), so the loads stay pipelined over ``P`` slots' positions rather than
-  restarting for each slot's few blocks. At 256 slots of 256 positions on an H200 that is 68.3 -> 65.3 us a
-  layer (a plain read of the same bytes takes 61.5); over lengths spread +-128 in random slot order it is
-  1.6% slower (the groups' sums differ, and one wave of programs waits for its longest), at 1024 positions
-  0.9% faster (bench/RESULTS.md).
+  restarting for each slot's few blocks: at 256 slots of 256 positions on an H200 that brings a layer's
+  attention close to a plain read of the same bytes; over lengths spread +-128 in random slot order it is
+  slightly slower (the groups' sums differ, and one wave of programs waits for its longest).
 - ``rope=`` (:class:`Rope`): ``q`` and ``k_new`` come raw from the projections, and the kernels RMS-norm (Qwen3's
   per-head Q/K norms) and rotate them as they load them (:func:`_rows`, :func:`_rotated`), so the decode step needs no
   kernel of its own for that (``ModelRunner(rope_in_attention=)``).
@@ -159,8 +158,8 @@ if triton is not None:
         Scores are kept in base 2 (``scale_log2 = scale * log2(e)``, ``exp2``): the same softmax.
         ``WRITE_NEW``: position ``length - 1`` is this step's ``KN``/``VN`` row, not the cache's. The loop
         over the cache stops before it (the loop is the one without ``WRITE_NEW``: a substituted row inside
-        the loaded tiles cost the tiles their path from shared memory into ``tl.dot``, 76 -> 119 us per
-        layer on an H200); the chunk holding it starts its online softmax from it, from registers, and
+        the loaded tiles would cost the tiles their path from shared memory into ``tl.dot``, half as much
+        time again per layer on an H200); the chunk holding it starts its online softmax from it, from registers, and
         stores it into the cache. ``ROPE``: ``Q`` and ``KN`` are raw projections, normed and rotated here
         (:func:`_rows`, :func:`_rotated`). Everything the step's own rows need is loaded first, with the length, so their
         latencies overlap and nothing waits on memory after the loop. ``PDL``: the kernel is launched while
@@ -446,8 +445,7 @@ def _plan_group(nb: int, hkv: int, g: int, device: torch.device, slots_per_progr
     not fill the GPU's SMs (small batches split their sequences instead). More than one runs one split, so
     an explicit ``num_splits`` must then be None or 1. None: ``GROUP_SLOTS`` (fewer where ``G`` is large), or
     1 where ``num_splits`` asks for more than one split.
-    At the benchmark shape on an H200 (256 slots, 8 KV heads) eight slots a program take the attention from
-    2.05 to 1.90 ms a step (bench/RESULTS.md)."""
+    At the benchmark shape on an H200 (256 slots, 8 KV heads) eight slots a program are the fastest grouping."""
     if slots_per_program is None:  # the default yields to sequence splits asked for
         if num_splits not in (None, 1):
             return 1
@@ -479,7 +477,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     ``h // (H / Hkv)``. ``num_splits``: sequence chunks per (slot, KV head), default chosen from the
     shapes (1 when ``nb * Hkv`` fills the GPU); ``block_n`` (a power of two >= 16), ``num_warps``,
     ``num_stages``: launch tuning (defaults: 64 positions per iteration for bf16 at ``D <= 128``, three
-    pipeline stages: at the benchmark shape on an H200 2.17 -> 2.03 ms of attention per step, bench/RESULTS.md).
+    pipeline stages: the fastest at the benchmark shape on an H200).
     ``slots_per_program``: slots whose query rows share one program (:func:`_grouped_kernel`: one loop over
     the group's positions, a ``[P * G, D]`` query tile; one split); None: ``GROUP_SLOTS``, as
     :func:`_plan_group` plans it.
@@ -493,8 +491,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     ``pdl``: launch with programmatic dependent launch where supported (:func:`pdl_supported`: Hopper or
     newer): the kernel's blocks start while the kernel before it drains and read nothing it writes before
     ``griddepcontrol.wait``, so ``q``, ``k_new``, ``v_new`` may come from the kernel launched just before,
-    everything else from kernels before that one. Off by default: after cuBLAS's matmuls the gap before the
-    attention grew (12 -> 25 us a step on an H200, bench/RESULTS.md).
+    everything else from kernels before that one. Off by default: after cuBLAS's matmuls it widens the gap
+    before the attention on an H200.
 
     No host synchronization and no allocation but the output (and the split partials): capturable in a
     CUDA graph, and a replay with new ``lengths`` values attends over the new lengths.

@@ -16,7 +16,7 @@ A decode step keeps host work and device syncs low: one host-to-device copy for 
 the attention span from Python ints (no ``positions.max()`` sync), a sampling path picked from the
 Python parameters, and one device-to-host copy for the sampled tokens and their log-probs. An answer's
 ``output_token_logprobs`` are ``(logprob, id, None)`` tuples (JSON writes them as the protocol's arrays):
-built in this thread between two steps, at a third of the cost of lists (bench/RESULTS.md).
+built in this thread between two steps, at a third of the cost of lists.
 :class:`StepStats` (``engine.stats``) times each phase of every step with ``perf_counter``.
 
 **Overlap** (``overlap=True``, the default on a GPU; module ``overlap``): step ``N + 1`` is launched from

@@ -1,8 +1,8 @@
 """Fused projections for the local engine: one matmul for a layer's Q/K/V and one for its SwiGLU gate/up.
 
 At the decode batch sizes (``M`` = 256 rows on an H200, Qwen3-1.7B shape) three thin matmuls cost more
-than one wide one: measured 18.0 -> 8.4 us per layer for Q/K/V, 23.8 -> 20.1 us for gate/up
-(``bench/decode_parts.py``). The modules keep their own ``weight`` parameters, so names, checkpoints,
+than one wide one: fused, Q/K/V take about half the time and gate/up a sixth less
+(``bench/decode_parts.py --gemms``). The modules keep their own ``weight`` parameters, so names, checkpoints,
 weight updates and checksums see nothing new: :func:`fuse_rows` only moves each group's weights (and
 biases) into row blocks of one tensor, back to back, and makes every module's parameter a view of its
 block. :func:`layer_parts` finds such a group again at each forward (the weights are never copied), and

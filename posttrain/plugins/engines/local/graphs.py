@@ -67,8 +67,8 @@ def warm(runner, span: int, temperature: float | None, needed: int) -> None:
     """The first step at ``temperature`` (None: the logits graphs) captures every batch bucket's graph at
     ``span``. What a smaller bucket compiles (the attention's slots per program, its sequence splits, the
     sampler's chunk count: Triton kernels of their own) is then compiled at the run's first step, not when a
-    later step's tail first shrinks into that bucket: 1.1-1.3 s each on an H200 in a colocated GRPO step
-    (bench/RESULTS.md). A graph at another span, met later, reuses the compiled kernels (0.05 s).
+    later step's tail first shrinks into that bucket (over a second each, mid-run). A graph at another span,
+    met later, reuses the compiled kernels.
 
     A bucket other than ``needed`` (the bucket of the step that asked) that runs out of GPU memory is skipped
     with a line on stderr: the step goes on, and that bucket is captured if a later step needs it (and fails

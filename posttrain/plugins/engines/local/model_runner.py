@@ -24,8 +24,8 @@ Decode levers (:class:`RunnerTuning`'s fields, defaults are the safe baseline; `
   with a boolean mask over the span bucket; ``"bmm"`` runs two batched matmuls with a float32 masked
   softmax between them; ``"triton"`` is our flash-decoding kernel (``decode_kernel``), which reads
   only each slot's own ``position + 1`` cache entries. All compute the same attention (equal to
-  float32 rounding); ``"auto"`` picks ``triton`` on CUDA. On an H200 (Qwen3-1.7B shape, 256 slots)
-  SDPA's masked kernel took ~70% of the step; triton + compile decodes 2.1x faster (bench/RESULTS.md).
+  float32 rounding); ``"auto"`` picks ``triton`` on CUDA. At the Qwen3-1.7B shape with 256 slots SDPA's masked
+  kernel takes most of the step, reading a whole span bucket; triton + compile decodes about twice as fast.
 - ``compile``: ``torch.compile`` (``fullgraph``) of the per-layer parts around the
   attention (norms, projections, rotary, residuals, SwiGLU MLP) so their elementwise work fuses. The
   KV-cache write and the attention stay eager: a compiled in-place write into a cache passed as an
@@ -212,7 +212,7 @@ class RunnerTuning:
         """This tuning checked (a ValueError naming the field) with ``decode_attention: auto`` resolved for
         ``device``."""
         attention = self.decode_attention
-        if attention == "auto":  # the measured fastest on an H200 (bench/RESULTS.md)
+        if attention == "auto":  # the fastest on an H200 (python -m bench rollout)
             from posttrain.plugins.engines.local.decode_kernel import triton_available
 
             attention = "triton" if device.type == "cuda" and triton_available() else "sdpa"
@@ -310,7 +310,7 @@ class ModelRunner:
         self._project = compiling.compiled(project, self.compile_mode, combo=True) if self.rope_in_attention else qkv
         self._embed, self._step, self._last = (compiling.compiled(f, self.compile_mode, combo=True) for f in joined)
         # the prefill's parts: the decode step's, except under max-autotune, whose timings at the prefill's
-        # thousands of rows cost a minute or more of start-up and picked cuBLAS anyway on an H200 (RESULTS.md)
+        # thousands of rows cost a minute or more of start-up and pick cuBLAS anyway on an H200
         self._prefill_parts = (qkv, finish)
         if self.compile_mode != "default":
             self._prefill_parts = (compiling.compiled(project_qkv, "default"), compiling.compiled(finish_layer, "default"))
@@ -542,8 +542,8 @@ class ModelRunner:
     def _bucket(self, nb: int) -> int:
         """The batch bucket of ``nb`` rows: the power of two at or above it, at most ``max_slots``. A compiled
         runner's smallest bucket is 2: Dynamo specializes a dimension of size 1, so a step of one row would
-        compile every part of the step once more (3.6 s on an H200 at the first capture of bucket 1,
-        bench/RESULTS.md); it pads to two rows instead, as any batch pads to its bucket."""
+        compile every part of the step once more (seconds at the first capture of bucket 1); it pads to two
+        rows instead, as any batch pads to its bucket."""
         b = 2 if self.compile else 1
         while b < nb:
             b *= 2

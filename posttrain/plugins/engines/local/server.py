@@ -184,8 +184,8 @@ class EngineServer:
     def _warm_up(self, sampling: dict[str, Any]) -> None:
         """One two-token generation with ``sampling`` (``--warm-sampling``, a run's rollout sampling) before the
         server answers: the prefill's and the decode step's compiles, and every batch bucket's CUDA graph for that
-        sampling (``graphs.warm``), run now rather than in the first rollout, which they made 10-18 s longer than
-        the next on an H200 (bench/RESULTS.md). A disaggregated run's engines start while its trainer builds, so
+        sampling (``graphs.warm``), run now rather than in the first rollout, which they would make many seconds
+        longer than the next. A disaggregated run's engines start while its trainer builds, so
         there they cost nothing. Stop strings are dropped and EOS ignored: both tokens are generated."""
         done, box = threading.Event(), {}
         params = parse_sampling({**sampling, "max_new_tokens": 2, "ignore_eos": True, "stop": None,

@@ -31,8 +31,8 @@ def sharded_state(self: Any, is_loading: bool) -> dict[str, Any]:
         # refuses ("ShardedTensor.flattened_range is not supported").
         # Without TE/Apex, Megatron reads the step from torch's AdamW state, which exists only after a
         # first step: a fresh trainer loading a checkpoint needs it made. Megatron's distributed
-        # optimizer (0.16, dp_reshardable) restores the moments but not that step counter (measured on
-        # an H200: 0 after load), so it travels beside them as "adam_steps".
+        # optimizer (0.16, dp_reshardable) restores the moments but not that step counter (0 after a
+        # load on a GPU), so it travels beside them as "adam_steps".
         adams = torch_adams(self)
         for adam in adams:
             init_adam_state(adam)

@@ -7,7 +7,7 @@ later layer gets a fresh tensor whose ``b`` stride is ``h``: each compiled frame
 after its graph breaks) compiled once for each layout, and again for each once the token count changed. The
 wrapper hands every layer the ``(h, h, 1)`` layout, and, where the token count changes with every micro-batch
 (packed sequences), marks it symbolic from the first call, so each frame compiles once instead of static first
-and symbolic after (bench/RESULTS.md: a colocated run's first train step). The first layer's input is given as a
+and symbolic after (a colocated run's first train step). The first layer's input is given as a
 tensor that is not a view (Megatron's ``make_viewless_tensor``: the same memory, no copy): Dynamo guards on a
 view's base too, and the embedding's base (``[s, 1, h]`` with a ``b`` stride of ``s * h`` in training) failed the
 guard of every later layer's input, a recompile of both once a micro-batch met a new guard.
@@ -16,9 +16,8 @@ The layers compile with Inductor's ``triton.mix_order_reduction_non_strict_mode`
 norm's two backward reductions (over each token's channels, over the tokens for the weight's gradient) only
 when the tensor is large enough, and that size check becomes a guard on the symbolic token count: on an H100 at
 Qwen3-1.7B, ``5120 <= tokens``, so the first micro-batch of fewer than 5120 tokens (a step's last, under
-``trainer.max_tokens_per_micro_batch``) recompiled every layer frame mid-run: a train phase of 33.6 s instead
-of 7.7 (bench/RESULTS.md, 2026-12-05 night). Non-strict, the choice does not depend on the size and leaves no
-guard.
+``trainer.max_tokens_per_micro_batch``) recompiled every layer frame mid-run, a train phase four times its
+usual length. Non-strict, the choice does not depend on the size and leaves no guard.
 
 Megatron-core 0.16's ``RowParallelLinear.forward`` (the attention's output projection, the MLP's down projection)
 hands its matmul ``tp_group=None``, so every call asks ``get_tensor_model_parallel_group_if_none`` for the default

@@ -25,7 +25,7 @@ Without CUDA, Megatron's fused elementwise functions (its ``jit_fuser``: ``torch
 as ``megatron.core`` imports) stay eager (:func:`eager_fusers_without_cuda`). Wrapping them takes 1.3 of the 2.5 s that
 importing ``megatron.core`` takes on a 2-core CPU (Inductor's configuration, 38 wrappers), and a CPU run calls none of
 them (the default spec fuses no bias, dropout or cross entropy; where one would run, Inductor's C++ compile of it
-would cost more than it saves). The quickstart starts 0.6-1.0 s sooner (bench/RESULTS.md).
+would cost more than it saves). The quickstart starts that much sooner.
 
 One stand-in applies on GPUs too, whenever Transformer Engine is absent (:func:`install_without_te`):
 ``megatron.core.transformer.moe.moe_utils`` imports ``te_general_gemm`` and the fused MoE kernels

@@ -1,4 +1,4 @@
-"""Deterministic GPU kernels for the trainer, so a seeded run repeats step for step on CUDA (issue #24).
+"""Deterministic GPU kernels for the trainer, so a seeded run repeats step for step on CUDA.
 
 On the CPU every kernel the trainer uses already repeats. On CUDA some do not, by default:
 

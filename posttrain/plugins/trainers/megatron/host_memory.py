@@ -2,7 +2,7 @@
 
 ``torch.empty(n, pin_memory=True)`` asks ``cudaHostAlloc`` for the next power of two: at Qwen3-1.7B the offloaded
 optimizer state is 28.8 GiB, so 32 GiB, whose every page the driver faults in, zeroes and locks from one thread.
-On an H200 host the first offload of a colocated run took ~20 s that way (bench/RESULTS.md). Here instead:
+The first offload of a colocated run then takes tens of seconds. Here instead:
 
 1. the bytes are a private anonymous ``mmap`` of exactly ``n`` bytes: page-aligned, no page touched yet, no page
    shared with other memory (which a second registration would collide with), advised to use transparent huge pages

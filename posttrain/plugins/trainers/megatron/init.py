@@ -3,7 +3,7 @@
 Megatron initializes each rank's shards where they live: on a GPU from the CUDA RNG tracker (a stream
 per TP rank), on the CPU from master tensors drawn one after another from the global generator. So the
 same seed gave a CPU run and a GPU run different models, and a run could not be compared step for step
-across devices or layouts (issue #24).
+across devices or layouts.
 
 :func:`seeded_init` draws every parameter's *full* (TP=1) tensor on the CPU, in the order Megatron's CPU
 initialization draws them for the whole TP=1, PP=1 model (its construction order), from a generator

@@ -1,8 +1,8 @@
 """A trainer's state in host memory while colocated engines generate (``resources.offload_trainer``).
 
 On a colocated GPU the trainer's weights, gradients, optimizer state and resident reference weights stay
-on the device through generation unless moved: about 40 GiB at Qwen3-1.7B with Adam on one H200
-(bench/RESULTS.md), so the engine's KV cache gets that much less and larger models do not fit at all.
+on the device through generation unless moved: about 40 GiB at Qwen3-1.7B with Adam, so the engine's KV cache
+gets that much less and larger models do not fit at all.
 slime forces this offload on colocated runs (``torch_memory_saver``, intercepting ``cudaMalloc``); verl's
 Megatron workers move parameters, gradients and optimizer state by flags. Here it is per storage:
 
@@ -23,9 +23,8 @@ side stream: back behind the step's log-prob and forward/backward passes, which 
 a checkpoint's save or load, wait for it), and out with the weight push (:meth:`HostOffload.copy_out`; the offload
 then waits for that copy and frees). With Adam that is 12 of the 16 bytes a parameter copied each way. The copies back
 start only once the first pass has its inputs on the device (:meth:`HostOffload.start`): a copy engine serves its
-direction's copies in order, so a pass's few kilobytes queued behind 20 GB of state would wait for all of it (on an
-H200 at Qwen3-1.7B the train phase was 0.5 s longer with the state moving around it, bench/RESULTS.md). The copy out
-waits for the push because the loop gives the trainer's cache back to the driver just before it, and that
+direction's copies in order, so a pass's few kilobytes queued behind 20 GB of state would wait for all of it.
+The copy out waits for the push because the loop gives the trainer's cache back to the driver just before it, and that
 ``cudaFree`` waits for the whole device, a copy already running included.
 
 Every tensor keeps its identity: a parameter that is a view into Megatron's contiguous parameter buffer, a

@@ -3,9 +3,9 @@
 Megatron's unfused THD rotary (``rope_utils._apply_rotary_pos_emb_thd``) copies ``cu_seqlens`` to the host
 (``.tolist()``) and splits the tokens by those Python lengths. Under ``torch.compile`` (``trainer.backend.
 compile``) every new set of lengths then recompiles the layer, until dynamo's limit of 8, after which the
-layer runs eagerly: on an H200 (2026-12-02) the first train phases of a GRPO run took 63, 16, 12 and 8.2 s
-before settling at 7.9 s. Here each token's position inside its sample comes from ``cu_seqlens`` as
-tensors (no ``searchsorted``: Inductor of torch 2.11 could not lower it on a slice), so one graph serves
+layer runs eagerly: the first train phases of a GRPO run take several times the steady one. Here each
+token's position inside its sample comes from ``cu_seqlens`` as tensors (no ``searchsorted``: Inductor of
+torch 2.11 could not lower it on a slice), so one graph serves
 every set of lengths, and every number of samples (the marks go at all of ``cu_seqlens``, not at a slice of it:
 a slice ``cu_seqlens[1:-1]`` is one element long for two samples, a size Dynamo treats apart, so a compiled
 layer that first met three or more samples a micro-batch recompiled at the first with two, mid-run)::

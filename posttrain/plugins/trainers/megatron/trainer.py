@@ -83,7 +83,7 @@ class MegatronTrainer:
         self.hf = spec.hf_config()
         self.dtype = spec.config.dtype
         overrides = M.split_megatron_overrides({**self.backend.megatron, **moe_overrides(self.backend)})
-        if self.config.deterministic and torch.cuda.is_available():  # a seeded GPU run repeats (issue #24)
+        if self.config.deterministic and torch.cuda.is_available():  # a seeded GPU run repeats
             from posttrain.plugins.trainers.megatron.determinism import use_deterministic_kernels
 
             use_deterministic_kernels()
