@@ -10,11 +10,11 @@ from train_helpers import seeded_spec, spec_for
 from test_tp import _torchrun
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama", "glm4", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama", "glm4", "qwen3_moe", "glm4_moe"])
 def test_seeded_init_is_megatrons_cpu_init_bit_for_bit(megatron_tp1, family):
     """At TP=1 on the CPU the seeded draw is what Megatron's own CPU initialization made (biases of
-    qwen2 and the MoE routers of qwen3_moe included), so CPU runs keep their weights; on a GPU the same
-    tensors are now used."""
+    qwen2, the MoE routers of qwen3_moe, glm4_moe's dense first layer beside its MoE layers included), so
+    CPU runs keep their weights; on a GPU the same tensors are now used."""
     spec = spec_for(family)
     hf = spec.hf_config()
     torch.manual_seed(5)

@@ -72,9 +72,17 @@ def _full_shape(param: Any, tp: int) -> list[int]:
     return shape
 
 
+def _layer_kinds(spec: Any, hf: dict[str, Any]) -> list[str]:
+    """``"moe" | "dense"`` per decoder layer (a spec without ``moe_layers`` has dense layers only): a
+    layer of another stage is drawn with the shapes of a local layer of its kind."""
+    moe = spec.moe_layers(hf) if hasattr(spec, "moe_layers") else [False] * int(hf["num_hidden_layers"])
+    return ["moe" if m else "dense" for m in moe]
+
+
 def _plan(gpt: Any, spec: Any, hf: dict[str, Any], tp: int) -> list[tuple[str, list[int], str | None, Any]]:
     """``(global name, full shape, kind, local param or None)`` for the whole TP=1, PP=1 model, in the
-    order Megatron constructs it: embedding, layers 0..L-1, output layer."""
+    order Megatron constructs it: embedding, layers 0..L-1 (each its own shapes: dense and MoE layers
+    differ), output layer."""
     vocab_rows = spec.padded_vocab_size(hf, 1)
     hidden = int(hf["hidden_size"])
     # the embedding draws first, also on stages that do not hold it (rope: no position embeddings)
@@ -87,11 +95,14 @@ def _plan(gpt: Any, spec: Any, hf: dict[str, Any], tp: int) -> list[tuple[str, l
     def shapes(layer):
         return [(name, _full_shape(p, tp), kind) for name, kind, p in _entries(layer, "")]
 
-    template = shapes(layers[0])
-    if any(shapes(layer) != template for layer in layers[1:]):  # other stages' layers are drawn like ours
-        raise UsageError("seeded initialization needs identical decoder layers; load a checkpoint instead")
+    kinds = _layer_kinds(spec, hf)
+    templates = {kinds[i]: shapes(layer) for i, layer in local.items()}  # other stages' layers: like ours
     for i in range(int(hf["num_hidden_layers"])):
+        if kinds[i] not in templates:
+            raise UsageError(f"seeded initialization: layer {i} ({kinds[i]}) has no layer of its kind on this "
+                             f"pipeline stage to take its shapes from; load a checkpoint instead")
         params = {n: p for n, _, p in _entries(local[i], "")} if i in local else {}
+        template = shapes(local[i]) if i in local else templates[kinds[i]]
         plan += [(f"decoder.layers.{i}.{n}", shape, kind, params.get(n)) for n, shape, kind in template]
     # the final norm draws nothing; an untied output layer draws last (a tied one is the embedding)
     if not spec.tied(hf):
