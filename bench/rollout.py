@@ -29,7 +29,9 @@ engine copies every step's positions to the device, or not where the last graph 
 ``prefillcopy``/``prefillkernel`` (a prefill's keys and values into the cache by torch's copies or by one Triton
 launch a layer, ``cache_write``), ``switch100us`` (the timed run under a GIL switch interval of 0.1 ms, not 5),
 ``warmgraphs``/``lazygraphs`` (the first step at a temperature captures every batch bucket's graph, or each
-bucket is captured at its first step), ``symbatch``/``staticbatch`` (each compiled part compiled once with its row
+bucket is captured at its first step), ``moekernel``/``moehf`` (a MoE model's routing and experts through the
+engine's Triton kernels, ``moe_kernel``: fused softmax top-k, two grouped GEMM launches; or transformers' own
+experts), ``symbatch``/``staticbatch`` (each compiled part compiled once with its row
 count symbolic, or first statically at the largest bucket; ``compiled_graphs`` counts Dynamo's graphs of the
 variant's warm-up), ``samplerBxWxP`` (the one-pass sampler's launch: logits per iteration, warps, programs per SM, set in
 ``sampling_kernel`` for this variant only, e.g. ``sampler2048x8x8``); unnamed
@@ -261,7 +263,8 @@ VARIANT_WORDS = {"sdpa": {"decode_attention": "sdpa"}, "bmm": {"decode_attention
                  "prefillcopy": {"prefill_kv_kernel": False}, "prefillkernel": {"prefill_kv_kernel": True},
                  "switch100us": {"switch_interval": 1e-4},
                  "warmgraphs": {"warm_graphs": True}, "lazygraphs": {"warm_graphs": False},
-                 "symbatch": {"symbolic_batch": True}, "staticbatch": {"symbolic_batch": False}}
+                 "symbatch": {"symbolic_batch": True}, "staticbatch": {"symbolic_batch": False},
+                 "moekernel": {"moe_kernel": True}, "moehf": {"moe_kernel": False}}
 ENGINE_OPTIONS = ("overlap", "fused_sampling", "prefill_tokens", "sample_in_step",
                   "device_positions")  # LocalEngine's; the rest are ModelRunner's
 
@@ -539,7 +542,12 @@ def bench_variant(model, prompts: list[list[int]], args, name: str, opts: dict, 
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     context = args.prompt_len + args.new_tokens + 1
     position = args.prompt_len + args.new_tokens // 2  # the run's mean context, for the profile
-    runner_opts = {k: v for k, v in opts.items() if k not in (*ENGINE_OPTIONS, "switch_interval", "sample_launch")}
+    runner_opts = {k: v for k, v in opts.items()
+                   if k not in (*ENGINE_OPTIONS, "switch_interval", "sample_launch", "moe_kernel")}
+    if "moe_kernel" in opts:  # the model is shared by the variants: tag or untag its MoE blocks each time
+        from posttrain.plugins.engines.local.moe_kernel import set_moe_kernel
+
+        out["moe_kernel_blocks"] = set_moe_kernel(model, opts["moe_kernel"])
     runner_opts.setdefault("float_logits", not args.device.startswith("cuda"))  # as the engine server runs it
     runner = ModelRunner(None, device=args.device, dtype=dtype, max_slots=args.prompts, context_length=context,
                          model=model, **runner_opts)

@@ -1,0 +1,121 @@
+"""The engine's MoE decode kernels (``moe_kernel``): the fused softmax top-k routing against Qwen3-MoE's
+router, the expert-block alignment, and the two grouped expert kernels against transformers' experts, on
+CPU tensors under the Triton interpreter; on CUDA in bf16 against transformers' own experts."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from posttrain.plugins.engines.local import moe_kernel
+from tests.conftest import run_triton_interpreted
+
+INTERPRETED = r"""
+import torch
+from transformers import Glm4MoeConfig, Qwen3MoeConfig
+from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+from posttrain.plugins.engines.local import moe_kernel
+from posttrain.plugins.engines.local.layers import mlp_forward
+
+torch.manual_seed(0)
+# the alignment: every pair once, each block's rows all of its expert, padding rows marked S
+ids = torch.tensor([[3, 0], [3, 5], [0, 3], [5, 2], [3, 1]])
+rows, blocks = moe_kernel.align(ids, 6, block_m=4)
+flat = ids.reshape(-1)
+assert sorted(rows[rows < 10].tolist()) == list(range(10)) and rows.numel() % 4 == 0
+for b, e in enumerate(blocks.tolist()):
+    mine = rows[4 * b:4 * b + 4]
+    mine = mine[mine < 10]
+    assert (e == 6) == (mine.numel() == 0) and all(flat[p] == e for p in mine.tolist())
+assert [int(e) for e in blocks if e < 6] == [0, 1, 2, 3, 5]  # expert 4 has no pair, 3 fits one block of 4
+
+for experts, k, t, norm in ((8, 2, 5, True), (6, 4, 19, False), (8, 8, 1, True)):
+    cfg = Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=experts, num_experts_per_tok=k,
+                         norm_topk_prob=norm)
+    block = Qwen3MoeSparseMoeBlock(cfg).eval()
+    for p in block.parameters():
+        p.data.normal_(0, 0.1)
+    x = torch.randn(t, 64)
+    with torch.no_grad():
+        logits, w_ref, ids_ref = block.gate(x)
+        w, ids = moe_kernel.softmax_topk(logits, k, norm)
+        assert torch.equal(ids, ids_ref), (ids, ids_ref)
+        torch.testing.assert_close(w, w_ref.float(), atol=1e-6, rtol=1e-5)
+        y = moe_kernel.fused_experts(x, ids, w, block.experts.gate_up_proj, block.experts.down_proj)
+        torch.testing.assert_close(y, block.experts(x, ids_ref, w_ref), atol=1e-5, rtol=1e-5)
+        # a tagged block through the engine's layer function: the same output and routing as untagged
+        assert moe_kernel.set_moe_kernel(block, True) == 1
+        tagged, routed = mlp_forward(block, x.view(1, t, 64))
+        moe_kernel.set_moe_kernel(block, False)
+        plain, routed_plain = mlp_forward(block, x.view(1, t, 64))
+        torch.testing.assert_close(tagged, plain, atol=1e-5, rtol=1e-5)
+        assert torch.equal(routed, routed_plain)
+
+# GLM-4.5: its own sigmoid router (with the bias), the kernels for the experts, shared experts added after
+cfg = Glm4MoeConfig(hidden_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                    n_shared_experts=1, routed_scaling_factor=2.5, n_group=1, topk_group=1, intermediate_size=128)
+block = Glm4MoeMoE(cfg).eval()
+for p in block.parameters():
+    p.data.normal_(0, 0.1)
+block.gate.e_score_correction_bias.normal_(0, 0.1)
+x = torch.randn(1, 7, 64)
+with torch.no_grad():
+    plain, ids_plain = mlp_forward(block, x)
+    assert moe_kernel.set_moe_kernel(block, True) == 1
+    tagged, ids_tagged = mlp_forward(block, x)
+torch.testing.assert_close(tagged, plain, atol=1e-5, rtol=1e-5)
+assert torch.equal(ids_tagged, ids_plain)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_moe_kernels_under_the_triton_interpreter():
+    run_triton_interpreted(INTERPRETED)
+
+
+def test_untagged_or_kernel_less_blocks_run_their_own_modules():
+    """Without the tag, or on a device the kernels do not run on (fp32 CPU tensors, no interpreter), the
+    block's own router and experts run: ``moe_forward`` equals them."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    torch.manual_seed(0)
+    block = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=8,
+                                                  num_experts_per_tok=2)).eval()
+    for p in block.parameters():
+        p.data.normal_(0, 0.1)
+    assert moe_kernel.applies(block.experts)
+    x = torch.randn(6, 64)
+    with torch.no_grad():
+        y, ids = moe_kernel.moe_forward(block, x)
+        _, w_ref, ids_ref = block.gate(x)
+        assert torch.equal(ids, ids_ref) and torch.equal(y, block.experts(x, ids_ref, w_ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 37, 256])
+def test_moe_kernels_match_transformers_in_bf16_on_cuda(tokens):
+    """Qwen3-30B-A3B's MoE block (128 experts of width 768, top-8, hidden 2048) at decode batch sizes."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    if not moe_kernel.kernel_available(torch.empty(1, device="cuda", dtype=torch.bfloat16)):
+        pytest.skip("triton did not import")
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
+    block = Qwen3MoeSparseMoeBlock(cfg).cuda().to(torch.bfloat16).eval()
+    for p in block.parameters():
+        p.data.normal_(0, 0.02)
+    x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        logits, w_ref, ids_ref = block.gate(x)
+        w, ids = moe_kernel.softmax_topk(logits, 8, True)
+        assert (ids == ids_ref).float().mean() > 0.99  # ties between bf16 logits may order apart
+        y = moe_kernel.fused_experts(x, ids_ref, w_ref, block.experts.gate_up_proj, block.experts.down_proj)
+        ref = block.experts(x, ids_ref, w_ref)
+    assert float((y.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
