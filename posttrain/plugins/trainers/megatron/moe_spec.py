@@ -19,7 +19,7 @@ router and, in some families, shared experts that every token goes through::
   scores a group by its top-2 experts, Megatron by its top ``k / topk_group``: specs refuse a config
   where the two differ (both GLM-4.5 presets use one group, where they agree trivially).
 
-Megatron parameters of MoE layer ``L`` (local spec, ``SequentialMLP`` experts; names are *global*:
+Megatron parameters of MoE layer ``L`` (local spec, ``SequentialMLP``'s expert parameters; names are *global*:
 expert ``e`` is ``local_experts.e`` whichever EP rank holds it, see ``model.megatron_params``):
 
     decoder.layers.L.mlp.router.weight                                [E, H]   <- mlp.gate.weight
