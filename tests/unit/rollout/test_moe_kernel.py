@@ -23,7 +23,7 @@ from posttrain.plugins.engines.local.layers import mlp_forward
 torch.manual_seed(0)
 # the alignment: every pair once, each block's rows all of its expert, padding rows marked S
 ids = torch.tensor([[3, 0], [3, 5], [0, 3], [5, 2], [3, 1]])
-rows, blocks = moe_kernel.align(ids, 6, block_m=4)
+rows, blocks = moe_kernel.align(ids, 6, bm=4)
 flat = ids.reshape(-1)
 assert sorted(rows[rows < 10].tolist()) == list(range(10)) and rows.numel() % 4 == 0
 for b, e in enumerate(blocks.tolist()):

@@ -20,9 +20,9 @@ experts (``x [T, H]``, gate/up ``W1 [E, 2F, H]``, down ``W2 [E, H, F]``, transfo
 4. ``_down_kernel``: per (block, ``BLOCK_N`` columns of ``H``), ``o = w * (a_b W2_e^T)`` (``w`` the pair's
    routing weight) stored at the pair's own row of ``o [S, H]`` (fp32); ``y = o.view(T, k, H).sum(1)``.
 
-Each program streams one expert's weight panel once; a block holds at most ``BLOCK_M`` of that expert's
-rows, so at decode sizes (``S / E`` around 16 at 256 tokens, top-8 of 128) the weights are read about once
-per step: the step is bound by the expert weights' bytes. Above ``MAX_ROWS`` pairs (prefill) the blocks
+Each program streams one expert's weight panel once; a block holds up to ``BLOCK_M`` of that expert's rows
+(:func:`block_m`: twice the mean, 32 at 256 tokens with top-8 of 128), so at decode sizes most experts take
+one block and the weights are read about once per step: the step is bound by the expert weights' bytes. Above ``MAX_ROWS`` pairs (prefill) the blocks
 would re-read each panel many times; transformers' grouped GEMM runs those.
 
 :func:`set_moe_kernel` tags a model's MoE blocks (``layers.mlp_forward`` then calls :func:`moe_forward`);
@@ -41,7 +41,7 @@ try:  # optional dependency: CPU-only installs have no triton
 except Exception:  # noqa: BLE001 - a missing or broken triton only disables the kernel
     triton = tl = None
 
-BLOCK_M = 16  # rows of one expert per program (tl.dot's least)
+BLOCK_M = 16  # rows of one expert per program: tl.dot's least (``block_m`` picks up to 64 for fuller batches)
 BLOCK_N = 64
 BLOCK_K = 128
 MAX_ROWS = 8192  # (token, slot) pairs up to which the kernels run (decode); above: transformers' grouped GEMM
@@ -162,22 +162,30 @@ def softmax_topk(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor
     return weights, ids
 
 
-def align(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
-    """``ids [T, k]`` -> ``(rows [P] int32, block_expert [P / block_m] int32)`` (module docstring, step 2).
+def block_m(pairs: int, num_experts: int) -> int:
+    """Rows per block for ``pairs`` (token, slot) pairs over ``num_experts``: twice the mean rows per expert,
+    a power of two in ``[16, 64]``, so most experts fit one block and read their weights once (256 tokens,
+    top-8 of 128: 32)."""
+    want = max(1, -(-2 * pairs // num_experts))
+    return min(64, max(BLOCK_M, 1 << (want - 1).bit_length()))
+
+
+def align(ids: torch.Tensor, num_experts: int, bm: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ids [T, k]`` -> ``(rows [P] int32, block_expert [P / bm] int32)`` (module docstring, step 2).
     Row ``r`` holds pair ``rows[r]`` (= ``t k + j``; ``S`` on padding rows); block ``b`` belongs to expert
     ``block_expert[b]`` (``E``: unused). Static shapes, no host sync."""
     flat = ids.reshape(-1)
     s, dev = flat.numel(), flat.device
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
+    padded = (counts + bm - 1) // bm * bm
     pad_end = torch.cumsum(padded, 0)
     first = torch.cumsum(counts, 0) - counts  # the expert's first index in sorted order
     expert = flat[order]
     dest = pad_end[expert] - padded[expert] + torch.arange(s, device=dev) - first[expert]
-    length = -(-(s + num_experts * (block_m - 1)) // block_m) * block_m
+    length = -(-(s + num_experts * (bm - 1)) // bm) * bm
     rows = torch.full((length,), s, dtype=torch.int32, device=dev).scatter_(0, dest, order.to(torch.int32))
-    starts = torch.arange(0, length, block_m, device=dev)
+    starts = torch.arange(0, length, bm, device=dev)
     block_expert = torch.searchsorted(pad_end, starts, right=True).to(torch.int32)
     return rows, block_expert
 
@@ -192,17 +200,18 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1:
     f = two_f // 2
     s = t * k
     x, w1, w2 = x.contiguous(), w1.contiguous(), w2.contiguous()
-    rows, block_expert = align(ids, e)
+    bm = block_m(s, e)
+    rows, block_expert = align(ids, e, bm)
     blocks = block_expert.numel()
     act = torch.empty(rows.numel(), f, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(blocks, triton.cdiv(f, BLOCK_N))](
         x, w1, rows, block_expert, act, s, h, f, e, x.stride(0), w1.stride(0), w1.stride(1), act.stride(0),
-        TOPK=k, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
+        TOPK=k, BM=bm, BN=BLOCK_N, BK=BLOCK_K)
     out = torch.empty(s, h, dtype=torch.float32, device=x.device)
     topw = weights.reshape(-1).contiguous()
     _down_kernel[(blocks, triton.cdiv(h, BLOCK_N))](
         act, w2, rows, block_expert, topw, out, s, f, h, e, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
+        BM=bm, BN=BLOCK_N, BK=BLOCK_K)
     return out.view(t, k, h).sum(1).to(x.dtype)
 
 
