@@ -1,15 +1,19 @@
 """Grouped expert GEMMs (:mod:`posttrain.plugins.trainers.megatron.grouped_experts`) against Megatron's
 ``SequentialMLP`` on the same parameters: outputs and gradients (tokens, routing probs, every expert
 weight) equal in fp32, with the grouped kernel and with the per-expert loop, an expert with no tokens
-included; and a whole MoE model's logits and gradients equal either way."""
+included; a whole MoE model's logits and gradients equal either way; the fused SwiGLU kernels equal
+their torch formulas."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
 
 from posttrain.plugins.trainers.megatron import model as M
 from posttrain.plugins.trainers.megatron.grouped_experts import GroupedExperts, gmm, gmm_wgrad
+from tests.conftest import run_triton_interpreted
 from train_helpers import spec_for
 
 
@@ -111,3 +115,31 @@ def test_grouped_experts_bf16_on_the_gpu_match_sequential(megatron_tp1):
     assert max(errors) < 1e-2, errors
     idle = [p.grad for e in range(3) for p in experts.local_experts[e].parameters()]
     assert all(torch.equal(gr, torch.zeros_like(gr)) for gr in idle)
+
+
+SWIGLU_INTERPRETED = r"""
+import torch
+from posttrain.plugins.trainers.megatron.swiglu import swiglu_backward, swiglu_forward
+
+torch.manual_seed(0)
+for n, f in ((13, 24), (4, 32), (0, 8)):  # a ragged last block, full blocks, no rows
+    h, probs, da = torch.randn(n, 2 * f), torch.rand(n), torch.randn(n, f)
+    a = swiglu_forward(h, probs, triton_ok=True)
+    torch.testing.assert_close(a, swiglu_forward(h, probs, triton_ok=False), atol=1e-6, rtol=1e-5)
+    for got, want in zip(swiglu_backward(h, probs, da, triton_ok=True), swiglu_backward(h, probs, da, triton_ok=False)):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    # the torch formulas against autograd of the forward
+    hh, pp = h.clone().requires_grad_(), probs.clone().requires_grad_()
+    swiglu_forward(hh, pp, triton_ok=False).backward(da)
+    _, dh, dp = swiglu_backward(h, probs, da, triton_ok=False)
+    torch.testing.assert_close(dh, hh.grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(dp, pp.grad, atol=1e-6, rtol=1e-5)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_swiglu_kernels_equal_the_torch_formulas_under_the_triton_interpreter():
+    """The fused prob-weighted SwiGLU forward and backward (one Triton kernel each on CUDA) equal the torch
+    formulas, which equal autograd's gradients of the forward."""
+    run_triton_interpreted(SWIGLU_INTERPRETED)

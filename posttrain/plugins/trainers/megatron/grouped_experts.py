@@ -15,7 +15,8 @@ and backward, with ``g = dL/dy``, ``s = silu(h_gate) * h_up`` (recomputed from `
     dh = [ds * h_up * silu'(h_gate), ds * silu(h_gate)],  dW1_e = dh_e^T x_e,  dx = dh_e W1_e
 
 (four grouped GEMMs). The GEMMs are ``torch._grouped_mm`` where it has a kernel (CUDA bf16 on sm80+,
-and the CPU), else a loop over the experts' row blocks. The activation and its backward run in fp32.
+and the CPU), else a loop over the experts' row blocks. The activation and its backward run in fp32,
+one Triton kernel each on CUDA (:mod:`~posttrain.plugins.trainers.megatron.swiglu`).
 
 Weights, state-dict keys and sharded checkpoints are ``SequentialMLP``'s, unchanged (this class *is*
 one): ``local_experts.e.linear_fc1.weight [2F/tp, H]`` and ``linear_fc2.weight [H, F/tp]``, so HF
@@ -39,6 +40,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
+
+from posttrain.plugins.trainers.megatron.swiglu import swiglu_backward, swiglu_forward
 
 
 def _kernel_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -83,12 +86,6 @@ def gmm_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, counts: list
     return out
 
 
-def _swiglu(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``h [N, 2F]`` -> ``(silu(gate) * up, gate, up)`` in fp32."""
-    gate, up = h.float().chunk(2, dim=-1)
-    return F.silu(gate) * up, gate, up
-
-
 class GroupedSwiGLUExperts(torch.autograd.Function):
     """``(x [N, H], p [N], counts [E] (CPU int), kernel, *W1 (E x [2F, H]), *W2 (E x [H, F])) -> y [N, H]``:
     the module docstring's forward and backward; gradients for ``x``, ``p`` and every weight."""
@@ -100,8 +97,7 @@ class GroupedSwiGLUExperts(torch.autograd.Function):
         count_list = [int(c) for c in counts.tolist()]
         offs = torch.cumsum(counts, 0).to(torch.int32).to(x.device, non_blocking=True)
         h = gmm(x, torch.stack(weights[:n_exp]).transpose(1, 2), offs, count_list, kernel)  # [N, 2F]
-        s = _swiglu(h)[0]
-        a = (s * probs.unsqueeze(-1)).to(x.dtype)  # [N, F]
+        a = swiglu_forward(h, probs)  # [N, F]
         y = gmm(a, torch.stack(weights[n_exp:]).transpose(1, 2), offs, count_list, kernel)  # [N, H]
         ctx.save_for_backward(x, probs, h, offs, *weights)
         ctx.counts, ctx.kernel, ctx.n_exp = count_list, kernel, n_exp
@@ -113,17 +109,12 @@ class GroupedSwiGLUExperts(torch.autograd.Function):
         counts, kernel, n_exp = ctx.counts, ctx.kernel, ctx.n_exp
         dy = dy.contiguous()
         w1, w2 = torch.stack(weights[:n_exp]), torch.stack(weights[n_exp:])  # [E, 2F, H], [E, H, F]
-        s, gate, up = _swiglu(h)
-        pf = probs.float().unsqueeze(-1)
-        a = (s * pf).to(x.dtype)
+        da = gmm(dy, w2, offs, counts, kernel)  # [N, F]
+        del w2
+        a, dh, dprobs = swiglu_backward(h, probs, da)  # [N, F], [N, 2F], [N]
+        del da
         dw2 = gmm_wgrad(dy.t(), a, offs, counts, kernel)  # [E, H, F]
         del a
-        da = gmm(dy, w2, offs, counts, kernel).float()  # [N, F]
-        dprobs = (da * s).sum(-1).to(probs.dtype)
-        ds = da * pf
-        sig = torch.sigmoid(gate)
-        dh = torch.cat([ds * up * sig * (1 + gate * (1 - sig)), ds * gate * sig], dim=-1).to(x.dtype)  # [N, 2F]
-        del da, ds, s, gate, up, sig
         dw1 = gmm_wgrad(dh.t(), x, offs, counts, kernel)  # [E, 2F, H]
         dx = gmm(dh, w1, offs, counts, kernel)  # [N, H]
         return (dx, dprobs, None, None, *dw1.unbind(0), *dw2.unbind(0))
