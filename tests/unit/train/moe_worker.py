@@ -3,6 +3,8 @@
 usage: moe_worker.py OUT_FILE tp QWEN3_MOE_DIR GLM4_MOE_DIR   -- verify both at TP=2
        moe_worker.py OUT_FILE ep QWEN3_MOE_DIR                -- verify at EP=2 (x DP=2), then the trainer at
                                                                  EP=2: each rank takes half the batch
+       moe_worker.py OUT_FILE init-ep                         -- no checkpoint: the weights seeded initialization
+                                                                 draws (seed 3) at EP=2, qwen3_moe and glm4_moe
 """
 
 from __future__ import annotations
@@ -20,7 +22,15 @@ def main() -> None:
 
     out_file, mode, *dirs = sys.argv[1:]
     torch.set_num_threads(1)
-    if mode == "tp":
+    if mode == "init-ep":
+        from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
+
+        init_parallel(1, 1, ep=2)
+        results = {}
+        for family in ("qwen3_moe", "glm4_moe"):
+            trainer = MegatronTrainer(spec_for(family), **trainer_configs(ep=2), seed=3)
+            results[family] = {k: v.clone() for bucket in trainer.export_hf(1 << 20) for k, v in bucket}
+    elif mode == "tp":
         init_parallel(2, 1)
         results = {family: verify_checkpoint(spec_for(family, path), path, attention="sdpa")
                    for family, path in zip(("qwen3_moe", "glm4_moe"), dirs)}

@@ -59,3 +59,22 @@ def test_seeded_init_is_the_same_at_tp2_and_pp2(tmp_path, megatron_tp1, mode):
     if tied:
         embedding = trainer.gpt.embedding.word_embeddings.weight
         assert torch.equal(parallel["last_stage_output"], embedding)
+
+
+@pytest.mark.slow
+def test_seeded_init_is_the_same_at_ep2(tmp_path, megatron_tp1):
+    """EP=2 (each rank holds 4 of the 8 experts): the experts gather to the EP=1 weights, for Qwen3-MoE and
+    for GLM-4.5's dense-then-MoE layers; not two copies of the first four experts."""
+    from posttrain.core.config import TrainerConfig
+    from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
+    from train_helpers import torchrun
+
+    torchrun("moe_worker.py", str(tmp_path / "ep.pt"), "init-ep", timeout=400)
+    parallel = torch.load(tmp_path / "ep.pt")
+    for family in ("qwen3_moe", "glm4_moe"):
+        trainer = MegatronTrainer(spec_for(family), TrainerConfig(), seed=3)
+        full = {k: v for bucket in trainer.export_hf(1 << 20) for k, v in bucket}
+        assert sorted(full) == sorted(parallel[family])
+        assert [k for k in full if not torch.equal(full[k], parallel[family][k])] == [], family
+        up = [full[f"model.layers.1.mlp.experts.{e}.up_proj.weight"] for e in (0, 4)]
+        assert not torch.equal(*up)
