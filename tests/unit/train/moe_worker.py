@@ -5,11 +5,21 @@ usage: moe_worker.py OUT_FILE tp QWEN3_MOE_DIR GLM4_MOE_DIR   -- verify both at 
                                                                  EP=2: each rank takes half the batch
        moe_worker.py OUT_FILE init-ep                         -- no checkpoint: the weights seeded initialization
                                                                  draws (seed 3) at EP=2, qwen3_moe and glm4_moe
+       moe_worker.py OUT_FILE init-pp                         -- the same at PP=2 for a 4-layer glm4_moe (the second
+                                                                 stage holds no dense layer)
 """
 
 from __future__ import annotations
 
 import sys
+
+
+def glm4_moe_4_layers():
+    """The tiny glm4_moe preset with 4 layers (1 dense, 3 MoE): two per pipeline stage at PP=2."""
+    from posttrain.core.plugins import load_plugins
+
+    cls = load_plugins().registry("model")["glm4_moe"]
+    return cls(cls.Config(preset="tiny", dtype="float32", overrides={"num_hidden_layers": 4}))
 
 
 def main() -> None:
@@ -22,7 +32,13 @@ def main() -> None:
 
     out_file, mode, *dirs = sys.argv[1:]
     torch.set_num_threads(1)
-    if mode == "init-ep":
+    if mode == "init-pp":
+        from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
+
+        init_parallel(1, 2)
+        trainer = MegatronTrainer(glm4_moe_4_layers(), **trainer_configs(pp=2), seed=3)
+        results = {k: v.clone() for bucket in trainer.export_hf(1 << 20) for k, v in bucket}
+    elif mode == "init-ep":
         from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
 
         init_parallel(1, 1, ep=2)

@@ -78,3 +78,20 @@ def test_seeded_init_is_the_same_at_ep2(tmp_path, megatron_tp1):
         assert [k for k in full if not torch.equal(full[k], parallel[family][k])] == [], family
         up = [full[f"model.layers.1.mlp.experts.{e}.up_proj.weight"] for e in (0, 4)]
         assert not torch.equal(*up)
+
+
+@pytest.mark.slow
+def test_seeded_init_is_the_same_at_pp2_when_a_stage_lacks_a_layer_kind(tmp_path, megatron_tp1):
+    """GLM-4.5's dense first layer on stage 0 only: stage 1 takes its shapes from a meta-device build of it
+    (``layer_module_spec``) and still draws the whole stream, so PP=2 equals one stage."""
+    from posttrain.core.config import TrainerConfig
+    from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
+    from moe_worker import glm4_moe_4_layers
+    from train_helpers import torchrun
+
+    torchrun("moe_worker.py", str(tmp_path / "pp.pt"), "init-pp", timeout=400)
+    parallel = torch.load(tmp_path / "pp.pt")
+    full = {k: v for bucket in MegatronTrainer(glm4_moe_4_layers(), TrainerConfig(), seed=3).export_hf(1 << 20)
+            for k, v in bucket}
+    assert sorted(full) == sorted(parallel) and "model.layers.3.mlp.experts.7.down_proj.weight" in full
+    assert [k for k in full if not torch.equal(full[k], parallel[k])] == []

@@ -111,6 +111,22 @@ def _local_expert(name: str, first: int, held: int) -> str | None:
     return f"mlp.experts.local_experts.{e}.{m.group(2)}" if 0 <= e < held else None
 
 
+def _meta_layer(gpt: Any, spec: Any, hf: dict[str, Any], layer: int) -> Any:
+    """Decoder layer ``layer`` (held by another pipeline stage) built on the meta device, TP attributes
+    marked, for its parameters' shapes; the spec must say how (``layer_module_spec``)."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    from posttrain.plugins.trainers.megatron.model import mark_tp_params
+
+    if not hasattr(spec, "layer_module_spec"):
+        raise UsageError(f"seeded initialization: layer {layer} differs from this pipeline stage's layers and "
+                         f"spec {spec.name!r} has no layer_module_spec to build it from; load a checkpoint instead")
+    with torch.device("meta"):
+        module = build_module(spec.layer_module_spec(hf, layer), config=gpt.config, layer_number=layer + 1)
+    mark_tp_params(module)
+    return module
+
+
 def _plan(gpt: Any, spec: Any, hf: dict[str, Any], tp: int) -> list[tuple[str, list[int], str | None, Any]]:
     """``(global name, full shape, kind, local param or None)`` for the whole TP=1, PP=1 model, in the
     order Megatron constructs it: embedding, layers 0..L-1 (each its own shapes: dense and MoE layers
@@ -136,9 +152,8 @@ def _plan(gpt: Any, spec: Any, hf: dict[str, Any], tp: int) -> list[tuple[str, l
     kinds = _layer_kinds(spec, hf)
     templates = {kinds[i]: shapes(layer) for i, layer in local.items()}  # other stages' layers: like ours
     for i in range(int(hf["num_hidden_layers"])):
-        if kinds[i] not in templates:
-            raise UsageError(f"seeded initialization: layer {i} ({kinds[i]}) has no layer of its kind on this "
-                             f"pipeline stage to take its shapes from; load a checkpoint instead")
+        if kinds[i] not in templates:  # no layer of its kind on this stage: build one on the meta device
+            templates[kinds[i]] = shapes(_meta_layer(gpt, spec, hf, i))
         params = {n: p for n, _, p in _entries(local[i], "")} if i in local else {}
         template = _every_expert(shapes(local[i]) if i in local else templates[kinds[i]], experts)
         plan += [(f"decoder.layers.{i}.{n}", shape, kind, params.get(_local_expert(n, first, held)))

@@ -155,6 +155,20 @@ class MoEGPTSpec(DenseGPTSpec):
         return TransformerBlockSubmodules(layer_specs=specs[rank * per_stage:(rank + 1) * per_stage],
                                           layer_norm=LayerNormImpl)
 
+    def layer_module_spec(self, hf: dict[str, Any], layer: int) -> Any:
+        """The ``ModuleSpec`` of decoder layer ``layer`` (global number), whichever stage holds it: seeded
+        initialization builds another stage's kind of layer from it (on the meta device) for its shapes."""
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        from posttrain.plugins.trainers.megatron.grouped_experts import GroupedExperts
+
+        moe = self.moe_layers(hf)[layer]
+        spec = get_gpt_layer_local_spec(num_experts=self.num_experts(hf) if moe else None, moe_grouped_gemm=False,
+                                        qk_layernorm=self.qk_norm, normalization="RMSNorm")
+        if moe:
+            spec.submodules.mlp.submodules.experts.module = GroupedExperts
+        return spec
+
     # ------------------------------------------------------------ names
     def megatron_names(self, hf: dict[str, Any]) -> list[str]:
         names = super().megatron_names(hf)
