@@ -31,6 +31,14 @@ for b, e in enumerate(blocks.tolist()):
     mine = mine[mine < 10]
     assert (e == 6) == (mine.numel() == 0) and all(flat[p] == e for p in mine.tolist())
 assert [int(e) for e in blocks if e < 6] == [0, 1, 2, 3, 5]  # expert 4 has no pair, 3 fits one block of 4
+# the one-launch alignment: the same blocks, each expert's blocks holding the same pairs (in any order)
+for ids_k, e_k, bm in ((ids, 6, 4), (torch.randint(0, 128, (37, 8)), 128, 16), (torch.randint(0, 6, (300, 4)), 6, 64)):
+    want_rows, want_blocks = moe_kernel.align(ids_k, e_k, bm)
+    got_rows, got_blocks = moe_kernel.align_kernel(ids_k, e_k, bm)
+    assert torch.equal(got_blocks, want_blocks)
+    for e in range(e_k + 1):
+        mine = [r.view(-1, bm)[want_blocks.long() == e].flatten().sort().values for r in (got_rows, want_rows)]
+        assert torch.equal(*mine), e
 
 for experts, k, t, norm in ((8, 2, 5, True), (6, 4, 19, False), (8, 8, 1, True)):
     cfg = Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=experts, num_experts_per_tok=k,

@@ -9,7 +9,8 @@ experts (``x [T, H]``, gate/up ``W1 [E, 2F, H]``, down ``W2 [E, H, F]``, transfo
    (:func:`softmax_topk`): ``p = softmax(logits)`` in fp32, the ``k`` largest (lowest index first among
    ties, as ``torch.topk``), renormalized to sum 1 with ``norm_topk_prob``. Other routers (GLM-4.5's
    sigmoid with its bias) run their own module;
-2. alignment (:func:`align`, a few torch ops, no host sync, so a CUDA graph captures it): the ``S = T k``
+2. alignment (:func:`align_kernel`, one Triton launch; :func:`align` is the same in torch ops; no host
+   sync, so a CUDA graph captures it): the ``S = T k``
    (token, slot) pairs sorted by expert and laid out in blocks of ``BLOCK_M`` rows that each belong to one
    expert (an expert's last block padded), ``rows [P]`` (the pair in each row, ``S`` = padding) and
    ``block_expert [P / BLOCK_M]`` (``E`` past the last used block). ``P = ceil((S + E (BLOCK_M - 1)) /
@@ -74,6 +75,36 @@ if triton is not None:
             for j in tl.static_range(K):
                 w = tl.load(WEIGHTS + rows * K + j, mask=rows < T, other=0.0)
                 tl.store(WEIGHTS + rows * K + j, w / total, mask=rows < T)
+
+    @triton.jit
+    def _align_kernel(IDS, ROWS, BLOCK_EXPERT, CURSOR, S, E, NUM_ROWS, NUM_BLOCKS, BM: tl.constexpr,
+                      BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, CHUNK_B: tl.constexpr):
+        """:func:`align` in one program: count the pairs per expert, lay out padded blocks, then place each
+        pair at its expert's cursor (an atomic add: the order within an expert varies, the results do not,
+        every row being computed and stored on its own)."""
+        e_offs = tl.arange(0, BLOCK_E)
+        counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+        for start in range(0, S, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            ids = tl.load(IDS + offs, mask=offs < S, other=BLOCK_E - 1).to(tl.int32)
+            counts += tl.histogram(ids, BLOCK_E)
+        counts = tl.where(e_offs < E, counts, 0)  # the spare last bin took the masked lanes
+        padded = (counts + BM - 1) // BM * BM
+        pad_end = tl.cumsum(padded, 0)
+        tl.store(CURSOR + e_offs, pad_end - padded)
+        for start in range(0, NUM_ROWS, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            tl.store(ROWS + offs, tl.zeros((CHUNK,), dtype=tl.int32) + S, mask=offs < NUM_ROWS)
+        for start in range(0, NUM_BLOCKS, CHUNK_B):  # [CHUNK_B, BLOCK_E] compares: a small tile in registers
+            blocks = start + tl.arange(0, CHUNK_B)
+            past = (pad_end[None, :] <= (blocks * BM)[:, None]) & (e_offs < E)[None, :]
+            tl.store(BLOCK_EXPERT + blocks, tl.sum(past.to(tl.int32), axis=1), mask=blocks < NUM_BLOCKS)
+        tl.debug_barrier()  # the cursors and padding rows are written before any pair is placed
+        for start in range(0, S, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            ids = tl.load(IDS + offs, mask=offs < S, other=0).to(tl.int32)
+            dest = tl.atomic_add(CURSOR + ids, 1, mask=offs < S)
+            tl.store(ROWS + dest, offs, mask=offs < S)
 
     @triton.jit
     def _gate_up_kernel(X, W1, ROWS, BLOCK_EXPERT, OUT, S, H, F, NUM_E, stride_xt, stride_we, stride_wn, stride_om,
@@ -190,6 +221,21 @@ def align(ids: torch.Tensor, num_experts: int, bm: int = BLOCK_M) -> tuple[torch
     return rows, block_expert
 
 
+def align_kernel(ids: torch.Tensor, num_experts: int, bm: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`align` as one Triton launch: the same ``block_expert``, and each expert's blocks hold the same
+    pairs, in an order that may differ."""
+    flat = ids.reshape(-1)
+    s = flat.numel()
+    length = -(-(s + num_experts * (bm - 1)) // bm) * bm
+    rows = torch.empty(length, dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty(length // bm, dtype=torch.int32, device=flat.device)
+    block_e = triton.next_power_of_2(num_experts + 1)  # a spare bin for masked lanes
+    cursor = torch.empty(block_e, dtype=torch.int32, device=flat.device)
+    _align_kernel[(1,)](flat, rows, block_expert, cursor, s, num_experts, length, length // bm, BM=bm,
+                        BLOCK_E=block_e, CHUNK=1024, CHUNK_B=max(1, 4096 // block_e), num_warps=8)
+    return rows, block_expert
+
+
 def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
                   w2: torch.Tensor) -> torch.Tensor:
     """``sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` over ``e = ids[t, j]``: ``x [T, H]``,
@@ -201,7 +247,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1:
     s = t * k
     x, w1, w2 = x.contiguous(), w1.contiguous(), w2.contiguous()
     bm = block_m(s, e)
-    rows, block_expert = align(ids, e, bm)
+    rows, block_expert = align_kernel(ids, e, bm)
     blocks = block_expert.numel()
     act = torch.empty(rows.numel(), f, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(blocks, triton.cdiv(f, BLOCK_N))](
