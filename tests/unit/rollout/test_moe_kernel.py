@@ -80,6 +80,39 @@ print("ok")
 """
 
 
+RUNNER_INTERPRETED = r"""
+import sys, tempfile
+import torch
+from transformers import AutoModelForCausalLM
+from posttrain.plugins.engines.local.model_runner import ModelRunner
+from posttrain.plugins.engines.local.moe_kernel import set_moe_kernel
+from posttrain.testing.tiny import make_tiny_checkpoint
+
+torch.set_num_threads(1)
+for family in ("qwen3_moe", "glm4_moe"):
+    path = make_tiny_checkpoint(tempfile.mkdtemp() + "/" + family, family=family, seed=3)
+    r = ModelRunner(path, max_slots=2, context_length=32)
+    assert set_moe_kernel(r.model, True) >= 2
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    seq = [5, 6, 7, 8]
+    logits = r.prefill([0], [seq])
+    for _ in range(2):
+        seq.append(int(logits[0].argmax()))
+        logits = r.decode(torch.tensor([seq[-1]]), torch.tensor([len(seq) - 1]))
+        with torch.no_grad():
+            torch.testing.assert_close(logits[0], hf(torch.tensor([seq])).logits[0, -1], atol=1e-4, rtol=1e-4)
+print("ok")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_engine_decode_with_the_moe_kernels_matches_transformers_under_the_interpreter():
+    """The local engine's model runner with its MoE blocks tagged: prefill then decode steps give
+    transformers' logits (Qwen3-MoE with the fused routing, GLM-4.5 with its own router and shared experts)."""
+    run_triton_interpreted(RUNNER_INTERPRETED)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_moe_kernels_under_the_triton_interpreter():
     run_triton_interpreted(INTERPRETED)
