@@ -5,10 +5,11 @@ renormalization, sort, gather, histogram, cumsum, two grouped GEMMs with the Swi
 own kernels, weighting, inverse permutation, gather, sum). Here, for ``T`` tokens routed to ``k`` of ``E``
 experts (``x [T, H]``, gate/up ``W1 [E, 2F, H]``, down ``W2 [E, H, F]``, transformers' stacked layout):
 
-1. routing (Qwen3-MoE's softmax router): ``logits = x W_r^T`` (one GEMM), then one Triton launch
-   (:func:`softmax_topk`): ``p = softmax(logits)`` in fp32, the ``k`` largest (lowest index first among
-   ties, as ``torch.topk``), renormalized to sum 1 with ``norm_topk_prob``. Other routers (GLM-4.5's
-   sigmoid with its bias) run their own module;
+1. routing: ``logits = x W_r^T`` (one GEMM), then one Triton launch (:func:`route_topk`): Qwen3-MoE's
+   ``p = softmax(logits)`` in fp32, the ``k`` largest (lowest index first among ties, as ``torch.topk``),
+   renormalized to sum 1 with ``norm_topk_prob``; GLM-4.5's ``s = sigmoid(logits)`` (fp32 logits), the
+   ``k`` largest ``s + e_score_correction_bias``, weighted by ``s`` renormalized, times
+   ``routed_scaling_factor`` (one expert group; with several its own module runs);
 2. alignment (:func:`align_kernel`, one Triton launch; :func:`align` is the same in torch ops; no host
    sync, so a CUDA graph captures it): the ``S = T k``
    (token, slot) pairs sorted by expert and laid out in blocks of ``BLOCK_M`` rows that each belong to one
@@ -47,34 +48,42 @@ BLOCK_N = 64
 BLOCK_K = 128
 MAX_ROWS = 8192  # (token, slot) pairs up to which the kernels run (decode); above: transformers' grouped GEMM
 TAG = "posttrain_moe_kernel"
-_ROUTERS = ("Qwen3MoeTopKRouter",)  # softmax, top-k, optional renormalization: the fused routing
 
 if triton is not None:
 
     @triton.jit
-    def _softmax_topk_kernel(LOGITS, WEIGHTS, IDS, T, E, stride_t, K: tl.constexpr, BLOCK_E: tl.constexpr,
-                             BLOCK_T: tl.constexpr, NORM: tl.constexpr):
-        """``BLOCK_T`` tokens' softmax over ``E`` logits, their ``K`` largest probabilities and experts."""
+    def _route_kernel(LOGITS, BIAS, WEIGHTS, IDS, T, E, stride_t, scale, eps, K: tl.constexpr, BLOCK_E: tl.constexpr,
+                      BLOCK_T: tl.constexpr, NORM: tl.constexpr, SIGMOID: tl.constexpr):
+        """``BLOCK_T`` tokens' routing over ``E`` logits: scores ``softmax`` (or ``sigmoid``, chosen by score +
+        ``BIAS``), the ``K`` best experts (lowest index first among ties) and their scores, renormalized
+        (``NORM``: over the ``K``, plus ``eps``) and times ``scale``."""
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         cols = tl.arange(0, BLOCK_E)
-        mask = (rows < T)[:, None] & (cols < E)[None, :]
+        live = rows < T
+        mask = live[:, None] & (cols < E)[None, :]
         x = tl.load(LOGITS + rows[:, None] * stride_t + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
-        p = tl.exp(x - tl.max(x, axis=1)[:, None])
-        p = tl.where(mask, p, 0.0)
-        p = p / tl.sum(p, axis=1)[:, None]
-        p = tl.where(mask, p, -1.0)
+        if SIGMOID:
+            score = tl.where(mask, tl.sigmoid(x), 0.0)
+            bias = tl.load(BIAS + cols, mask=cols < E, other=0.0).to(tl.float32)
+            choice = tl.where(mask, score + bias[None, :], float("-inf"))
+        else:
+            p = tl.where(mask, tl.exp(x - tl.max(x, axis=1)[:, None]), 0.0)
+            score = p / tl.sum(p, axis=1)[:, None]
+            choice = tl.where(mask, score, float("-inf"))
         total = tl.zeros((BLOCK_T,), dtype=tl.float32)
         for j in tl.static_range(K):
-            best = tl.max(p, axis=1)
-            idx = tl.min(tl.where(p == best[:, None], cols[None, :], BLOCK_E), axis=1)
-            tl.store(IDS + rows * K + j, idx.to(tl.int64), mask=rows < T)
-            tl.store(WEIGHTS + rows * K + j, best, mask=rows < T)
-            total += best
-            p = tl.where(cols[None, :] == idx[:, None], -1.0, p)
+            best = tl.max(choice, axis=1)
+            idx = tl.min(tl.where(choice == best[:, None], cols[None, :], BLOCK_E), axis=1)
+            picked = cols[None, :] == idx[:, None]
+            w = tl.sum(tl.where(picked, score, 0.0), axis=1)
+            tl.store(IDS + rows * K + j, idx.to(tl.int64), mask=live)
+            tl.store(WEIGHTS + rows * K + j, w * scale, mask=live)
+            total += w
+            choice = tl.where(picked, float("-inf"), choice)
         if NORM:
             for j in tl.static_range(K):
-                w = tl.load(WEIGHTS + rows * K + j, mask=rows < T, other=0.0)
-                tl.store(WEIGHTS + rows * K + j, w / total, mask=rows < T)
+                w = tl.load(WEIGHTS + rows * K + j, mask=live, other=0.0)
+                tl.store(WEIGHTS + rows * K + j, w / (total + eps), mask=live)
 
     @triton.jit
     def _align_kernel(IDS, ROWS, BLOCK_EXPERT, CURSOR, S, E, NUM_ROWS, NUM_BLOCKS, BM: tl.constexpr,
@@ -179,17 +188,20 @@ def kernel_available(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
 
 
-def softmax_topk(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``logits [T, E]`` -> ``(weights [T, k] float32, ids [T, k] int64)``: the ``k`` largest of ``softmax``
-    (fp32), renormalized to sum 1 with ``norm``. One launch."""
+def route_topk(logits: torch.Tensor, k: int, norm: bool, bias: torch.Tensor | None = None, scale: float = 1.0,
+               eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits [T, E]`` -> ``(weights [T, k] float32, ids [T, k] int64)`` in one launch: without ``bias`` the
+    ``k`` largest of ``softmax(logits)`` (fp32); with ``bias [E]`` the ``k`` largest ``sigmoid(logits) + bias``
+    weighted by their ``sigmoid``; renormalized to sum 1 (``+ eps``) with ``norm``, times ``scale``."""
     t, e = logits.shape
     weights = torch.empty(t, k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(t, k, dtype=torch.int64, device=logits.device)
     if t:
         block_t = 16
-        _softmax_topk_kernel[(triton.cdiv(t, block_t),)](logits, weights, ids, t, e, logits.stride(0), K=k,
-                                                          BLOCK_E=triton.next_power_of_2(e), BLOCK_T=block_t,
-                                                          NORM=norm)
+        _route_kernel[(triton.cdiv(t, block_t),)](logits, logits if bias is None else bias, weights, ids, t, e,
+                                                   logits.stride(0), float(scale), float(eps), K=k,
+                                                   BLOCK_E=triton.next_power_of_2(e), BLOCK_T=block_t, NORM=norm,
+                                                   SIGMOID=bias is not None)
     return weights, ids
 
 
@@ -263,10 +275,16 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1:
 
 def route(gate: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [T, k], ids [T, k])`` of a transformers MoE router on ``x [T, H]``: one GEMM and one fused
-    launch for Qwen3-MoE's softmax router, the router's own forward otherwise."""
-    if type(gate).__name__ in _ROUTERS:
+    launch (:func:`route_topk`) for Qwen3-MoE's softmax router and GLM-4.5's sigmoid router with one
+    expert group (both presets), the router's own forward otherwise (several groups)."""
+    name = type(gate).__name__
+    if name == "Qwen3MoeTopKRouter":
         logits = torch.nn.functional.linear(x, gate.weight)
-        return softmax_topk(logits, int(gate.top_k), bool(gate.norm_topk_prob))
+        return route_topk(logits, int(gate.top_k), bool(gate.norm_topk_prob))
+    if name == "Glm4MoeTopkRouter" and int(gate.num_group) == 1:  # one group: no group selection
+        logits = torch.nn.functional.linear(x.float(), gate.weight.float())
+        return route_topk(logits, int(gate.top_k), bool(gate.norm_topk_prob), bias=gate.e_score_correction_bias,
+                          scale=float(gate.routed_scaling_factor), eps=1e-20)
     _, weights, ids = gate(x)
     return weights, ids
 
