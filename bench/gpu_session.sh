@@ -138,11 +138,11 @@
 #   moe       moe_train moe_rollout moe_grpo (issue 16's H200 measurement, one H200, ~3.5 min together):
 #   moe_train   train step of Qwen3-30B-A3B cut to MOE_LAYERS (8) layers, bf16, micro-batch 4 x 2048 x 2,
 #               TFLOP/s on active parameters (out of memory without a result: again at micro-batch 2 x 4)
-#   moe_experts grouped vs sequential experts (issue 54): the grouped experts' GPU test (bf16, 128 experts, against
-#               SequentialMLP), then moe_train's step with each expert layer (bench/train.py --experts both: one JSON
-#               line each, gpu_ms_by_kind), then the engine's decode at moe_rollout's shape with transformers'
-#               experts and with the engine's MoE kernels (moe_kernel: fused routing, two grouped GEMM launches), and
-#               the kernels' GPU tests
+#   moe_experts grouped vs sequential experts (issue 54; alone in one call, up to ~9 min): the grouped experts' and
+#               the engine MoE kernels' GPU tests (bf16, 128 experts, against SequentialMLP and transformers), then
+#               moe_train's step with each expert layer (bench/train.py --experts both: one JSON line each,
+#               gpu_ms_by_kind), then the engine's decode at moe_rollout's shape with transformers' experts and with
+#               the engine's MoE kernels (moe_kernel: fused routing, two grouped GEMM launches)
 #   moe_rollout local-engine decode at that shape (MOE_ROLLOUT_LAYERS, default MOE_LAYERS), 256 x 128 prompt,
 #               256 new tokens, triton decode attention
 #   moe_grpo    3-step colocated GRPO, examples/gpu/qwen3-30b-a3b-grpo.yaml (16 x 8 x 128 new), routing replay on
@@ -543,7 +543,7 @@ why = vmm_supported(0); print('vmm:', why or 'supported'); raise SystemExit(1 if
     step moe_experts_train 330 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 bench/train.py \
       --device cuda --spec qwen3_moe --preset qwen3-30B-A3B --layers $MOE_LAYERS --seq-len 2048 --steps 2 --warmup 1 \
       --sdpa-gqa --keep-logits --fused-adam --micro-batch 4 --grad-accum 2 --profile --experts both
-    step moe_experts_rollout 150 python3 bench/rollout.py --device cuda --shape qwen3-30b-a3b \
+    step moe_experts_rollout 200 python3 bench/rollout.py --device cuda --shape qwen3-30b-a3b \
       --layers $MOE_ROLLOUT_LAYERS --prompts 256 --prompt-len 128 --new-tokens 256 --skip-hf --profile \
       --variants triton+moehf,triton+moekernel --kernel-tables $LOGS/kernels_moe_experts ;;
   moe_rollout) step moe_rollout 100 python3 bench/rollout.py --device cuda --shape qwen3-30b-a3b \
