@@ -20,7 +20,9 @@ float32, not the model's dtype as the engine server takes them on a GPU), ``step
 ``stages2``/``stages3``/``stages4`` (pipeline stages of the triton decode attention), ``group1``/``2``/``4``/``8``/``16`` (its slots
 per program), ``block32``/``64``/``128``, ``warps1``/``2``/``4``/``8`` (its positions per iteration, its warps),
 ``poshost``/``posdevice`` (the overlapped engine copies every step's positions to the device, or not where the
-last graph moved them on), ``switch100us`` (the timed run under a GIL switch interval of 0.1 ms, not 5),
+last graph moved them on), ``switch100us`` (the timed run under a GIL switch interval of 0.1 ms, not 5), ``moekernel``/``moehf`` (a MoE
+model's routing and experts through the engine's Triton kernels, ``moe_kernel``: fused softmax top-k, two grouped
+GEMM launches; or transformers' own experts),
 ``samplerBxWxP`` (the one-pass sampler's launch: logits per iteration, warps, programs per SM, set in
 ``sampling_kernel`` for this variant only, e.g. ``sampler2048x8x8``); unnamed
 levers take the engine's defaults. A variant that fails prints
@@ -243,7 +245,8 @@ VARIANT_WORDS = {"sdpa": {"decode_attention": "sdpa"}, "bmm": {"decode_attention
                  **{f"block{n}": {"attention_launch": {"block_n": n}} for n in (32, 64, 128)},
                  **{f"warps{w}": {"attention_launch": {"num_warps": w}} for w in (1, 2, 4, 8)},
                  "poshost": {"device_positions": False}, "posdevice": {"device_positions": True},
-                 "switch100us": {"switch_interval": 1e-4}}
+                 "switch100us": {"switch_interval": 1e-4},
+                 "moekernel": {"moe_kernel": True}, "moehf": {"moe_kernel": False}}
 ENGINE_OPTIONS = ("overlap", "fused_sampling", "prefill_tokens", "sample_in_step",
                   "device_positions")  # BatchEngine's; the rest are RunnerTuning fields
 
@@ -521,7 +524,12 @@ def bench_variant(model, prompts: list[list[int]], args, name: str, opts: dict, 
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     context = args.prompt_len + args.new_tokens + 1
     position = args.prompt_len + args.new_tokens // 2  # the run's mean context, for the profile
-    tuning = {k: v for k, v in opts.items() if k not in (*ENGINE_OPTIONS, "switch_interval", "sample_launch")}
+    tuning = {k: v for k, v in opts.items()
+              if k not in (*ENGINE_OPTIONS, "switch_interval", "sample_launch", "moe_kernel")}
+    if "moe_kernel" in opts:  # the model is shared by the variants: tag or untag its MoE blocks each time
+        from posttrain.plugins.engines.local.moe_kernel import set_moe_kernel
+
+        out["moe_kernel_blocks"] = set_moe_kernel(model, opts["moe_kernel"])
     tuning.setdefault("float_logits", not args.device.startswith("cuda"))  # as the engine server runs it
     runner = ModelRunner(None, device=args.device, dtype=dtype, max_slots=args.prompts, context_length=context,
                          tuning=RunnerTuning(**tuning), model=model)

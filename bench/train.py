@@ -18,6 +18,12 @@ shared experts (:func:`active_matmul_params`); the JSON line also gives ``active
     python bench/train.py --spec qwen3_moe --preset qwen3-30B-A3B --layers 8 --micro-batch 4 --seq-len 2048 --device cuda
 
 ``--layers N`` cuts the preset to its first ``N`` layers (``model.overrides: {num_hidden_layers: N}``).
+``--experts grouped|sequential`` picks a MoE model's expert layer (grouped GEMMs, the default, or Megatron's
+``SequentialMLP`` loop: ``moe_grouped_gemm``); ``--experts both`` runs the step once with each, each in a
+process of its own, one JSON line each (``experts`` in the line)::
+
+    python bench/train.py --spec qwen3_moe --preset qwen3-30B-A3B --layers 8 --micro-batch 4 --seq-len 2048 \
+        --device cuda --fused-adam --experts both
 Options ``--megatron key=value`` set TransformerConfig/DDP/optimizer fields (e.g.
 ``bias_activation_fusion=true`` for the fused SwiGLU, ``recompute_granularity=selective``).
 Levers with their own flags: ``--compile``, ``--sdpa-gqa``, ``--fused-adam`` (torch's fused AdamW inside
@@ -31,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -80,7 +87,13 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="kernel time of one step by kind")
     parser.add_argument("--kernel-table", default=None, metavar="PATH", help="write the profiler's op table")
     parser.add_argument("--megatron", action="append", default=[], help="key=value (repeatable)")
+    parser.add_argument("--experts", choices=["grouped", "sequential", "both"], default=None,
+                        help="MoE expert layer (default: the spec's, grouped); both: one process each")
     args = parser.parse_args()
+    if args.experts == "both":
+        for kind in ("grouped", "sequential"):
+            subprocess.run([sys.executable, __file__, *sys.argv[1:], "--experts", kind], check=False)  # last wins
+        return
 
     if args.sdpa_gqa:
         os.environ["POSTTRAIN_SDPA_GQA"] = "1"
@@ -103,6 +116,8 @@ def main() -> None:
     overrides = {"num_hidden_layers": args.layers} if args.layers else {}
     spec = cls(cls.Config(preset=args.preset, dtype=dtype, overrides=overrides))
     megatron = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.megatron)}
+    if args.experts:
+        megatron["moe_grouped_gemm"] = args.experts == "grouped"
     if args.device == "cuda":
         megatron.setdefault("bias_activation_fusion", True)  # jit-fused SwiGLU (no TE needed)
     batch_size = args.micro_batch * args.grad_accum
@@ -144,7 +159,7 @@ def main() -> None:
         "micro_batch": args.micro_batch, "grad_accum": args.grad_accum, "seq_len": args.seq_len,
         "attention": args.attention, "compile": args.compile, "sdpa_gqa": args.sdpa_gqa,
         "fused_adam": args.fused_adam, "keep_logits": args.keep_logits, "packing": not args.no_packing,
-        "megatron": megatron,
+        "megatron": megatron, "experts": _experts_kind(trainer.gpt),
         "step_s": round(seconds, 4), "tokens_per_s": round(tokens_per_step / seconds, 1),
         "model_tflops_per_s": round(flops / seconds / 1e12, 3),  # MoE: on active parameters
         "model_flops_per_token": model_flops_per_token(hf, args.seq_len),
@@ -158,6 +173,14 @@ def main() -> None:
         except Exception as exc:  # instrumentation must not cost the step's numbers
             result["profile_error"] = repr(exc)[:300]
     print(json.dumps(result), flush=True)
+
+
+def _experts_kind(gpt) -> str | None:
+    """``grouped`` / ``sequential`` (the MoE layers' experts, as built), None for a dense model."""
+    experts = [layer.mlp.experts for layer in gpt.decoder.layers if hasattr(layer.mlp, "experts")]
+    if not experts:
+        return None
+    return "grouped" if getattr(experts[0], "grouped", False) else "sequential"
 
 
 KINDS = (("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),  # before gemm: flash names hold "gemm"

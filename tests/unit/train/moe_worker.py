@@ -3,11 +3,23 @@
 usage: moe_worker.py OUT_FILE tp QWEN3_MOE_DIR GLM4_MOE_DIR   -- verify both at TP=2
        moe_worker.py OUT_FILE ep QWEN3_MOE_DIR                -- verify at EP=2 (x DP=2), then the trainer at
                                                                  EP=2: each rank takes half the batch
+       moe_worker.py OUT_FILE init-ep                         -- no checkpoint: the weights seeded initialization
+                                                                 draws (seed 3) at EP=2, qwen3_moe and glm4_moe
+       moe_worker.py OUT_FILE init-pp                         -- the same at PP=2 for a 4-layer glm4_moe (the second
+                                                                 stage holds no dense layer)
 """
 
 from __future__ import annotations
 
 import sys
+
+
+def glm4_moe_4_layers():
+    """The tiny glm4_moe preset with 4 layers (1 dense, 3 MoE): two per pipeline stage at PP=2."""
+    from posttrain.core.plugins import load_plugins
+
+    cls = load_plugins().registry("model")["glm4_moe"]
+    return cls(cls.Config(preset="tiny", dtype="float32", overrides={"num_hidden_layers": 4}))
 
 
 def main() -> None:
@@ -20,7 +32,21 @@ def main() -> None:
 
     out_file, mode, *dirs = sys.argv[1:]
     torch.set_num_threads(1)
-    if mode == "tp":
+    if mode == "init-pp":
+        from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
+
+        init_parallel(1, 2)
+        trainer = MegatronTrainer(glm4_moe_4_layers(), **trainer_configs(pp=2), seed=3)
+        results = {k: v.clone() for bucket in trainer.export_hf(1 << 20) for k, v in bucket}
+    elif mode == "init-ep":
+        from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
+
+        init_parallel(1, 1, ep=2)
+        results = {}
+        for family in ("qwen3_moe", "glm4_moe"):
+            trainer = MegatronTrainer(spec_for(family), **trainer_configs(ep=2), seed=3)
+            results[family] = {k: v.clone() for bucket in trainer.export_hf(1 << 20) for k, v in bucket}
+    elif mode == "tp":
         init_parallel(2, 1)
         results = {family: verify_checkpoint(spec_for(family, path), path, attention="sdpa")
                    for family, path in zip(("qwen3_moe", "glm4_moe"), dirs)}

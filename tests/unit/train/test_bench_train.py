@@ -56,14 +56,16 @@ def test_active_params_of_a_dense_model_are_all_of_them():
 
 
 @pytest.mark.slow
-def test_bench_cut_moe_preset_one_step_json_line():
+def test_bench_cut_moe_preset_one_step_json_line_per_expert_layer():
     cmd = [sys.executable, str(ROOT / "bench" / "train.py"), "--spec", "qwen3_moe", "--preset", "tiny", "--layers", "3",
-           "--micro-batch", "2", "--seq-len", "16", "--steps", "1", "--warmup", "0"]
+           "--micro-batch", "2", "--seq-len", "16", "--steps", "1", "--warmup", "0", "--experts", "both"]
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=str(ROOT),
                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path})
     assert out.returncode == 0, out.stderr[-3000:]
-    (r,) = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    r, sequential = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert (r["experts"], sequential["experts"]) == ("grouped", "sequential")  # one line per expert layer
+    assert sequential["megatron"] == {"moe_grouped_gemm": False} and sequential["step_s"] > 0
     assert r["spec"] == "qwen3_moe" and r["layers"] == 3 and r["step_s"] > 0
     # tiny qwen3_moe: hidden 64, 4 q / 2 kv heads of 16, 8 experts of width 32, top-4, vocab 128, untied
     attn = 64 * 16 * (4 + 2 * 2) + 4 * 16 * 64

@@ -10,11 +10,11 @@ from train_helpers import seeded_spec, spec_for
 from test_tp import _torchrun
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama", "glm4", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama", "glm4", "qwen3_moe", "glm4_moe"])
 def test_seeded_init_is_megatrons_cpu_init_bit_for_bit(megatron_tp1, family):
     """At TP=1 on the CPU the seeded draw is what Megatron's own CPU initialization made (biases of
-    qwen2 and the MoE routers of qwen3_moe included), so CPU runs keep their weights; on a GPU the same
-    tensors are now used."""
+    qwen2, the MoE routers of qwen3_moe, glm4_moe's dense first layer beside its MoE layers included), so
+    CPU runs keep their weights; on a GPU the same tensors are now used."""
     spec = spec_for(family)
     hf = spec.hf_config()
     torch.manual_seed(5)
@@ -59,3 +59,39 @@ def test_seeded_init_is_the_same_at_tp2_and_pp2(tmp_path, megatron_tp1, mode):
     if tied:
         embedding = trainer.gpt.embedding.word_embeddings.weight
         assert torch.equal(parallel["last_stage_output"], embedding)
+
+
+@pytest.mark.slow
+def test_seeded_init_is_the_same_at_ep2(tmp_path, megatron_tp1):
+    """EP=2 (each rank holds 4 of the 8 experts): the experts gather to the EP=1 weights, for Qwen3-MoE and
+    for GLM-4.5's dense-then-MoE layers; not two copies of the first four experts."""
+    from posttrain.core.config import TrainerConfig
+    from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
+    from train_helpers import torchrun
+
+    torchrun("moe_worker.py", str(tmp_path / "ep.pt"), "init-ep", timeout=400)
+    parallel = torch.load(tmp_path / "ep.pt")
+    for family in ("qwen3_moe", "glm4_moe"):
+        trainer = MegatronTrainer(spec_for(family), TrainerConfig(), seed=3)
+        full = {k: v for bucket in trainer.export_hf(1 << 20) for k, v in bucket}
+        assert sorted(full) == sorted(parallel[family])
+        assert [k for k in full if not torch.equal(full[k], parallel[family][k])] == [], family
+        up = [full[f"model.layers.1.mlp.experts.{e}.up_proj.weight"] for e in (0, 4)]
+        assert not torch.equal(*up)
+
+
+@pytest.mark.slow
+def test_seeded_init_is_the_same_at_pp2_when_a_stage_lacks_a_layer_kind(tmp_path, megatron_tp1):
+    """GLM-4.5's dense first layer on stage 0 only: stage 1 takes its shapes from a meta-device build of it
+    (``layer_module_spec``) and still draws the whole stream, so PP=2 equals one stage."""
+    from posttrain.core.config import TrainerConfig
+    from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
+    from moe_worker import glm4_moe_4_layers
+    from train_helpers import torchrun
+
+    torchrun("moe_worker.py", str(tmp_path / "pp.pt"), "init-pp", timeout=400)
+    parallel = torch.load(tmp_path / "pp.pt")
+    full = {k: v for bucket in MegatronTrainer(glm4_moe_4_layers(), TrainerConfig(), seed=3).export_hf(1 << 20)
+            for k, v in bucket}
+    assert sorted(full) == sorted(parallel) and "model.layers.3.mlp.experts.7.down_proj.weight" in full
+    assert [k for k in full if not torch.equal(full[k], parallel[k])] == []

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 
+from posttrain.plugins.engines.local import moe_kernel
 from posttrain.plugins.engines.local.fused import Fused, run_fused
 
 
@@ -146,7 +147,9 @@ def mlp_forward(mlp, x, gate_up: Fused | None = None):
     ``mlp.gate(x) -> (logits, weights [m, k], ids [m, k])``, ``mlp.experts(x, ids, weights)`` (HF's
     ``grouped_mm`` implementation by default: experts' matmuls grouped by expert in one kernel, sorted
     by expert with no host sync, so it can be captured in a CUDA graph), plus ungated shared experts
-    (GLM-4.5). The same sum as the block's own ``forward`` (Qwen3-MoE, GLM-4.5). ``gate_up``: a dense
+    (GLM-4.5). The same sum as the block's own ``forward`` (Qwen3-MoE, GLM-4.5). A block tagged by
+    ``moe_kernel.set_moe_kernel`` runs its routing and experts through ``moe_kernel`` instead (fused routing,
+    two grouped-GEMM launches with the SwiGLU and routing weights inside). ``gate_up``: a dense
     SwiGLU's ``down(act(gate(x)) * up(x))`` with gate and up as one matmul.
     ``x`` ``[n, q, hidden]`` -> ``(y [n, q, hidden], ids [n * q, k] or None)``."""
     if gate_up is not None:
@@ -155,8 +158,12 @@ def mlp_forward(mlp, x, gate_up: Fused | None = None):
     if not hasattr(mlp, "experts"):
         return mlp(x), None
     flat = x.reshape(-1, x.shape[-1])
-    _, weights, ids = mlp.gate(flat)
-    y = mlp.experts(flat, ids, weights).reshape(x.shape)
+    if getattr(mlp, moe_kernel.TAG, False):  # fused routing and grouped expert kernels (moe_kernel)
+        y, ids = moe_kernel.moe_forward(mlp, flat)
+        y = y.reshape(x.shape)
+    else:
+        _, weights, ids = mlp.gate(flat)
+        y = mlp.experts(flat, ids, weights).reshape(x.shape)
     if hasattr(mlp, "shared_experts"):
         y = y + mlp.shared_experts(x)
     return y, ids

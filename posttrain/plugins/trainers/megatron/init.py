@@ -9,7 +9,8 @@ across devices or layouts.
 initialization draws them for the whole TP=1, PP=1 model (its construction order), from a generator
 seeded with ``seed``; then it keeps this rank's shard (:func:`~posttrain.plugins.trainers.megatron.model.shard`, the
 same split as loading an HF checkpoint) and copies it to the parameter's device and dtype. Every rank
-draws the whole stream, also the tensors other stages hold, so a stage's shards do not depend on PP.
+draws the whole stream, also the tensors other stages and other EP ranks hold, so a stage's shards and a
+rank's experts do not depend on PP or EP.
 At TP=1 on the CPU the result is bit-identical to Megatron's own CPU initialization (tested), so CPU
 runs keep the weights they had.
 
@@ -21,12 +22,15 @@ constructors set (no draws). (A router weight left out stays ``torch.empty``: ga
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
 
 from posttrain.core.errors import UsageError
-from posttrain.plugins.trainers.megatron.sharding import shard, tp_info
+from posttrain.plugins.trainers.megatron.sharding import ep_info, mark_tp_params, shard, tp_info
+
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 
 
 def _inner(model: Any) -> Any:
@@ -73,9 +77,59 @@ def _full_shape(param: Any, tp: int) -> list[int]:
     return shape
 
 
+def _layer_kinds(spec: Any, hf: dict[str, Any]) -> list[str]:
+    """``"moe" | "dense"`` per decoder layer (a spec without ``moe_layers`` has dense layers only): a
+    layer of another stage is drawn with the shapes of a local layer of its kind."""
+    moe = spec.moe_layers(hf) if hasattr(spec, "moe_layers") else [False] * int(hf["num_hidden_layers"])
+    return ["moe" if m else "dense" for m in moe]
+
+
+def _every_expert(template: list[tuple[str, list[int], str | None]], experts: int) -> list[tuple[str, list[int], str | None]]:
+    """A layer's ``(name, shape, kind)`` with its local experts' entries replaced by all ``experts``
+    experts' (global numbers, expert 0's shapes), in Megatron's construction order at EP=1, so a rank
+    draws every expert and keeps its own: the weights do not depend on EP."""
+    per_expert = [(m.group(2), shape, kind) for n, shape, kind in template
+                  if (m := _EXPERT.match(n)) and m.group(1) == "0"]
+    out: list[tuple[str, list[int], str | None]] = []
+    placed = False
+    for n, shape, kind in template:
+        if not _EXPERT.match(n):
+            out.append((n, shape, kind))
+        elif not placed:  # where the local experts start: every expert, in order
+            out += [(f"mlp.experts.local_experts.{e}.{rest}", sh, kd) for e in range(experts)
+                    for rest, sh, kd in per_expert]
+            placed = True
+    return out
+
+
+def _local_expert(name: str, first: int, held: int) -> str | None:
+    """The local parameter name of global expert parameter ``name`` (itself if not an expert's), None if
+    another EP rank holds it."""
+    m = _EXPERT.match(name)
+    if not m:
+        return name
+    e = int(m.group(1)) - first
+    return f"mlp.experts.local_experts.{e}.{m.group(2)}" if 0 <= e < held else None
+
+
+def _meta_layer(gpt: Any, spec: Any, hf: dict[str, Any], layer: int) -> Any:
+    """Decoder layer ``layer`` (held by another pipeline stage) built on the meta device, TP attributes
+    marked, for its parameters' shapes; the spec must say how (``layer_module_spec``)."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    if not hasattr(spec, "layer_module_spec"):
+        raise UsageError(f"seeded initialization: layer {layer} differs from this pipeline stage's layers and "
+                         f"spec {spec.name!r} has no layer_module_spec to build it from; load a checkpoint instead")
+    with torch.device("meta"):
+        module = build_module(spec.layer_module_spec(hf, layer), config=gpt.config, layer_number=layer + 1)
+    mark_tp_params(module)
+    return module
+
+
 def _plan(gpt: Any, spec: Any, hf: dict[str, Any], tp: int) -> list[tuple[str, list[int], str | None, Any]]:
     """``(global name, full shape, kind, local param or None)`` for the whole TP=1, PP=1 model, in the
-    order Megatron constructs it: embedding, layers 0..L-1, output layer."""
+    order Megatron constructs it: embedding, layers 0..L-1 (each its own shapes: dense and MoE layers
+    differ), output layer."""
     vocab_rows = spec.padded_vocab_size(hf, 1)
     hidden = int(hf["hidden_size"])
     # the embedding draws first, also on stages that do not hold it (rope: no position embeddings)
@@ -88,19 +142,19 @@ def _plan(gpt: Any, spec: Any, hf: dict[str, Any], tp: int) -> list[tuple[str, l
     def shapes(layer):
         return [(name, _full_shape(p, tp), kind) for name, kind, p in _entries(layer, "")]
 
-    # layers of one kind (MoE specs: dense or MoE, ``moe_layers``) have one layout; another stage's layer is
-    # drawn like this stage's layers of its kind
-    kinds = spec.moe_layers(hf) if hasattr(spec, "moe_layers") else [False] * int(hf["num_hidden_layers"])
-    templates: dict[bool, list] = {}
-    for i, layer in local.items():
-        if templates.setdefault(kinds[i], shapes(layer)) != shapes(layer):
-            raise UsageError("seeded initialization needs identical decoder layers of each kind; load a checkpoint")
+    experts = int(getattr(gpt.config, "num_moe_experts", 0) or 0)
+    ep_rank, ep = ep_info() if experts else (0, 1)
+    held = experts // ep  # this EP rank's experts: first .. first + held - 1
+    first = ep_rank * held
+    kinds = _layer_kinds(spec, hf)
+    templates = {kinds[i]: shapes(layer) for i, layer in local.items()}  # other stages' layers: like ours
     for i in range(int(hf["num_hidden_layers"])):
-        if kinds[i] not in templates:
-            raise UsageError(f"seeded initialization: this pipeline stage holds no layer like layer {i}; load a "
-                             f"checkpoint instead")
+        if kinds[i] not in templates:  # no layer of its kind on this stage: build one on the meta device
+            templates[kinds[i]] = shapes(_meta_layer(gpt, spec, hf, i))
         params = {n: p for n, _, p in _entries(local[i], "")} if i in local else {}
-        plan += [(f"decoder.layers.{i}.{n}", shape, kind, params.get(n)) for n, shape, kind in templates[kinds[i]]]
+        template = _every_expert(shapes(local[i]) if i in local else templates[kinds[i]], experts)
+        plan += [(f"decoder.layers.{i}.{n}", shape, kind, params.get(_local_expert(n, first, held)))
+                 for n, shape, kind in template]
     # the final norm draws nothing; an untied output layer draws last (a tied one is the embedding)
     if not spec.tied(hf):
         weight = getattr(getattr(gpt, "output_layer", None), "weight", None)

@@ -33,7 +33,8 @@ import torch.distributed as dist
 from posttrain.core.errors import UsageError
 from posttrain.core.hf_init import HF_EXTRA_FILES, config_json
 from posttrain.plugins.trainers.megatron import cpu_shims
-from posttrain.plugins.trainers.megatron.sharding import ep_info, gather, is_expert, shard, tp_group_of, tp_info
+from posttrain.plugins.trainers.megatron.sharding import (ep_info, gather, is_expert, mark_tp_params, shard, tp_group_of,
+                                                       tp_info)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -176,32 +177,6 @@ def build_gpt(spec: Any, hf: dict[str, Any], *, dtype: str = "float32", attentio
 
         seeded_init(model, spec, hf, seed)
     return model
-
-
-def mark_tp_params(model: Any) -> None:
-    """Set ``tensor_model_parallel``/``partition_dim`` on every TP-split parameter.
-
-    Megatron 0.16 sets them only when it initializes the weights itself (``perform_initialization``);
-    weights loaded from a checkpoint would otherwise look replicated to sharding, gathering and the
-    grad norm. Expert linears are split over the expert-TP group: left unmarked when it has one rank.
-    """
-    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
-                                                      VocabParallelEmbedding, set_tensor_model_parallel_attributes)
-
-    for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
-            dims = {"weight": 0, "bias": 0}
-        elif isinstance(module, RowParallelLinear):
-            dims = {"weight": 1}  # its bias is added after the all-reduce: replicated
-        else:
-            continue
-        group = getattr(module, "tp_group", None)
-        if getattr(module, "is_expert", False) and group is not None and dist.get_world_size(group) == 1:
-            continue
-        for attr, dim in dims.items():
-            param = getattr(module, attr, None)
-            if isinstance(param, torch.nn.Parameter) and not hasattr(param, "partition_dim"):
-                set_tensor_model_parallel_attributes(param, True, dim, 1)
 
 
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")

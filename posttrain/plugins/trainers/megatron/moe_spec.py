@@ -19,7 +19,7 @@ router and, in some families, shared experts that every token goes through::
   scores a group by its top-2 experts, Megatron by its top ``k / topk_group``: specs refuse a config
   where the two differ (both GLM-4.5 presets use one group, where they agree trivially).
 
-Megatron parameters of MoE layer ``L`` (local spec, ``SequentialMLP`` experts; names are *global*:
+Megatron parameters of MoE layer ``L`` (local spec, ``SequentialMLP``'s expert parameters; names are *global*:
 expert ``e`` is ``local_experts.e`` whichever EP rank holds it, see ``model.megatron_params``):
 
     decoder.layers.L.mlp.router.weight                                [E, H]   <- mlp.gate.weight
@@ -35,9 +35,10 @@ here as in slime's GLM recipes.) Layers listed as dense (GLM's first ``first_k_d
 
 Tokens reach their experts through Megatron's all-to-all dispatcher (per-rank token counts may differ,
 as data-parallel ranks' micro-batches do; the all-gather one needs equal counts). Experts are
-Megatron's ``SequentialMLP`` (one batched matmul per local expert). Grouped GEMM needs
-Transformer Engine (``TEGroupedMLP``) or the ``grouped_gemm`` CUDA extension (legacy ``GroupedMLP``);
-neither is installed on the machines posttrain is tested on, so a config asking for it is refused.
+:class:`~posttrain.plugins.trainers.megatron.grouped_experts.GroupedExperts`: ``SequentialMLP``'s
+parameters (the names above), every local expert's GEMMs in one grouped matmul (``torch._grouped_mm``,
+no Transformer Engine or ``grouped_gemm`` package needed). ``moe_grouped_gemm`` (True here;
+``trainer.backend.megatron.moe_grouped_gemm: false``) switches back to ``SequentialMLP``'s per-expert loop.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ class MoEGPTSpec(DenseGPTSpec):
             num_moe_experts=self.num_experts(hf), moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
             moe_router_topk=self.topk(hf), moe_layer_freq=[int(m) for m in moe],
             moe_router_load_balancing_type=self.load_balancing_type, moe_aux_loss_coeff=0.0,
-            moe_grouped_gemm=False, moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall",
             **self.router_config(hf),
         )
         if self.shared_experts:
@@ -136,12 +137,16 @@ class MoEGPTSpec(DenseGPTSpec):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 
+        from posttrain.plugins.trainers.megatron.grouped_experts import GroupedExperts
+
         def local(num_experts):
             spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
                                             qk_layernorm=self.qk_norm, normalization="RMSNorm",
                                             multi_latent_attention=self.multi_latent_attention)
             if core_attention is not None:
                 spec.submodules.self_attention.submodules.core_attention = core_attention
+            if num_experts:  # SequentialMLP's parameters, grouped GEMMs (config.moe_grouped_gemm picks)
+                spec.submodules.mlp.submodules.experts.module = GroupedExperts
             return spec
 
         dense, moe = local(None), local(self.num_experts(hf))
@@ -151,6 +156,20 @@ class MoEGPTSpec(DenseGPTSpec):
         per_stage = len(specs) // pp
         return TransformerBlockSubmodules(layer_specs=specs[rank * per_stage:(rank + 1) * per_stage],
                                           layer_norm=LayerNormImpl)
+
+    def layer_module_spec(self, hf: dict[str, Any], layer: int) -> Any:
+        """The ``ModuleSpec`` of decoder layer ``layer`` (global number), whichever stage holds it: seeded
+        initialization builds another stage's kind of layer from it (on the meta device) for its shapes."""
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        from posttrain.plugins.trainers.megatron.grouped_experts import GroupedExperts
+
+        moe = self.moe_layers(hf)[layer]
+        spec = get_gpt_layer_local_spec(num_experts=self.num_experts(hf) if moe else None, moe_grouped_gemm=False,
+                                        qk_layernorm=self.qk_norm, normalization="RMSNorm")
+        if moe:
+            spec.submodules.mlp.submodules.experts.module = GroupedExperts
+        return spec
 
     # ------------------------------------------------------------ names
     def megatron_names(self, hf: dict[str, Any]) -> list[str]:

@@ -72,3 +72,29 @@ def gather(name: str, param: Any) -> torch.Tensor:
         gates, ups = zip(*(p.chunk(2, dim=0) for p in parts))
         return torch.cat([*gates, *ups], dim=0)
     return torch.cat(parts, dim=param.partition_dim)
+
+
+def mark_tp_params(model: Any) -> None:
+    """Set ``tensor_model_parallel``/``partition_dim`` on every TP-split parameter.
+
+    Megatron 0.16 sets them only when it initializes the weights itself (``perform_initialization``);
+    weights loaded from a checkpoint would otherwise look replicated to sharding, gathering and the
+    grad norm. Expert linears are split over the expert-TP group: left unmarked when it has one rank.
+    """
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                      VocabParallelEmbedding, set_tensor_model_parallel_attributes)
+
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dims = {"weight": 0, "bias": 0}
+        elif isinstance(module, RowParallelLinear):
+            dims = {"weight": 1}  # its bias is added after the all-reduce: replicated
+        else:
+            continue
+        group = getattr(module, "tp_group", None)
+        if getattr(module, "is_expert", False) and group is not None and dist.get_world_size(group) == 1:
+            continue
+        for attr, dim in dims.items():
+            param = getattr(module, attr, None)
+            if isinstance(param, torch.nn.Parameter) and not hasattr(param, "partition_dim"):
+                set_tensor_model_parallel_attributes(param, True, dim, 1)
