@@ -224,3 +224,12 @@ def test_new_plugin_rejects_bad_input(tmp_path):
     assert out.returncode == 2 and "Did you mean 'estimator'?" in out.stderr
     out = rl_cli("new", "plugin", tmp_path / "x", "--kind", "reward", "--name", "Bad-Name")
     assert out.returncode == 2 and "lower-case" in out.stderr
+
+
+def test_the_contract_kits_runner_is_installed_with_posttrain():
+    # `rl-cli new plugin` writes tests and `rl-cli plugins check` runs them with pytest: a plain
+    # `pip install posttrain` (no extra) must bring it, or both fail for a new user
+    from importlib.metadata import requires
+
+    base = [r for r in requires("posttrain") if "extra ==" not in r]
+    assert any(r.split(">")[0].split("=")[0].strip() == "pytest" for r in base), base
