@@ -200,5 +200,16 @@ def check_disk(cfg: Any, params: int | None, run_dir: Path) -> list[Finding]:
     while not where.exists():
         where = where.parent
     free = shutil.disk_usage(where).free
-    return [Finding(free >= want, "disk", f"{free / GIB:.1f} GiB free at {where}; checkpoints need at least "
-                                          f"{want / GIB:.2f} GiB")]
+    if not weights:  # the spec could not say the model's size: nothing to compare with
+        return [Finding(True, "disk", f"{_size(free)} free at {where} (the model's size is unknown: checkpoints "
+                                      "not sized)", note=True)]
+    return [Finding(free >= want, "disk", f"{_size(free)} free at {where}; the run's model copies and checkpoints "
+                                          f"need at least {_size(want)}")]
+
+
+def _size(n: float) -> str:
+    """Bytes as ``12.3 GiB``, ``45.6 MiB`` or ``7.8 KiB``: never ``0.00 GiB`` for a small model."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= 0.1 * scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 2**10:.1f} KiB"

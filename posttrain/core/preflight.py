@@ -93,6 +93,11 @@ def _missing_sections(cfg: Any, raw: dict[str, Any], plugins: Any) -> list[str]:
     return errors
 
 
+def _looks_local(value: str) -> bool:
+    """``owner/name`` that is a path here: absolute, relative to ``.``/``~``, or under a directory that exists."""
+    return value.startswith(("/", ".", "~")) or Path(value).expanduser().parent.is_dir()
+
+
 def _model_paths(model_config: Any) -> list[str]:
     """``model.path`` (and ``model.tokenizer``) must be local directories: nothing is downloaded."""
     errors = []
@@ -106,11 +111,10 @@ def _model_paths(model_config: Any) -> list[str]:
                 errors.append(f"{where}: {value} is not an HF checkpoint directory (no config.json in it)")
         elif p.exists():
             errors.append(f"{where}: {value} is a file; expected an HF checkpoint directory")
-        elif _HUB_ID.match(value):
+        elif _HUB_ID.match(value) and not _looks_local(value):
             local = f"checkpoints/{value.split('/')[1]}"
             errors.append(f"{where}: no such directory: {value}. If it is a Hugging Face hub id, download it "
-                          f"first (`huggingface-cli download {value} --local-dir {local}`) and set "
-                          f"{where}: {local}")
+                          f"first (`hf download {value} --local-dir {local}`) and set {where}: {local}")
         else:
             errors.append(f"{where}: no such directory: {value}")
     return errors

@@ -61,8 +61,9 @@ MISTAKES = {
     "no loss": (dict(drop=("loss",)), "loss: required to train"),
     "hub id": (dict(model={"path": "Qwen/Qwen3-0.6B"}),
                "model.path: no such directory: Qwen/Qwen3-0.6B. If it is a Hugging Face hub id, download it first "
-               "(`huggingface-cli download Qwen/Qwen3-0.6B --local-dir checkpoints/Qwen3-0.6B`) and set "
+               "(`hf download Qwen/Qwen3-0.6B --local-dir checkpoints/Qwen3-0.6B`) and set "
                "model.path: checkpoints/Qwen3-0.6B"),
+    "local path, not a hub id": (dict(model={"path": "./ckpts/model"}), "model.path: no such directory: ./ckpts/model"),
     "too few prompts": (dict(rollout={"num_rollouts": 10}),
                         "data.epochs: 5 prompts x 1 epoch(s) = 5, but rollout.num_rollouts (10) x "
                         "rollout.rollout_batch_size (2) needs 20; set data.epochs: 4"),
