@@ -37,6 +37,7 @@ class Plan:
     checkpoint: Path | None = None  # resuming from it
     resume_step: int = -1  # the 0-based step of that checkpoint
     start_over: bool = False  # a run directory used again from step 0 (its old metrics are dropped)
+    completed: int | None = None  # the steps of the finished run in that directory (complete.json)
 
 
 def run(config: Path = typer.Argument(None, help="run config (YAML); optional with --resume", show_default=False),
@@ -77,6 +78,8 @@ def run(config: Path = typer.Argument(None, help="run config (YAML); optional wi
             console.print(f"[green]data OK[/]: {escape(summary)}", highlight=False, soft_wrap=True)
         console.print(f"[green]config OK[/]: {escape(plan.source)}", highlight=False, soft_wrap=True)
         return
+    if plan.completed is not None and finished(plan, cfg.mode.create(plugins).total_steps(cfg)):
+        return
     run = plan.run
     if run is None:
         from posttrain.core.run_dir import RunDirectory
@@ -106,7 +109,21 @@ def run(config: Path = typer.Argument(None, help="run config (YAML); optional wi
                            on_step=display.update, on_phase=display.phase)
     except KeyboardInterrupt as exc:
         interrupted(run, display.next_step, total, signalled=exc)
+    run.mark_complete(total)
     _finish(run)
+
+
+def finished(plan: Plan, total: int) -> bool:
+    """A finished run asked to resume: True (said so, nothing to do) when it trained ``total`` steps already;
+    more steps go on from its last checkpoint, or are refused where it has none."""
+    if total <= plan.completed:
+        console.print(f"run complete ({plan.completed}/{total}): nothing to resume in {plan.run.path}; its final "
+                      f"model is in {plan.run.path / 'hf-final'}", soft_wrap=True, markup=False)
+        return True
+    if plan.checkpoint is None:
+        raise UsageError(f"{plan.run.path}: finished after {plan.completed} steps with no checkpoint to continue "
+                         f"from to {total} (checkpoint.interval); start a new run from its hf-final")
+    return False
 
 
 def start_training(cfg: Any, plugins: Any, run: Any, **kwargs: Any) -> None:
@@ -132,6 +149,11 @@ def plan_run(config: Path | None, run_dir: Path | None, resume: Path | None, res
     run = RunDirectory(target)
     base_dir = Path(config).parent if config else Path(".")
     saved = run.path / "config.yaml"
+    done = run.completed_steps()
+    if done is not None:  # finished: nothing to do unless the overrides ask for more steps (checked in run)
+        ckpt = run.latest_checkpoint()
+        return Plan(run, run.read_config(), None, str(saved), base_dir, ckpt,
+                    run.checkpoint_step(ckpt) if ckpt is not None else -1, completed=done)
     if resume is not None or (saved.is_file() and run.latest_checkpoint() is not None):
         ckpt, step = run.resume_point()  # raises with the reason when there is nothing to resume
         return Plan(run, run.read_config(), None, str(saved), base_dir, ckpt, step)

@@ -168,6 +168,18 @@ class RunDirectory:
             raise UsageError(f"--step {steps}: no checkpoint after {steps} steps in {self.path}; steps with one: {have}")
         return found[steps]
 
+    def mark_complete(self, steps: int) -> None:
+        """The run trained all ``steps`` steps (``complete.json``): ``--resume`` and ``--resume-or-start`` then
+        leave it alone unless asked for more steps."""
+        write_durably(self.path / "complete.json", json.dumps({"steps": int(steps)}))
+
+    def completed_steps(self) -> int | None:
+        """The steps of a run that finished (:meth:`mark_complete`), else None."""
+        try:
+            return int(json.loads((self.path / "complete.json").read_text())["steps"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
     def resume_point(self) -> tuple[Path, int]:
         """``(checkpoint, step)`` that ``--resume`` continues from.
 

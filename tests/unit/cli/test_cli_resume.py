@@ -164,3 +164,26 @@ def test_a_disk_that_fails_under_the_run_ends_in_one_line_with_exit_code_1(tmp_p
     what = {"ENOSPC": "no space left on the device", "EROFS": "read-only file system",
             "EACCES": "permission denied"}[code_name]
     assert f"error: storage: {what} at {tmp_path / 'r'}" in lines[0] and "--resume RUN_DIR" in lines[0]
+
+
+def test_a_finished_run_is_complete_for_resume_and_never_retrained_by_resume_or_start(tmp_path, monkeypatch, capsys,
+                                                                                     calls):
+    run = tmp_path / "r"
+    code, _, _ = rl_cli(monkeypatch, capsys, "run", QUICKSTART, "--run-dir", run, "checkpoint.interval=0")
+    assert code == 0 and len(calls) == 1 and json.loads((run / "complete.json").read_text()) == {"steps": 150}
+    for flag in ("--resume", "--resume-or-start"):
+        code, out, err = rl_cli(monkeypatch, capsys, "run", flag, run)
+        assert code == 0 and f"run complete (150/150): nothing to resume in {run}" in out, out + err
+    assert len(calls) == 1  # neither started training again
+    # more steps than it trained, and no checkpoint to go on from: one line, exit 2, nothing started
+    code, _, err = rl_cli(monkeypatch, capsys, "run", "--resume", run, "rollout.num_rollouts=160")
+    assert code == 2 and "finished after 150 steps with no checkpoint to continue from to 160" in err
+    assert len(calls) == 1
+
+
+def test_a_finished_run_with_a_checkpoint_goes_on_when_asked_for_more_steps(tmp_path, monkeypatch, capsys, calls):
+    run = make_run_dir(tmp_path / "r", checkpoint_step=149, interval=50)
+    (run / "complete.json").write_text(json.dumps({"steps": 150}))
+    code, out, err = rl_cli(monkeypatch, capsys, "run", "--resume", run, "rollout.num_rollouts=160")
+    assert code == 0 and len(calls) == 1 and calls[0]["resume"] is True, out + err
+    assert json.loads((run / "complete.json").read_text()) == {"steps": 160}
