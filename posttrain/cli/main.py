@@ -88,9 +88,9 @@ def main() -> None:
     from posttrain.cli.options import _argv_disable_plugin
 
     try:
-        previous = signal.signal(signal.SIGTERM, _terminated)
-    except ValueError:  # not the main thread (embedded): SIGTERM keeps its handler
-        previous = None
+        previous = {sig: signal.signal(sig, _stop_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread (embedded): the signals keep their handlers
+        previous = {}
     try:
         _add_plugin_commands()
         app(args=_argv_disable_plugin(args), prog_name="rl-cli")
@@ -113,8 +113,8 @@ def main() -> None:
         err_console.print("terminated" if isinstance(exc, Terminated) else "interrupted")
         sys.exit(143 if isinstance(exc, Terminated) else 130)
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _print_error(text: str) -> None:
@@ -124,11 +124,19 @@ def _print_error(text: str) -> None:
                           highlight=False, markup=True, soft_wrap=True)
 
 
-def _terminated(signum: int, frame: object) -> None:
-    """SIGTERM stops a run as Ctrl-C does (the run says how to resume it), with exit code 143."""
+def _stop_signal(signum: int, frame: object) -> None:
+    """Ctrl-C and SIGTERM (which stops a run as Ctrl-C does, with exit code 143): while a run trains, the first
+    one stops it at the end of the step in flight, with a checkpoint (``core.interrupts``); else, or the second
+    time, at once. Either way the run says how to resume it."""
+    from posttrain.core import interrupts
     from posttrain.core.errors import Terminated
 
-    raise Terminated()
+    exc = Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+    if interrupts.request(exc, signum):
+        err_console.print(f"{interrupts.signal_name(exc)}: stopping at the end of this step, with a checkpoint "
+                          "(again to stop now)", highlight=False)
+        return
+    raise exc
 
 
 if __name__ == "__main__":

@@ -366,6 +366,12 @@ class CheckpointConfig:
         False, help="also write the initial policy's weights to RUN_DIR/hf-init (a copy of the model on disk, written "
                     "at start; the engines then load them). Off: hf-init holds config.json and the tokenizer, and "
                     "the engines take their weights from the first push")
+    on_stop: bool = option(
+        True, help="Ctrl-C or SIGTERM while training: finish the step in flight, save a checkpoint at its end and "
+                   "stop with the command that resumes it (a second signal stops at once, losing the step)")
+    stop_timeout_s: float = option(
+        120.0, ge=0.0, help="with on_stop: the longest the step in flight may take to end before the run stops "
+                            "without its checkpoint (0: no bound; Slurm sends SIGKILL some seconds after SIGTERM)")
 
 
 @dataclass

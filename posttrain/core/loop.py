@@ -24,7 +24,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from posttrain.core import batching, gpu_memory
+from posttrain.core import batching, gpu_memory, interrupts
 from posttrain.core.buffer import DataBuffer
 from posttrain.core.data import load_prompts
 from posttrain.core.executors import EXECUTORS
@@ -80,10 +80,15 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         if generation.feeder is not None:
             generation.feeder.start()
         last: dict[str, float] = {}
-        for step in range(start, cfg.rollout.num_rollouts):
-            result = await run_step(parts, step)
-            last = result.metrics
-            _end_step(parts, setup, run, plugins, on_step, step, result)
+        with interrupts.graceful(cfg.checkpoint.stop_timeout_s if cfg.checkpoint.on_stop else None):
+            for step in range(start, cfg.rollout.num_rollouts):
+                result = await run_step(parts, step)
+                last = result.metrics
+                saved = _end_step(parts, setup, run, plugins, on_step, step, result)
+                if interrupts.pending() is not None:  # Ctrl-C/SIGTERM during the step: stop at its boundary
+                    if not saved:
+                        _save_checkpoint(parts, setup, run, step)
+                    raise interrupts.pending()
         generation.cancel()
         await memory.before_export()
         roles.trainer.save_hf(str(run.path / "hf-final"))  # the final policy: transformers loads it, engines serve it
@@ -176,9 +181,10 @@ def _phase_timer(stack: AsyncExitStack) -> PhaseTimer:
 
 
 def _end_step(parts: StepParts, setup: _Setup, run: Any, plugins: Any, on_step: Any, step: int,
-              result: StepResult) -> None:
+              result: StepResult) -> bool:
     """Step ``step``'s metrics, rollouts and hooks; the live view at ``logging.interval``; a checkpoint at
-    ``checkpoint.interval`` (after the metrics: a kill between them cannot lose the row on resume)."""
+    ``checkpoint.interval`` (after the metrics: a kill between them cannot lose the row on resume). Whether it
+    saved one."""
     cfg, last = parts.cfg, result.metrics
     setup.metrics_out.log(step, last)
     run.log_rollouts(step, result.groups, batching.sample_log(result.samples))
@@ -187,10 +193,18 @@ def _end_step(parts: StepParts, setup: _Setup, run: Any, plugins: Any, on_step: 
     if on_step is not None and ((step + 1) % cfg.logging.interval == 0 or final):
         on_step(step, last, result.samples)
     if cfg.checkpoint.interval and ((step + 1) % cfg.checkpoint.interval == 0 or final):
-        feeder = parts.generation.feeder
-        queued = {"fully_async": feeder.state_dict()} if feeder else {}  # same instant as the buffer's
-        setup.metrics_out.sync()
-        with parts.memory.around_checkpoint():
-            state = {"buffer": setup.buffer.state_dict(), "empty_steps": parts.empty_steps, "config": cfg.to_dict(),
-                     **queued}
-            run.save_checkpoint(step, parts.trainer.save, state, cfg.checkpoint.keep)
+        _save_checkpoint(parts, setup, run, step)
+        return True
+    return False
+
+
+def _save_checkpoint(parts: StepParts, setup: _Setup, run: Any, step: int) -> None:
+    """The checkpoint after step ``step``: the trainer's state, the data position, the fully-async queue."""
+    cfg = parts.cfg
+    feeder = parts.generation.feeder
+    queued = {"fully_async": feeder.state_dict()} if feeder else {}  # same instant as the buffer's
+    setup.metrics_out.sync()
+    with parts.memory.around_checkpoint():
+        state = {"buffer": setup.buffer.state_dict(), "empty_steps": parts.empty_steps, "config": cfg.to_dict(),
+                 **queued}
+        run.save_checkpoint(step, parts.trainer.save, state, cfg.checkpoint.keep)

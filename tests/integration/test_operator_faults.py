@@ -7,7 +7,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -36,7 +35,7 @@ def curve(rows):
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="mounts a small tmpfs (root)")
-def test_a_full_disk_and_a_read_only_run_dir_end_in_one_line_and_resume_is_exact(tmp_path, write):
+def test_a_full_disk_and_a_read_only_run_dir_end_in_one_line_and_resume_is_exact(tmp_path, write, whole_curve):
     filler = write("filler.py", FILLER)
     disk, out = tmp_path / "disk", tmp_path / "out"
     disk.mkdir()
@@ -70,25 +69,46 @@ echo $? > {out}/ro.rc
     assert read("after-failure.ls").split() == ["latest", "step_000000"] and read("latest") == "step_000000"
     assert read("resume.rc").strip() == "0", read("resume.err")[-3000:]
     assert "resumed from step 1 (checkpoint" in read("resume.out") and "step_000000)" in read("resume.out")
-    whole = tmp_path / "whole"
-    uninterrupted = rl_cli(QUICKSTART, "--run-dir", whole, *SMALL, *STEPS)
-    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
-    assert curve(jsonl(out / "metrics.jsonl")) == curve(jsonl(whole / "metrics.jsonl"))
+    assert curve(jsonl(out / "metrics.jsonl")) == whole_curve
     ro_err = read("ro.err")
     assert read("ro.rc").strip() == "1" and "Traceback" not in ro_err, ro_err[-3000:]
     assert f"error: storage: read-only file system at {disk}/ro/run" in ro_err
 
 
-def test_sigterm_stops_a_run_with_the_command_that_resumes_it(tmp_path):
+STOPPER = '''
+import os, signal, threading
+from posttrain import hookimpl
+
+@hookimpl
+def posttrain_on_step_end(step, metrics):
+    """Once: the signal 0.1 s after step 1 ends, so it arrives while step 2 runs."""
+    if step == 1 and not os.path.exists(os.environ["STOP_MARK"]):
+        open(os.environ["STOP_MARK"], "w").close()
+        threading.Timer(0.1, os.kill, (os.getpid(), int(os.environ["STOP_SIGNAL"]))).start()
+'''
+
+
+@pytest.fixture(scope="module")
+def whole_curve(tmp_path_factory):
+    """The curve of the runs below, uninterrupted."""
+    whole = tmp_path_factory.mktemp("whole") / "run"
+    out = rl_cli(QUICKSTART, "--run-dir", whole, *SMALL, *STEPS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return curve(jsonl(whole / "metrics.jsonl"))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_and_sigterm_save_the_step_in_flight_and_resume_exactly(tmp_path, write, whole_curve, signum):
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "posttrain.cli.main", "run", str(QUICKSTART), "--run-dir",
-                             str(run), *SMALL, "rollout.num_rollouts=100", "checkpoint.interval=1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while len(jsonl(run / "metrics.jsonl")) < 2 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 143, stdout[-2000:] + stderr[-3000:]
-    assert "terminated (SIGTERM) at step" in stderr and f"resume with: rl-cli run --resume {run}" in stderr
-    assert "Traceback" not in stderr
+    stopper = write("stopper.py", STOPPER)
+    env = {**os.environ, "STOP_MARK": str(tmp_path / "stopped"), "STOP_SIGNAL": str(int(signum))}
+    args = [*SMALL, *STEPS[:1], "checkpoint.interval=0", "--plugin", stopper]  # no periodic checkpoint at all
+    first = rl_cli(QUICKSTART, "--run-dir", run, *args, env=env)
+    assert first.returncode == (143 if signum == signal.SIGTERM else 130), first.stdout[-2000:] + first.stderr[-3000:]
+    assert "stopping at the end of this step, with a checkpoint" in first.stderr and "Traceback" not in first.stderr
+    assert f"resume with: rl-cli run --resume {run}" in first.stderr
+    stopped_after = len(jsonl(run / "metrics.jsonl"))
+    assert 2 <= stopped_after < 4 and (run / "checkpoints" / "latest").read_text() == f"step_{stopped_after - 1:06d}"
+    resumed = rl_cli("--resume", run, env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert curve(jsonl(run / "metrics.jsonl")) == whole_curve  # no step lost, none trained twice
