@@ -134,3 +134,23 @@ def test_a_sub_interpreter_is_refused_by_the_guard_and_holds_nothing_of_the_os_l
                "s.run_string(i, 'try:\\n    open(\"/usr/x\", \"w\")\\nexcept OSError as e:\\n    print(\"write\", e.errno)')")
     r = run_python(program, limits=ATTACKER)
     assert r.stdout == f"write {errno.EROFS}\n", r.stdout + r.stderr
+
+
+def test_a_cgroup_that_cannot_be_joined_here_is_left_out_not_fatal(monkeypatch):
+    real = containment.Cgroup.create
+
+    def unjoinable(memory_bytes):  # made, but the join stage's write fails (a cgroup this machine refuses)
+        cg = real(memory_bytes)
+        if containment.CGROUPS["enabled"]:
+            cg.procs = ["/proc/version"]
+        return cg
+
+    monkeypatch.setattr(containment.Cgroup, "create", staticmethod(unjoinable))
+    monkeypatch.setitem(containment.CGROUPS, "enabled", True)
+    sandbox._probe.cache_clear()
+    try:
+        assert sandbox.isolation()["os_sandbox"] and not containment.CGROUPS["enabled"]
+        r = run_python("print(6 * 7)", limits=ATTACKER)
+        assert r.stdout == "42\n", r.stderr
+    finally:
+        sandbox._probe.cache_clear()

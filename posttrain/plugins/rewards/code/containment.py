@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 _PREFIX = "posttrain-sandbox-"
+CGROUPS = {"enabled": True}  # off once a made cgroup could not be joined here (the sandbox's probe finds out)
 
 
 def _own_cgroups() -> dict[str, str]:
@@ -81,6 +82,8 @@ class Cgroup:
     @classmethod
     def create(cls, memory_bytes: int) -> "Cgroup":
         cg = cls()
+        if not CGROUPS["enabled"]:
+            return cg
         name = f"{_PREFIX}{os.getpid()}-{time.monotonic_ns()}"
         v2 = _cgroup_dir("")
         if v2 is not None and cg._make(v2 / name):

@@ -70,6 +70,7 @@ import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from posttrain.plugins.rewards.code import containment
 from posttrain.plugins.rewards.code.containment import JOIN_STAGE, Cgroup, NamespaceInit
 from posttrain.plugins.rewards.code.containment import probe as probe_containment
 
@@ -251,6 +252,9 @@ def _probe() -> str | None:
     """None when a trivial program runs in the full sandbox here, else the one-line reason."""
     try:
         r = _run("print('ok')", "", SandboxLimits(timeout=30, python_guard=False), {})
+        if r.stdout != "ok\n" and containment.CGROUPS["enabled"]:  # a cgroup made but not joinable here:
+            containment.CGROUPS["enabled"] = False  # runs go without (the pidfd still ends them)
+            r = _run("print('ok')", "", SandboxLimits(timeout=30, python_guard=False), {})
     except SandboxUnavailable as exc:
         return str(exc)
     if r.stdout == "ok\n":
