@@ -110,8 +110,8 @@ def show(section: str = typer.Argument(None, help="only this section (data, roll
         if not picked and row is not None:  # a top-level key (seed) or a component section (estimator)
             picked = [Section(section, rows=[row])]
         if not picked:
-            names = [s.name for s in found if s.name != TOP and "." not in s.name] + [r["name"] for r in top.rows]
-            raise UsageError(unknown("config section", section, names))
+            names = {s.name for s in found if s.name != TOP and "." not in s.name} | {r["name"] for r in top.rows}
+            raise UsageError(unknown("config section", section, names))  # a section with its own rows: once
         found = picked
     for s in found:
         title = rich_text(f"{s.name}: {s.summary}" if s.summary else s.name)

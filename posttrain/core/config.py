@@ -589,8 +589,18 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         if not (e1 or e2):
             errors += batch_identity(rollout, trainer)
     if errors:
-        raise ConfigError(errors, source)
+        raise ConfigError(errors, _source_named(source, errors, overrides))
     return config
+
+
+def _source_named(source: str, errors: list[str], overrides: list[str] | tuple[str, ...]) -> str:
+    """``source``, and the command-line overrides the errors are about, so none is sought in the file."""
+    from posttrain.core.config_source import split_setting
+
+    paths = [e.split(":", 1)[0] for e in errors]
+    named = [item for item in overrides if (s := split_setting(item)) is not None
+             and any(p == s[0] or p.startswith(s[0] + ".") for p in paths)]
+    return f"{source} with the command line's {', '.join(named)}" if named else source
 
 
 def mode_generates(raw: dict[str, Any], plugins: Any) -> bool:

@@ -298,3 +298,13 @@ def test_fully_async_corrects_with_tis_unless_told_otherwise(write, plugins):
     assert load_config(path, ["rollout.mode=fully_async", "correction=null"], plugins).correction is None
     assert load_config(path, ["rollout.mode=fully_async", "correction=mis"], plugins).correction.name == "mis"
     assert load_config(path, [], plugins).correction is None
+
+
+def test_errors_about_overrides_name_the_command_line_not_only_the_file():
+    from tests.conftest import ROOT
+
+    path = ROOT / "examples" / "quickstart.yaml"
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, ["trainer.lr=-1", "rollout.bogus=1", "seed=3"])
+    assert caught.value.source == f"{path} with the command line's trainer.lr=-1, rollout.bogus=1"
+    assert str(caught.value).startswith(f"2 error(s) in {path} with the command line's trainer.lr=-1, rollout.bogus=1")
