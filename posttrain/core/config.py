@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -589,8 +590,27 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         if not (e1 or e2):
             errors += batch_identity(rollout, trainer)
     if errors:
-        raise ConfigError(errors, _source_named(source, errors, overrides))
+        raise ConfigError(_plugin_file_hints(errors, path), _source_named(source, errors, overrides))
     return config
+
+
+_UNKNOWN_NAME = re.compile(r": unknown [a-z_ ]+ '([^']+)'")
+
+
+def _plugin_file_hints(errors: list[str], path: str | Path | None) -> list[str]:
+    """An unknown component name that a ``.py`` file beside the config defines: the error says to pass that file
+    with ``--plugin`` (the examples that bring their own plugins are run so)."""
+    if path is None:
+        return errors
+    files = sorted(Path(path).parent.glob("*.py"))
+    out = []
+    for error in errors:
+        found = _UNKNOWN_NAME.search(error)
+        name = found.group(1) if found else None
+        where = next((f for f in files if name and re.search(rf"""name\s*=\s*["']{re.escape(name)}["']""",
+                                                              f.read_text(errors="replace"))), None)
+        out.append(f"{error} {where} defines it: add `--plugin {where}`" if where else error)
+    return out
 
 
 def _source_named(source: str, errors: list[str], overrides: list[str] | tuple[str, ...]) -> str:

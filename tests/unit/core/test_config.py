@@ -308,3 +308,16 @@ def test_errors_about_overrides_name_the_command_line_not_only_the_file():
         load_config(path, ["trainer.lr=-1", "rollout.bogus=1", "seed=3"])
     assert caught.value.source == f"{path} with the command line's trainer.lr=-1, rollout.bogus=1"
     assert str(caught.value).startswith(f"2 error(s) in {path} with the command line's trainer.lr=-1, rollout.bogus=1")
+
+
+def test_an_unknown_component_defined_beside_the_config_names_the_plugin_file(tmp_path):
+    (tmp_path / "my_gen.py").write_text('class G:\n    name = "my_gen"\n')
+    cfg = tmp_path / "c.yaml"
+    from tests.conftest import ROOT
+
+    cfg.write_text((ROOT / "examples" / "quickstart.yaml").read_text().replace("generator: single_turn",
+                                                                             "generator: my_gen"))
+    with pytest.raises(ConfigError) as caught:
+        load_config(cfg)
+    [error] = [e for e in caught.value.errors if e.startswith("generator")]
+    assert error.endswith(f"{tmp_path / 'my_gen.py'} defines it: add `--plugin {tmp_path / 'my_gen.py'}`")
