@@ -12,7 +12,7 @@ from posttrain.core.errors import UsageError
 # (title, metric keys drawn on that panel); keys absent from a run are skipped
 PANELS = [
     ("reward", ["rollout/reward_mean", "eval/reward_mean"]),
-    ("KL / entropy", ["train/kl", "train/entropy", "estimator/reverse_kl"]),
+    ("KL / entropy", ["train/kl", "train/pg/approx_kl", "train/entropy", "estimator/reverse_kl"]),  # approx_kl: always
     ("response length", ["rollout/response_len_mean"]),
     ("throughput (tokens/s)", ["perf/rollout_tokens_per_s", "perf/train_tokens_per_s"]),
 ]
