@@ -5,6 +5,9 @@ torch AdamW with fp32 masters on CPU), the step, and the critic's value head. Fu
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+
 from pathlib import Path
 from typing import Any
 
@@ -115,7 +118,8 @@ def save(self: Any, ckpt_dir: str | Path) -> None:
         dist.barrier()
     forks_die_with_parent()  # the torch_dist writer forks workers: they must not outlive a killed run
     _writer_queue_dies_with_us()
-    dist_checkpointing.save(sharded_state(self, is_loading=False), str(path))
+    with _quiet_sharded_tensor():
+        dist_checkpointing.save(sharded_state(self, is_loading=False), str(path))
 
 
 def _writer_queue_dies_with_us() -> None:
@@ -145,7 +149,8 @@ def load(self: Any, ckpt_dir: str | Path) -> None:
     if not Path(ckpt_dir).is_dir():
         raise UsageError(f"{ckpt_dir}: no such checkpoint directory")
     check_same_model(self, ckpt_dir)
-    loaded = dist_checkpointing.load(sharded_state(self, is_loading=True), str(ckpt_dir))
+    with _quiet_sharded_tensor():
+        loaded = dist_checkpointing.load(sharded_state(self, is_loading=True), str(ckpt_dir))
     model_sd = {k.removeprefix("model."): v for k, v in loaded["model"].items()}
     # not strict only for TE's _extra_state entries; check_same_model compared every tensor already
     result = self.gpt.load_state_dict(model_sd, strict=False)
@@ -175,3 +180,13 @@ def load(self: Any, ckpt_dir: str | Path) -> None:
     for pid, s in (loaded.get("value_head_optimizer") or {}).items():
         optim["state"][pid] = s
     self.optimizer.load_state_dict(optim)
+
+
+@contextlib.contextmanager
+def _quiet_sharded_tensor():
+    """Megatron's torch_dist format goes through ShardedTensor, which PyTorch warns is deprecated on every save
+    and load (a FutureWarning each): a user's resume printed them as if something were wrong. Only that warning
+    is silenced, only here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
+        yield
