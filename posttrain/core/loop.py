@@ -286,12 +286,12 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
                     await asyncio.wait([pending])
             eval_due = bool(cfg.eval.interval) and (step + 1) % cfg.eval.interval == 0
             with timer("sync"):
-                version, restarted, push_s = step + 1, [], 0.0
+                version, restarted, push_s, push_bytes = step + 1, [], 0.0, 0
                 if colocate:  # room for the engine's weights, the update, then its KV cache
                     await on_trainer(trainer.release_memory)
                     await asyncio.to_thread(engines.resume_memory, ["weights"])
                 if feeder is None or feeder.push_due(step, step + 1 == cfg.rollout.num_rollouts, eval_due):
-                    restarted, push_s = await push(version)
+                    restarted, push_s, push_bytes = await push(version)
             if offload:  # the trainer's state to host memory while the engines generate
                 with timer("offload"):
                     offloaded_gib = await on_trainer(trainer.offload)
@@ -309,7 +309,8 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
                     **reward_metrics(groups), **estimator_metrics(estimator),
                     **sampling_metrics, **step_metrics, **{f"train/{k}": v for k, v in train_metrics.items()},
                     **phases, "perf/step_time": step_time, "perf/engine_restarts": float(len(restarted)),
-                    "perf/weight_push_s": push_s, **server_metrics(trainer, engines), **perf,
+                    "perf/weight_push_s": push_s,
+                    "perf/weight_push_bytes": float(push_bytes), **server_metrics(trainer, engines), **perf,
                     **({"perf/trainer_offloaded_gib": offloaded_gib} if offload else {}),
                     "rollout/empty_steps": float(empty_steps),  # fully_async: over generation, not the wait
                     "perf/rollout_tokens_per_s": tokens / max(sampling_metrics.get("perf/generation_s", generate_s),
