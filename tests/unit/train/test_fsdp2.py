@@ -81,3 +81,26 @@ def test_dp2_equals_dp1_and_resumes_across_sizes(tiny_ckpts, tmp_path):
             "the checkpoint's weights come back exactly"
         _close(resumed["resumed_m2"], writer["m2"], 1e-5)
         _weights_close(resumed["resumed_w2"], writer["w2"], 1e-6)
+
+
+def test_activation_checkpointing_and_micro_batches_change_nothing(tiny_ckpts):
+    """Recomputing each layer in backward, or another micro-batch split (by tokens), gives the same step."""
+    from posttrain.core.plugins import load_plugins
+    from posttrain.testing.contracts.trainer import contract_batch, run_config
+
+    plugins = load_plugins(autoload=False)
+    cls = plugins.registry("trainers")["fsdp2"]
+    results = []
+    for checkpointing, trainer_keys in ((False, {}), (True, {}), (False, {"max_tokens_per_micro_batch": 8})):
+        backend = cls(cls.Config(activation_checkpointing=checkpointing))
+        run = run_config(backend, **trainer_keys)
+        run.model.config.path = str(tiny_ckpts("qwen3"))
+        model = backend.build(run.model.create(plugins), run)
+        batch = contract_batch()
+        batch.old_log_probs, batch.ref_log_probs = (lp := model.log_probs(batch)[0]), lp - 0.01
+        results.append((model.train_step(batch, run.loss.create(plugins)), model.log_probs(batch)[0]))
+    (base, base_lp), *others = results
+    for metrics, lp in others:  # the loss's own metrics are micro-batch means; these four are the batch's
+        _close({k: metrics[k] for k in ("loss", "grad_norm", "kl", "entropy")},
+               {k: base[k] for k in ("loss", "grad_norm", "kl", "entropy")}, 1e-5)
+        assert (lp - base_lp).abs().max() < 1e-5
