@@ -104,3 +104,17 @@ def test_activation_checkpointing_and_micro_batches_change_nothing(tiny_ckpts):
         _close({k: metrics[k] for k in ("loss", "grad_norm", "kl", "entropy")},
                {k: base[k] for k in ("loss", "grad_norm", "kl", "entropy")}, 1e-5)
         assert (lp - base_lp).abs().max() < 1e-5
+
+
+def test_random_init_scales_the_residual_outputs_as_megatron_does():
+    """Without a checkpoint, each block's o_proj and down_proj are transformers' draw times 1 / sqrt(2 L) (Megatron's
+    output-layer init; L = 2 here: a factor 1/2), every other tensor transformers' draw as is."""
+    from posttrain.core.plugins import load_plugins
+    from posttrain.plugins.trainers.fsdp2.model import build_hf_model
+
+    spec = load_plugins(autoload=False).models["qwen3"]()
+    plain = dict(build_hf_model(spec, seed=3, scaled_output_init=False).named_parameters())
+    scaled = dict(build_hf_model(spec, seed=3).named_parameters())
+    changed = sorted(n for n in plain if not torch.equal(plain[n], scaled[n]))
+    assert changed == [f"model.layers.{i}.{p}.weight" for i in (0, 1) for p in ("mlp.down_proj", "self_attn.o_proj")]
+    assert all(torch.allclose(scaled[n], plain[n] * 0.5) for n in changed)

@@ -36,6 +36,9 @@ class FSDP2Backend(TrainerBackend):
             "auto", help="forward/backward compute dtype; auto = model.dtype (the master weights stay float32)")
         reduce_dtype: Literal["float32", "bfloat16"] = option("float32", help="dtype of the gradient reduce-scatter")
         activation_checkpointing: bool = option(False, help="recompute each decoder layer's activations in backward")
+        scaled_output_init: bool = option(
+            True, help="random init (no model.path): each block's residual-output projections (o_proj, down_proj, ...) "
+                       "drawn with std / sqrt(2 x layers), as Megatron draws them; false: transformers' own init")
         cpu_offload: bool = option(False, help="GPU: parameters, gradients and optimizer state in host memory "
                                                "(FSDP2's CPUOffloadPolicy; the optimizer steps on the CPU)")
 

@@ -9,7 +9,8 @@ The loop's calls (shapes in :mod:`posttrain.core.train_batch`; every per-token t
     model.save(dir); model.load(dir); model.save_hf(dir)
 
 Weights: ``AutoModelForCausalLM`` from the spec's checkpoint or, from its ``config.json`` mapping, a random
-init after ``torch.manual_seed(seed)`` (every rank draws the same). Parameters are held in float32 and
+init after ``torch.manual_seed(seed)`` (every rank draws the same; residual-output projections scaled by
+``1 / sqrt(2 L)`` as Megatron draws them, :func:`scale_residual_outputs`). Parameters are held in float32 and
 sharded over the group's ranks (each decoder layer, named by the model's ``_no_split_modules``, then the
 root); forward and backward compute in ``param_dtype`` (``auto``: the spec's dtype) and gradients are
 reduce-scattered in ``reduce_dtype``; AdamW updates the float32 shards (the master weights).
@@ -44,8 +45,9 @@ SUMMED_METRICS = {"kl_loss": "kl", "entropy": "entropy"}  # total_loss's terms: 
 SUMMED = set(SUMMED_METRICS.values())
 
 
-def build_hf_model(spec: Any, seed: int) -> torch.nn.Module:
-    """The spec's HF model in float32: its checkpoint, or a random init from ``spec.hf_config()``."""
+def build_hf_model(spec: Any, seed: int, scaled_output_init: bool = True) -> torch.nn.Module:
+    """The spec's HF model in float32: its checkpoint, or a random init from ``spec.hf_config()`` (transformers'
+    own, then :func:`scale_residual_outputs` with ``scaled_output_init``)."""
     import transformers
 
     if spec.config.path:
@@ -54,7 +56,29 @@ def build_hf_model(spec: Any, seed: int) -> torch.nn.Module:
     kwargs = {k: v for k, v in hf.items() if k not in ("model_type", "architectures", "torch_dtype", "dtype")}
     config = transformers.AutoConfig.for_model(hf["model_type"], **kwargs)
     torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if scaled_output_init:
+        scale_residual_outputs(model)
+    return model
+
+
+def scale_residual_outputs(model: torch.nn.Module) -> int:
+    """Scale each decoder block's residual-stream writers by ``1 / sqrt(2 L)`` (``L`` blocks): in every direct child
+    of a block (attention, MLP), the last ``nn.Linear`` whose output width is the hidden size (``o_proj``,
+    ``down_proj``, ``dense_4h_to_h``, a MoE's shared-expert ``down_proj``). A weight drawn ``N(0, s^2)`` becomes
+    ``N(0, s^2 / 2L)``: Megatron's (and GPT-2's) output-layer init, which keeps the residual stream's variance
+    from growing with depth. Returns the weights scaled."""
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in blocks]
+    hidden, count = getattr(model.config, "hidden_size", None), 0
+    with torch.no_grad():
+        for layer in layers:
+            for child in layer.children():
+                writers = [m for m in child.modules() if isinstance(m, torch.nn.Linear) and m.out_features == hidden]
+                if writers:
+                    writers[-1].weight.mul_((2 * len(layers)) ** -0.5)
+                    count += 1
+    return count
 
 
 class FSDP2Model:
@@ -73,7 +97,7 @@ class FSDP2Model:
         self.max_response_len = max_response_len
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.dtype = DTYPES[spec.config.dtype]  # of what leaves: export_hf, save_hf
-        model = build_hf_model(spec, seed)
+        model = build_hf_model(spec, seed, backend.scaled_output_init)
         model.config.use_cache = False
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         self.architecture = type(model).__name__  # before fully_shard renames the class (FSDP<name>)
