@@ -118,3 +118,21 @@ def test_random_init_scales_the_residual_outputs_as_megatron_does():
     changed = sorted(n for n in plain if not torch.equal(plain[n], scaled[n]))
     assert changed == [f"model.layers.{i}.{p}.weight" for i in (0, 1) for p in ("mlp.down_proj", "self_attn.o_proj")]
     assert all(torch.allclose(scaled[n], plain[n] * 0.5) for n in changed)
+
+
+@pytest.mark.parametrize("overrides, error", [
+    ({"model": {"name": "hf"}}, "trainer.backend: model 'hf' has no Megatron mapping; megatron trains glm4, "),
+    ({"trainer": {"backend": {"name": "fsdp2"}}, "estimator": "gae"},
+     "trainer.backend: fsdp2 trains no critic, which estimator 'gae' needs"),
+])
+def test_backend_mistakes_are_one_line_config_errors(overrides, error):
+    from posttrain.core.config import load_config
+    from posttrain.core.errors import ConfigError
+    from posttrain.core.plugins import load_plugins
+    from posttrain.testing.contracts.trainer import RUN
+
+    data = {**RUN, **{k: v for k, v in overrides.items() if k != "trainer"},
+            "trainer": {**RUN["trainer"], **overrides.get("trainer", {})}}
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, data=data, plugins=load_plugins(autoload=False))
+    assert any(e.startswith(error) for e in caught.value.errors), caught.value.errors
