@@ -19,6 +19,7 @@ every name and shape checked before the first copy).
 from __future__ import annotations
 
 import hashlib
+import inspect
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +69,8 @@ class HFGenerator:
             self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
         self.model.to(self.device).eval()
         self.config = self.model.config
+        # the KV cache's argument and output field: ``cache`` in newer transformers, ``past_key_values`` before
+        self.cache_key = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.tied = bool(getattr(self.config, "tie_word_embeddings", False))
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         eos = self.config.eos_token_id
@@ -92,9 +95,9 @@ class HFGenerator:
             for r in rows:
                 self._finished(r)
             while any(r.finish is None for r in rows):
-                out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                                 use_cache=True)
-                cache = out.past_key_values
+                out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                                 **{self.cache_key: cache})
+                cache = getattr(out, self.cache_key)
                 live = [i for i, r in enumerate(rows) if r.finish is None]
                 logits = out.logits[live, -1].float()
                 tokens, logprobs = sample_tokens(logits, [rows[i].params for i in live],
