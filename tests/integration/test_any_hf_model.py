@@ -48,18 +48,23 @@ def make_checkpoint(out, model_type: str):
     return out
 
 
-@pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
-def test_two_steps_of_any_architecture(tmp_path, model_type):
-    """Two steps; each step's engine log-probs equal the trainer's (the push reached the engine), the reference
-    stays put, and the weight push's bytes are logged."""
-    ckpt = make_checkpoint(tmp_path / model_type, model_type)
+def two_steps(tmp_path, ckpt, *overrides: str) -> tuple:
+    """``(run dir, metrics rows)`` of two quickstart steps on ``ckpt`` with fsdp2 and the hf engine."""
     run = tmp_path / "run"
     out = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "run", str(QUICKSTART), "--run-dir", str(run),
                           *SMALL, "model.name=hf", f"model.path={ckpt}", "model.dtype=float32", "model.tokenizer=char",
-                          "trainer.backend.name=fsdp2", "rollout.engine.name=hf"],
+                          "trainer.backend.name=fsdp2", "rollout.engine.name=hf", *overrides],
                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return run, [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
+def test_two_steps_of_any_architecture(tmp_path, model_type):
+    """Two steps (weight sync auto: a Gloo group); each step's engine log-probs equal the trainer's (the push
+    reached the engine), the reference stays put, and the weight push's bytes are logged."""
+    ckpt = make_checkpoint(tmp_path / model_type, model_type)
+    run, rows = two_steps(tmp_path, ckpt)
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
         assert r["train_rollout_logprob_abs_diff"] < 1e-3, r["train_rollout_logprob_abs_diff"]
@@ -71,3 +76,13 @@ def test_two_steps_of_any_architecture(tmp_path, model_type):
                for r in rows), "every step pushes the whole model (float32) once"
     config = json.loads((run / "hf-final" / "config.json").read_text())
     assert config["model_type"] == model_type
+
+
+@pytest.mark.parametrize("mode", ["disk", "tensor"])
+def test_the_other_weight_sync_modes(tmp_path, mode):
+    """Pushes from disk and by tensor reach the hf engine exactly: its /weights_checksum matches every pushed
+    tensor (rollout.check_weights), and its log-probs equal the trainer's."""
+    ckpt = make_checkpoint(tmp_path / "ckpt", "mistral")
+    _, rows = two_steps(tmp_path, ckpt, f"rollout.weight_sync={mode}", "rollout.check_weights=true")
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["train_rollout_logprob_abs_diff"] < 1e-3 and r["perf/weight_push_bytes"] > 0 for r in rows)

@@ -42,9 +42,6 @@ class FSDP2Backend(TrainerBackend):
         cpu_offload: bool = option(False, help="GPU: parameters, gradients and optimizer state in host memory "
                                                "(FSDP2's CPUOffloadPolicy; the optimizer steps on the CPU)")
 
-    def offloaded_bytes_per_parameter(self, run: Any) -> float:
-        return 16.0
-
     def check_config(self, run: Any, plugins: Any) -> list[str]:
         errors = []
         estimator = plugins.estimators.get(run.estimator.name) if getattr(run, "estimator", None) else None
