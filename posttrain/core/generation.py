@@ -77,19 +77,19 @@ class Generation:
             with timer("generate_wait"):
                 await asyncio.wait([self.pending])
 
-    async def push(self, version: int) -> tuple[list[str], float]:
+    async def push(self, version: int) -> tuple[list[str], float, int]:
         """New weights to every engine (``fully_async`` pauses them for it): the engines restarted, the push's
-        seconds."""
+        seconds and bytes."""
         def sync():
             return push_weights(self.trainer, self.engines, version, self.latest_dir)
         return await (self.feeder.push(sync, version) if self.feeder else self.on_trainer(sync))
 
-    async def push_if_due(self, step: int, eval_due: bool) -> tuple[list[str], float]:
+    async def push_if_due(self, step: int, eval_due: bool) -> tuple[list[str], float, int]:
         """After step ``step``'s training: the push, unless ``fully_async``'s ``update_weights_interval`` skips it."""
         last = step + 1 == self.cfg.rollout.num_rollouts
         if self.feeder is None or self.feeder.push_due(step, last, eval_due):
             return await self.push(step + 1)
-        return [], 0.0
+        return [], 0.0, 0
 
     def cancel(self) -> None:
         if self.pending is not None:

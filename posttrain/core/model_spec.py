@@ -35,6 +35,8 @@ class ModelSpec(Component):
     model_types: tuple[str, ...] = ()
     presets: dict[str, dict[str, Any]] = {}
     hf_architecture = ""  # e.g. "Qwen3ForCausalLM": written to config.json by save_hf
+    # True for a spec that takes any architecture from its checkpoint's config.json (model_types then empty)
+    generic = False
 
     @dataclass
     class Config:
@@ -90,6 +92,12 @@ class ModelSpec(Component):
         return bool(hf.get("tie_word_embeddings", False))
 
     # ---------------------------------------------------------------- Megatron side
+    @classmethod
+    def has_megatron_mapping(cls) -> bool:
+        """Whether the spec maps its family to Megatron (implements :meth:`transformer_config` and the weight
+        mapping below): what the Megatron trainer backend needs."""
+        return cls.transformer_config is not ModelSpec.transformer_config
+
     def transformer_config(self, hf: dict[str, Any]) -> dict[str, Any]:
         """``TransformerConfig`` keyword arguments (architecture only; the trainer adds parallelism/dtype)."""
         raise NotImplementedError

@@ -80,7 +80,7 @@ async def run_step(parts: StepParts, step: int) -> StepResult:
     learned = await learn(parts, samples)
     await parts.generation.wait_overlap(timer)  # the push after it, so no response mixes versions
     eval_due = bool(cfg.eval.interval) and (step + 1) % cfg.eval.interval == 0
-    (restarted, push_s), offloaded_gib = await parts.memory.engines_turn(
+    (restarted, push_s, push_bytes), offloaded_gib = await parts.memory.engines_turn(
         timer, lambda: parts.generation.push_if_due(step, eval_due))
     phases, step_time = timer.pop(), time.perf_counter() - t0
     perf = _throughput(parts, learned, samples, step_time, phases)  # takes the FLOPs counts out of train_metrics
@@ -88,6 +88,7 @@ async def run_step(parts: StepParts, step: int) -> StepResult:
             **reward_metrics(groups), **estimator_metrics(parts.estimator), **sampling_metrics, **learned.metrics,
             **{f"train/{k}": v for k, v in learned.train_metrics.items()}, **phases, "perf/step_time": step_time,
             "perf/engine_restarts": float(len(restarted)), "perf/weight_push_s": push_s,
+            "perf/weight_push_bytes": float(push_bytes),
             **parts.server_metrics(parts.trainer, parts.engines), **perf,
             **({"perf/trainer_offloaded_gib": offloaded_gib} if parts.memory.offload else {}),
             "rollout/empty_steps": float(parts.empty_steps),  # fully_async: over generation, not the wait

@@ -8,6 +8,7 @@ is 0 (a prompt always precedes the response, so ``response_mask[:, 0] == 0``). S
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
@@ -135,3 +136,19 @@ def pack(tokens: torch.Tensor, lengths: torch.Tensor) -> Packed:
         cu_host.append(cu_host[-1] + n)
     cu = torch.tensor(cu_host, dtype=torch.int32).to(tokens.device)
     return Packed(ids.unsqueeze(0), positions.unsqueeze(0), targets, cu, max(sizes), cu_host)
+
+
+def split_by_tokens(lengths: list[int], parts: int) -> list[list[int]]:
+    """Sample indices of each of ``parts`` shares, balanced by token count (``lengths``: tokens per
+    sample). Longest first, each sample goes to the share with the fewest tokens so far (ties: fewer
+    samples, then the lower share): no share is empty while there are samples for all, and the largest
+    is within 4/3 of the best possible (greedy LPT). Each share keeps sample order."""
+    if len(lengths) < parts:
+        raise ValueError(f"{len(lengths)} samples cannot be split over {parts} data-parallel ranks")
+    heap = [(0, 0, p) for p in range(parts)]
+    shares: list[list[int]] = [[] for _ in range(parts)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        tokens, count, p = heapq.heappop(heap)
+        shares[p].append(i)
+        heapq.heappush(heap, (tokens + lengths[i], count + 1, p))
+    return [sorted(s) for s in shares]

@@ -64,7 +64,7 @@ def test_engine_killed_during_the_push_five_times_never_hangs_the_run(tmp_path):
             drill["kill"] = True
             drill["squat"] = socket.socket() if version == 3 else None
             t0 = time.monotonic()
-            restarted, _ = push_weights(trainer, engines, version, str(tmp_path / "hf-latest"))
+            restarted, *_ = push_weights(trainer, engines, version, str(tmp_path / "hf-latest"))
             assert len(restarted) == 1, f"drill {version}: the killed engine was not restarted"
             out = asyncio.run(generate())
             assert out["meta_info"]["weight_version"] == str(version), f"drill {version}: the push did not land"

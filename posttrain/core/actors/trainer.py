@@ -170,10 +170,12 @@ class TrainerRole:
     def weight_sync(self) -> str:
         return self.cfg.weight_sync_mode()
 
-    def push_weights(self, version: int, disk_dir: str | None = None) -> float:
+    def push_weights(self, version: int, disk_dir: str | None = None) -> tuple[float, int]:
         """New weights to the engines under their HF names, by ``rollout.weight_sync``: ``distributed``
         broadcasts buckets over the group, ``tensor`` hands colocated engines CUDA IPC handles bucket by
-        bucket, ``disk`` writes an HF checkpoint to ``disk_dir`` that the engines load. Seconds taken.
+        bucket, ``disk`` writes an HF checkpoint to ``disk_dir`` that the engines load. ``(seconds taken,
+        bytes pushed)``: the buckets' tensor bytes (one copy, whatever the engine count), or the safetensors
+        written for ``disk``.
 
         In a group, the ranks of data-parallel replica 0 gather each bucket from their TP shards and PP
         stages (``export_hf``, one bucket in memory at a time) and rank 0 sends it.
@@ -183,21 +185,23 @@ class TrainerRole:
         start = time.perf_counter()
         self.onload()
         if self.replica != 0:
-            return 0.0
+            return 0.0, 0
         bucket = int(self.cfg.rollout.weight_bucket_mb * (1 << 20))
-        mode = self.weight_sync
+        mode, sent = self.weight_sync, 0
         if mode == "disk":
             self.save_hf(disk_dir)
             if self.rank == 0:
                 self.sender.update_from_disk(disk_dir, version=version)
+                sent = sum(f.stat().st_size for f in Path(disk_dir).glob("*.safetensors"))
         elif mode == "tensor":  # every bucket sets the same version (idempotent)
-            self._each_bucket(self.policy.export_hf(bucket),
-                              lambda named: self.sender.update_from_tensors(named, version=version))
+            sent = self._each_bucket(self.policy.export_hf(bucket),
+                                     lambda named: self.sender.update_from_tensors(named, version=version))
         else:
-            self._each_bucket(self.policy.export_hf(bucket), lambda named: self.sender.send([named], version=version))
+            sent = self._each_bucket(self.policy.export_hf(bucket),
+                                     lambda named: self.sender.send([named], version=version))
         if self.cfg.rollout.check_weights:
             self.check_weights(version)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, sent
 
     def check_weights(self, version: int) -> None:
         """``rollout.check_weights``: every engine must hold what was just pushed; raises
@@ -215,19 +219,21 @@ class TrainerRole:
             if problem is not None:
                 raise WeightMismatch(f"rollout.check_weights: engine {url} after push {version}: {problem}")
 
-    def _each_bucket(self, buckets: Any, send: Any) -> None:
-        """``send(bucket)`` on rank 0 for every bucket. Every rank walks every bucket even after a failed
-        send, because gathering a bucket is a collective over the ranks holding its shards: a rank that
-        stopped early would leave the others waiting. The first failure is raised at the end."""
-        error = None
+    def _each_bucket(self, buckets: Any, send: Any) -> int:
+        """``send(bucket)`` on rank 0 for every bucket; the tensor bytes sent. Every rank walks every bucket
+        even after a failed send, because gathering a bucket is a collective over the ranks holding its
+        shards: a rank that stopped early would leave the others waiting. The first failure is raised at the end."""
+        error, sent = None, 0
         for named in buckets:
             if self.rank == 0 and error is None:
                 try:
                     send(named)
+                    sent += sum(t.numel() * t.element_size() for _, t in named)
                 except RuntimeError as exc:
                     error = exc
         if error is not None:
             raise error
+        return sent
 
     def offload(self) -> float:
         """The models' weights, optimizer state and snapshots to host memory, their gradients freed

@@ -53,7 +53,7 @@ class TrainerGroup:
     def connect_engines(self, engine_urls: list[str], backend: str | None = None, api_key: str | None = None) -> None:
         self.ranks.call("connect_engines", engine_urls, backend, api_key)
 
-    def push_weights(self, version: int, disk_dir: str | None = None) -> float:
+    def push_weights(self, version: int, disk_dir: str | None = None) -> tuple[float, int]:
         return self.ranks.call("push_weights", version, disk_dir)
 
     def release_memory(self) -> None:

@@ -11,15 +11,16 @@ from typing import Any
 log = logging.getLogger("posttrain.rollout")
 
 
-def push_weights(trainer: Any, engines: Any, version: int, disk_dir: str, attempts: int = 3) -> tuple[list[str], float]:
+def push_weights(trainer: Any, engines: Any, version: int, disk_dir: str,
+                 attempts: int = 3) -> tuple[list[str], float, int]:
     """New weights to every engine, surviving engines that die before or during the push.
 
     Each attempt first restarts dead engines (``engines.check_and_restart``: same port, or a fresh one),
     rebuilds the weight-update group when anything changed (a restarted engine, or a failed attempt,
     leaves the old group broken), then pushes. Every HTTP call and collective of a push is bounded
     (``rollout.weight_sync_timeout_s``), so a death mid-push fails the attempt in bounded time instead of
-    hanging the next generation. Returns the URLs of restarted engines and the seconds of the
-    successful push; the last attempt's error propagates.
+    hanging the next generation. Returns the URLs of restarted engines, the seconds of the successful push
+    and its bytes (``TrainerRole.push_weights``); the last attempt's error propagates.
     """
     restarted: list[str] = []
     for attempt in range(attempts):
@@ -28,13 +29,13 @@ def push_weights(trainer: Any, engines: Any, version: int, disk_dir: str, attemp
         if now or attempt:
             trainer.connect_engines(engines.urls()[1])
         try:
-            return restarted, trainer.push_weights(version, disk_dir)
+            return restarted, *trainer.push_weights(version, disk_dir)
         except (RuntimeError, OSError) as exc:
             if attempt == attempts - 1:
                 raise
             log.warning("weight push %s failed (attempt %d of %d): %s", version, attempt + 1, attempts, exc)
             time.sleep(1.0)  # let the process table show the death before checking again
-    return restarted, 0.0
+    return restarted, 0.0, 0
 
 
 async def watching(engines: Any, engine: Any, generation: Any, every_s: float = 1.0) -> tuple[Any, float]:

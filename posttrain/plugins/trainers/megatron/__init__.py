@@ -64,9 +64,10 @@ class MegatronBackend(TrainerBackend):
     def check_config(self, run: Any, plugins: Any) -> list[str]:
         errors = []
         spec = plugins.models.get(run.model.name) if run.model else None
-        if spec is not None and not hasattr(spec, "transformer_config"):
-            errors.append(f"trainer.backend: model {run.model.name!r} has no Megatron mapping (a DenseGPTSpec or "
-                          f"a spec with transformer_config/layer_spec)")
+        if spec is not None and not _megatron_mapped(spec):
+            mapped = sorted(n for n, s in plugins.models.items() if _megatron_mapped(s))
+            errors.append(f"trainer.backend: model {run.model.name!r} has no Megatron mapping; megatron trains "
+                          f"{', '.join(mapped)} (trainer.backend.name: fsdp2 trains any HF model)")
         moe = spec is not None and hasattr(spec, "num_experts")
         errors += [f"trainer.backend.{key}: model {run.model.name!r} has no experts" for key, on in
                    (("ep", self.config.ep > 1), ("routing_replay", self.config.routing_replay)) if on and not moe]
@@ -146,6 +147,12 @@ def _rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank()
+
+
+def _megatron_mapped(spec: Any) -> bool:
+    """Whether model spec class ``spec`` maps its family to Megatron (``ModelSpec.has_megatron_mapping``)."""
+    mapped = getattr(spec, "has_megatron_mapping", None)
+    return mapped() if mapped is not None else hasattr(spec, "transformer_config")
 
 
 @hookimpl

@@ -11,27 +11,12 @@ equals the step at DP=1 up to float summation order.
 
 from __future__ import annotations
 
-import heapq
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-
-def split_by_tokens(lengths: list[int], parts: int) -> list[list[int]]:
-    """Sample indices of each of ``parts`` shares, balanced by token count (``lengths``: tokens per
-    sample). Longest first, each sample goes to the share with the fewest tokens so far (ties: fewer
-    samples, then the lower share): no share is empty while there are samples for all, and the largest
-    is within 4/3 of the best possible (greedy LPT). Each share keeps sample order."""
-    if len(lengths) < parts:
-        raise ValueError(f"{len(lengths)} samples cannot be split over {parts} data-parallel ranks")
-    heap = [(0, 0, p) for p in range(parts)]
-    shares: list[list[int]] = [[] for _ in range(parts)]
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        tokens, count, p = heapq.heappop(heap)
-        shares[p].append(i)
-        heapq.heappush(heap, (tokens + lengths[i], count + 1, p))
-    return [sorted(s) for s in shares]
+from posttrain.core.train_batch import split_by_tokens
 
 
 def dp_rank_size() -> tuple[int, int]:
