@@ -154,6 +154,7 @@ class Watchdog:
         self.config, self.report_path, self.resume_hint = config, Path(report_path), resume_hint
         self.waits, self.out = waits or WAITS, out
         self.probes: list[tuple[str, Callable[[], list[str]]]] = []
+        self.probe_timeout_s = 15.0
         self.reports = 0
         self.fired: str | None = None  # the exit line, once the run was told to stop
         self._last_report: float | None = None
@@ -228,11 +229,7 @@ class Watchdog:
                  "== waiting on (blocking waits, then coroutines'; oldest first) =="]
         lines += [f"  {w.describe(now)}" for w in waits] or ["  (no registered wait)"]
         for title, probe in self.probes:
-            lines += ["", f"== {title} =="]
-            try:
-                lines += [f"  {line}" for line in probe()]
-            except Exception as exc:  # a report must come out whatever one probe hits
-                lines.append(f"  (probe failed: {type(exc).__name__}: {exc})")
+            lines += ["", f"== {title} =="] + [f"  {line}" for line in _bounded(probe, self.probe_timeout_s)]
         lines += ["", "== driver threads (most recent call last) ==", driver_stacks()]
         self.report_path.parent.mkdir(parents=True, exist_ok=True)
         self.report_path.write_text("\n".join(lines) + "\n")
@@ -244,10 +241,14 @@ class Watchdog:
         return line
 
     def _end_run(self) -> None:
-        """The stall ends the run in the main thread; a shut-down that hangs too ends the process."""
-        if self._armed:
-            signal.pthread_kill(self._main, signal.SIGUSR2)
-            time.sleep(self.config.exit_grace_s)  # a daemon thread: a process that exits in time ends it
+        """The stall ends the run in the main thread; a shut-down that hangs too ends the process. Started off the
+        main thread (an embedding program's), the process is not ours to end: the line is printed, no more."""
+        if not self._armed:
+            print(f"error: {self.fired} (the watchdog runs off the main thread: it cannot stop the run)",
+                  file=self.out or sys.stderr, flush=True)
+            return
+        signal.pthread_kill(self._main, signal.SIGUSR2)
+        time.sleep(self.config.exit_grace_s)  # a daemon thread: a process that exits in time ends it
         print(f"error: {self.fired} (exiting now: the shut-down did not finish in {self.config.exit_grace_s:g} s)",
               file=self.out or sys.stderr, flush=True)
         os._exit(1)
@@ -255,6 +256,23 @@ class Watchdog:
     def _raise_stall(self, signum: int, frame: Any) -> None:
         signal.signal(signal.SIGUSR2, signal.SIG_DFL)  # once
         raise Stalled(self.fired or "stalled")
+
+
+def _bounded(probe: Callable[[], list[str]], timeout_s: float) -> list[str]:
+    """``probe()``'s lines, run on a thread of its own: a probe that fails or hangs (it may ask the stuck process
+    itself) says so instead of keeping the report from coming out."""
+    out: list[list[str]] = []
+
+    def run() -> None:
+        try:
+            out.append(list(probe()))
+        except Exception as exc:
+            out.append([f"(probe failed: {type(exc).__name__}: {exc})"])
+
+    thread = threading.Thread(target=run, name="posttrain-watchdog-probe", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return out[0] if out else [f"(probe did not finish in {timeout_s:g} s)"]
 
 
 def process_lines(processes: list[tuple[str, int, str | None]]) -> list[str]:
@@ -308,7 +326,8 @@ def watch_roles(watchdog: Watchdog, trainer: Any, engines: Any) -> None:
     """The report's sections on the run's other processes: each trainer rank and engine server started here
     (state, stacks through SIGUSR1) and each engine's queue."""
     def processes() -> list[str]:
-        listed = [p for role in (trainer, engines) for p in (getattr(role, "processes", lambda: [])() or [])]
+        # only roles whose class lists its processes: a Ray actor's handle would ask (and name pids of) another node
+        listed = [p for role in (trainer, engines) if getattr(type(role), "processes", None) for p in role.processes()]
         return process_lines(listed) or ["(none started by this process)"]
 
     def queues() -> list[str]:

@@ -122,10 +122,11 @@ class _Ranks:
         ranks = list(range(self.world)) if only is None else only
         self._send(ranks, (method, args, kwargs))
         with waiting_on("trainer_rank", f"{method}: ranks {ranks} of {self.world} have not answered") as wait:
-            return self._collect(ranks, every, timeout_s, wait)
+            return self._collect(ranks, every, timeout_s, lambda pending: wait.update(
+                f"{method}: ranks {sorted(pending)} of {self.world} have not answered"))
 
     def _collect(self, ranks: list[int], every: bool = False, timeout_s: float | None = None,
-                 wait: Any = None) -> Any:
+                 pending_now: Any = None) -> Any:
         """The answers of ``ranks`` (bounded by ``timeout_s`` when given; else the watchdog's ``stall_s``)."""
         pending, results, failures = set(ranks), {}, {}
         start, failed_at = time.monotonic(), None
@@ -134,9 +135,8 @@ class _Ranks:
                 pending.discard(rank)
                 (results if status == "ok" else failures)[rank] = value
                 failed_at = failed_at or (time.monotonic() if failures else None)
-                if wait is not None:
-                    wait.update(wait.what.split(":")[0] + f": ranks {sorted(pending)} of {self.world} have not "
-                                                          "answered")
+                if pending_now is not None:
+                    pending_now(pending)
             death = self._death()
             if death is not None:
                 self.broken = True

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -187,3 +188,15 @@ def test_start_up_has_its_own_bound_until_training_starts(tmp_path):
     assert dog.limit_s == 5 and dog.check(now=waits.last_progress + 6)
     assert "(watchdog.stall_s = 5)" in (tmp_path / "r.txt").read_text()
     assert Watchdog(WatchdogConfig(stall_s=7), tmp_path / "x.txt").limit_s == 7, "default: stall_s throughout"
+
+
+def test_a_probe_that_hangs_does_not_keep_the_report_back(tmp_path):
+    waits, release = Waits(), threading.Event()
+    dog = Watchdog(WatchdogConfig(stall_s=1), tmp_path / "r.txt", waits=waits)
+    dog.probe_timeout_s = 0.2
+    dog.add_probe("asks the stuck process", lambda: [release.wait(30) and "late"])
+    try:
+        assert dog.check(now=waits.last_progress + 2)
+    finally:
+        release.set()
+    assert "(probe did not finish in 0.2 s)" in (tmp_path / "r.txt").read_text()
