@@ -307,13 +307,17 @@ def _catches(pid: int, signum: int) -> bool:
 def engine_queue_lines(urls: list[str], api_key: str | None = None, timeout_s: float = 2.0) -> list[str]:
     """Each engine's queue from ``/get_server_info`` (``internal_states[0]``'s request counts), or that it did not
     answer within ``timeout_s``."""
-    from posttrain.core.rollout.weight_sync import post_json
+    import json
+    import urllib.request
 
     lines = []
     for url in urls:
+        request = urllib.request.Request(url + "/get_server_info",
+                                         headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
         try:
-            info = post_json(url + "/get_server_info", timeout=timeout_s, api_key=api_key, method="GET")
-        except (OSError, ValueError, RuntimeError) as exc:
+            with urllib.request.urlopen(request, timeout=timeout_s) as resp:  # an HTTP error is an OSError
+                info = json.loads(resp.read())
+        except (OSError, ValueError) as exc:
             lines.append(f"engine {url}: did not answer /get_server_info in {timeout_s:g} s ({exc})")
             continue
         state = (info.get("internal_states") or [{}])[0]

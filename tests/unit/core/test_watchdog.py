@@ -200,3 +200,17 @@ def test_a_probe_that_hangs_does_not_keep_the_report_back(tmp_path):
     finally:
         release.set()
     assert "(probe did not finish in 0.2 s)" in (tmp_path / "r.txt").read_text()
+
+
+def test_a_weight_update_collective_is_a_wait_named_with_its_engines_and_bound():
+    from posttrain.core.rollout.weight_sync import WeightSender
+    from posttrain.core.watchdog import WAITS
+
+    sender = WeightSender(["http://127.0.0.1:9"], timeout_s=3)  # port 9: refused at once
+    seen = []
+    with pytest.raises(RuntimeError):
+        sender._fan_out("/update_weights_from_distributed", [{}], during=lambda: seen.extend(WAITS.active()))
+    assert [(w.kind, w.what) for w in seen] == [("collective", "/update_weights_from_distributed with "
+                                                 "http://127.0.0.1:9 (group weight_update_group; "
+                                                 "rollout.weight_sync_timeout_s = 3)")]
+    assert WAITS.active() == []
