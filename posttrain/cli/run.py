@@ -108,6 +108,10 @@ def run(config: Path = typer.Argument(None, help="run config (YAML); optional wi
             start_training(cfg, plugins, run, resume=plan.checkpoint is not None or plan.start_over,
                            on_step=display.update, on_phase=display.phase)
     except KeyboardInterrupt as exc:
+        from posttrain.core.errors import RunFailed, Stalled
+
+        if isinstance(exc, Stalled):  # the watchdog's line: what the run waits on, the report, how to resume
+            raise RunFailed(str(exc)) from None
         interrupted(run, display.next_step, total, signalled=exc)
     run.mark_complete(total)
     _finish(run)

@@ -25,6 +25,7 @@ from posttrain.core.errors import ConfigError
 from posttrain.core.interfaces import needs_of
 from posttrain.core.registry import KINDS
 from posttrain.core.rewards import RewardRunnerConfig
+from posttrain.core.watchdog import WatchdogConfig
 from posttrain.core.schema import build, option, to_dict
 
 
@@ -449,6 +450,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     teacher: TeacherConfig | None = option(None, help="a teacher fleet for on-policy distillation")
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
 
     def validate(self) -> list[str]:
         mode = self.mode.cls

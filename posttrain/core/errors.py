@@ -39,6 +39,14 @@ class Terminated(KeyboardInterrupt):
     exit_code = 143
 
 
+class Stalled(KeyboardInterrupt):
+    """The run watchdog found no progress for ``watchdog.stall_s``: raised in the main thread (as SIGTERM's
+    :class:`Terminated` is, so no ``except Exception`` on the way swallows it); the CLI reports it as a
+    :class:`RunFailed` line, exit code 1."""
+
+    exit_code = 1
+
+
 class PluginError(UsageError):
     """A plugin could not be loaded or registered (duplicate name, import failure, bad hook)."""
 

@@ -39,6 +39,7 @@ from posttrain.core.rollout.preempt import PausableEngine
 from posttrain.core.rollout.teacher import open_teacher
 from posttrain.core.startup import Roles, start_roles
 from posttrain.core.step import StepParts, StepResult, run_step
+from posttrain.core.watchdog import Watchdog, tick, waiting_on, watch_roles
 
 __all__ = ["train"]
 
@@ -48,7 +49,6 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
     """Run ``cfg`` to ``rollout.num_rollouts`` steps in ``run`` (a RunDirectory); the last metrics. Every
     role rebuilds the same plugin set (``plugins.load_args``) in its own process. ``on_phase(name)`` marks
     each start-up phase, ``on_step(step, metrics, samples)`` each step's end."""
-    phase = on_phase or (lambda name, detail="": None)
     executor = EXECUTORS[cfg.resources.executor](cfg, **plugins.load_args)
     # A step's trainer calls run on one thread of their own, not on asyncio's pool: PyTorch gives each thread that
     # runs a matmul its own cuBLAS handle and each handle a workspace (32 MiB on Hopper); with the pool's threads
@@ -59,9 +59,12 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         return asyncio.get_running_loop().run_in_executor(trainer_thread, fn, *args)
 
     async with AsyncExitStack() as stack:
+        watchdog = _watchdog(cfg, run, stack)
+        phase = _ticking(on_phase)
         stack.callback(executor.close)
         stack.callback(trainer_thread.shutdown)  # after trainer.close (callbacks run last-in first-out)
         roles = start_roles(cfg, plugins, executor, run, stack, resume, phase)
+        watch_roles(watchdog, roles.trainer, roles.engines)
         setup = _load_setup(cfg, plugins, run, roles, stack, phase)  # while the engines load
         generation = await _connect(cfg, executor, run, roles, setup, stack, phase, on_trainer)
         memory = MemoryPlan(cfg.resources.colocate, cfg.resources.offload_trainer, roles.trainer, roles.engines,
@@ -69,7 +72,8 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         with memory.around_first_push():
             start, state = _resume(cfg, run, roles, setup, resume, phase)
             phase("weights")
-            roles.trainer.push_weights(start, str(run.path / "hf-latest"))
+            with waiting_on("weight_push", f"first weight push (version {start})"):
+                roles.trainer.push_weights(start, str(run.path / "hf-latest"))
         if cfg.rollout.mode == "fully_async":  # the checkpoint's queued groups come back first
             stack.push_async_callback(generation.start_feeder(start, state.get("fully_async", {})).close)
         parts = StepParts(cfg, roles.trainer, roles.engines, setup.generator, setup.estimator, setup.rewards,
@@ -77,12 +81,14 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
                           empty_steps=state.get("empty_steps", 0))
         settle_heap()  # start-up's objects leave the collector; a step's short-lived ones die unscanned
         phase("train")
+        watchdog.training()
         if generation.feeder is not None:
             generation.feeder.start()
         last: dict[str, float] = {}
         with interrupts.graceful(cfg.checkpoint.stop_timeout_s if cfg.checkpoint.on_stop else None):
             for step in range(start, cfg.rollout.num_rollouts):
                 result = await run_step(parts, step)
+                tick()
                 last = result.metrics
                 saved = _end_step(parts, setup, run, plugins, on_step, step, result)
                 if interrupts.pending() is not None:  # Ctrl-C/SIGTERM during the step: stop at its boundary
@@ -93,6 +99,23 @@ async def train(cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step:
         await memory.before_export()
         roles.trainer.save_hf(str(run.path / "hf-final"))  # the final policy: transformers loads it, engines serve it
         return last
+
+
+def _watchdog(cfg: Any, run: Any, stack: AsyncExitStack) -> Watchdog:
+    """The run's watchdog (``watchdog:``), started now and stopped last, after every role closed."""
+    watchdog = Watchdog(cfg.watchdog, run.path / "stall-report.txt",
+                        resume_hint=f"rl-cli run --resume {run.path} continues from its last checkpoint")
+    stack.callback(watchdog.stop)
+    return watchdog.start()
+
+
+def _ticking(on_phase: Any) -> Callable[..., None]:
+    """``on_phase`` (or nothing), each start-up phase also progress for the watchdog."""
+    def phase(name: str, detail: str = "") -> None:
+        tick()
+        if on_phase is not None:
+            on_phase(name, detail)
+    return phase
 
 
 @dataclass

@@ -40,6 +40,7 @@ from typing import Any, Literal
 from posttrain.core.errors import UsageError
 from posttrain.core.schema import option
 from posttrain.core.types import Sample, SampleStatus
+from posttrain.core.watchdog import waiting_on
 
 log = logging.getLogger("posttrain.rewards")
 
@@ -276,14 +277,16 @@ class RewardRunner:
 
     def _call_sync(self, part: _RewardPart, unit) -> tuple[bool, Any]:
         try:
-            return True, part.reward(unit)
+            with waiting_on("reward", part.label):  # a sync call cannot be cut short: watchdog.stall_s bounds it
+                return True, part.reward(unit)
         except Exception as exc:
             return False, _describe(exc)
 
     async def _call_async(self, part: _RewardPart, unit, results) -> None:
         async with self._semaphore:
             try:
-                out = (True, await asyncio.wait_for(part.reward(unit), self.timeout))
+                with waiting_on("reward", part.label, blocking=False):  # bounded by reward_runner.timeout when set
+                    out = (True, await asyncio.wait_for(part.reward(unit), self.timeout))
             except asyncio.TimeoutError:
                 out = (False, f"timed out after {self.timeout}s (reward_runner.timeout)")
             except Exception as exc:
@@ -301,7 +304,8 @@ class RewardRunner:
         futures = [loop.run_in_executor(pool, _run_chunk, part.label, c) for c in light]
         for chunk, payload, fut in zip(chunks, light, futures):
             try:
-                outs = await fut
+                with waiting_on("reward", f"{part.label} (a chunk of {len(chunk)} in the worker pool)", blocking=False):
+                    outs = await fut
             except BrokenProcessPool:
                 # a worker died (os._exit, a native crash, the OOM killer) and took the pool down: retry
                 # this chunk once on a fresh pool, so only the chunk that kills workers fails

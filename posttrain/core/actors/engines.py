@@ -57,6 +57,12 @@ class EngineRole:
     def server_states(self) -> list[dict[str, Any]]:
         return self.fleet.server_states()
 
+    def processes(self) -> list[tuple[str, int, str | None]]:
+        """``(label, pid, log)`` of each engine server running here (the watchdog's report asks them for their
+        state and stacks)."""
+        return [(f"engine {s.base_url}", s.proc.pid, str(s.log_path) if s.log_path else None)
+                for s in self.fleet.servers if getattr(s, "proc", None) is not None]
+
     def drop_dead(self) -> list[str]:
         return self.fleet.drop_dead()
 

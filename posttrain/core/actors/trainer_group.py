@@ -27,6 +27,7 @@ from typing import Any
 
 from posttrain.core.actors.trainer_rank import answer, build_role
 from posttrain.core.errors import RunFailed, UsageError
+from posttrain.core.watchdog import waiting_on
 
 
 class TrainerGroup:
@@ -82,6 +83,12 @@ class TrainerGroup:
         """Process ids of the ranks, in rank order."""
         return self.ranks.call("pid", every=True)
 
+    def processes(self) -> list[tuple[str, int, str | None]]:
+        """``(label, pid, log)`` of each rank this host runs as a child (none for Ray actors): the watchdog's
+        report asks them for their state and stacks without a call that a stuck rank would not answer."""
+        procs = getattr(self.ranks, "procs", [])
+        return [(f"trainer rank {r}", p.pid, self.ranks.logs[r]) for r, p in enumerate(procs)]
+
     def close(self) -> None:
         self.ranks.close()
 
@@ -114,9 +121,13 @@ class _Ranks:
             raise RunFailed("the trainer group lost a rank (or was closed); rl-cli run --resume RUN_DIR continues")
         ranks = list(range(self.world)) if only is None else only
         self._send(ranks, (method, args, kwargs))
-        return self._collect(ranks, every, timeout_s)
+        with waiting_on("trainer_rank", f"{method}: ranks {ranks} of {self.world} have not answered") as wait:
+            return self._collect(ranks, every, timeout_s, lambda pending: wait.update(
+                f"{method}: ranks {sorted(pending)} of {self.world} have not answered"))
 
-    def _collect(self, ranks: list[int], every: bool = False, timeout_s: float | None = None) -> Any:
+    def _collect(self, ranks: list[int], every: bool = False, timeout_s: float | None = None,
+                 pending_now: Any = None) -> Any:
+        """The answers of ``ranks`` (bounded by ``timeout_s`` when given; else the watchdog's ``stall_s``)."""
         pending, results, failures = set(ranks), {}, {}
         start, failed_at = time.monotonic(), None
         while pending:
@@ -124,6 +135,8 @@ class _Ranks:
                 pending.discard(rank)
                 (results if status == "ok" else failures)[rank] = value
                 failed_at = failed_at or (time.monotonic() if failures else None)
+                if pending_now is not None:
+                    pending_now(pending)
             death = self._death()
             if death is not None:
                 self.broken = True

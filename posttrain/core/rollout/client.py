@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 
 from posttrain.core import jsonio
+from posttrain.core.watchdog import waiting_on
 
 
 class EngineRequestError(RuntimeError):
@@ -75,25 +76,29 @@ class EngineClient:
         ``payload``: a JSON-able object, or ``bytes`` already encoded as JSON, sent as they are."""
         self._ensure()
         url = self.base_url + path
-        attempt = 0
         async with self._sem:
-            while True:
-                attempt_task = asyncio.ensure_future(self._attempt(method, url, payload, attempt))
-                self._inflight.add(attempt_task)
-                try:
-                    return await attempt_task
-                except asyncio.CancelledError:
-                    if asyncio.current_task().cancelling() or not attempt_task.cancelled():
-                        raise  # our caller cancelled us: not an interrupt
-                    exc: BaseException = _Retry("interrupted: the engine serving it died")
-                except (aiohttp.ClientConnectionError, asyncio.TimeoutError, _Retry) as err:
-                    exc = err
-                finally:
-                    self._inflight.discard(attempt_task)
-                if attempt >= self.max_retries:
-                    raise ConnectionError(f"{url}: {exc!r} after {attempt + 1} attempt(s)") from exc
-                await asyncio.sleep(self.backoff_s * (2 ** attempt) * (1 + random.random()))
-                attempt += 1
+            with waiting_on("engine", f"{method} {url}", blocking=False):  # bounded: timeout_s per attempt, max_retries
+                return await self._attempts(method, url, payload)
+
+    async def _attempts(self, method: str, url: str, payload: dict[str, Any] | bytes | None) -> Any:
+        attempt = 0
+        while True:
+            attempt_task = asyncio.ensure_future(self._attempt(method, url, payload, attempt))
+            self._inflight.add(attempt_task)
+            try:
+                return await attempt_task
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling() or not attempt_task.cancelled():
+                    raise  # our caller cancelled us: not an interrupt
+                exc: BaseException = _Retry("interrupted: the engine serving it died")
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError, _Retry) as err:
+                exc = err
+            finally:
+                self._inflight.discard(attempt_task)
+            if attempt >= self.max_retries:
+                raise ConnectionError(f"{url}: {exc!r} after {attempt + 1} attempt(s)") from exc
+            await asyncio.sleep(self.backoff_s * (2 ** attempt) * (1 + random.random()))
+            attempt += 1
 
     async def _attempt(self, method: str, url: str, payload: dict[str, Any] | None, attempt: int) -> Any:
         if isinstance(payload, bytes):  # a body encoded once by the caller (a merged /generate)

@@ -32,10 +32,22 @@ def exit_with_parent(poll_s: float = 0.5) -> None:
     """In a process that :func:`spawn` started (engine servers, trainer ranks): a daemon thread that ends
     it once the process that started it is gone. Defence in depth for ``PR_SET_PDEATHSIG``, which the
     kernel ties to the *thread* that forked (a server restarted from a worker thread) and which a
-    reparenting to a subreaper does not trigger; this depends on neither. A no-op without the variable."""
+    reparenting to a subreaper does not trigger; this depends on neither. A no-op without the variable.
+    Also: SIGUSR1 writes every thread's stack to this process's output (its log), so a run's stall report
+    (``core.watchdog``) can ask a stuck server or rank where it is."""
     parent = int(os.environ.pop(PARENT_ENV, "0") or 0)
     if parent > 1:
+        _stacks_on_sigusr1()
         watch_parent(parent, poll_s)
+
+
+def _stacks_on_sigusr1() -> None:
+    import faulthandler
+
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    except (OSError, ValueError, AttributeError, RuntimeError):  # no stderr descriptor, or not on this platform
+        pass
 
 
 def watch_parent(parent: int, poll_s: float = 0.5) -> None:

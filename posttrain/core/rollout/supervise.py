@@ -8,6 +8,8 @@ import logging
 import time
 from typing import Any
 
+from posttrain.core.watchdog import waiting_on
+
 log = logging.getLogger("posttrain.rollout")
 
 
@@ -20,8 +22,15 @@ def push_weights(trainer: Any, engines: Any, version: int, disk_dir: str,
     leaves the old group broken), then pushes. Every HTTP call and collective of a push is bounded
     (``rollout.weight_sync_timeout_s``), so a death mid-push fails the attempt in bounded time instead of
     hanging the next generation. Returns the URLs of restarted engines, the seconds of the successful push
-    and its bytes (``TrainerRole.push_weights``); the last attempt's error propagates.
+    and its bytes (``TrainerRole.push_weights``); the last attempt's error propagates. The whole of it is one
+    wait for the watchdog.
     """
+    with waiting_on("weight_push", f"weight push of version {version} to {', '.join(engines.urls()[1])}"):
+        return _push_attempts(trainer, engines, version, disk_dir, attempts)
+
+
+def _push_attempts(trainer: Any, engines: Any, version: int, disk_dir: str,
+                   attempts: int) -> tuple[list[str], float, int]:
     restarted: list[str] = []
     for attempt in range(attempts):
         now = engines.check_and_restart()

@@ -60,11 +60,14 @@ async def run_tool(call: ToolCall, tools: dict[str, Callable[..., Any]], timeout
         return f"error: unknown tool {call.name!r}; available: {', '.join(sorted(tools)) or '(none)'}"
     from posttrain.core.rollout.tool_workers import ToolFailed, ToolTimeout, default_workers
 
+    from posttrain.core.watchdog import waiting_on
+
     try:
-        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
-            result = await asyncio.wait_for(fn(**call.arguments), timeout_s)
-        else:
-            result = await default_workers().call(fn, call.arguments, timeout_s)
+        with waiting_on("tool", call.name, blocking=False):
+            if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+                result = await asyncio.wait_for(fn(**call.arguments), timeout_s)
+            else:
+                result = await default_workers().call(fn, call.arguments, timeout_s)
     except (asyncio.TimeoutError, ToolTimeout):
         return f"error: tool {call.name!r} timed out after {timeout_s:g} s"
     except ToolFailed as exc:  # raised in the worker: its type name and message

@@ -38,6 +38,8 @@ from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
+from posttrain.core.watchdog import waiting_on
+
 DEFAULT_GROUP = "weight_update_group"
 
 
@@ -284,17 +286,20 @@ class WeightSender:
                 results[i] = exc
 
         threads = [threading.Thread(target=call, args=(i,), daemon=True) for i in range(len(self.engine_urls))]
-        for t in threads:
-            t.start()
-        error = None
-        try:
-            if during is not None:
-                during()
-        except Exception as exc:
-            error = exc
-        deadline = time.monotonic() + self.timeout_s  # one bound for all, not one per engine
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+        what = f"{path} with {', '.join(self.engine_urls)} (group {self.group_name}; rollout.weight_sync_timeout_s " \
+               f"= {self.timeout_s:g})"
+        with waiting_on("collective", what):
+            for t in threads:
+                t.start()
+            error = None
+            try:
+                if during is not None:
+                    during()
+            except Exception as exc:
+                error = exc
+            deadline = time.monotonic() + self.timeout_s  # one bound for all, not one per engine
+            for t in threads:
+                t.join(max(0.0, deadline - time.monotonic()))
         results = [TimeoutError(f"no answer within {self.timeout_s:.0f} s") if r is None else r for r in results]
         failed = [f"{self.engine_urls[i]}{path}: {r}" for i, r in enumerate(results)
                   if isinstance(r, Exception) or not (isinstance(r, dict) and r.get("success", True))]

@@ -38,3 +38,24 @@ def test_any_other_error_names_the_rank_and_its_log():
     ranks = _Answering([("error", ("ValueError", False, "bad shape")), ("ok", None)])
     with pytest.raises(RuntimeError, match=r"trainer rank 0: ValueError: bad shape \(traceback in logs/trainer-rank0"):
         ranks.call("train")
+
+
+def test_the_watchdog_sees_which_ranks_have_not_answered():
+    from posttrain.core.watchdog import WAITS
+
+    seen = []
+
+    class _OneSlow(_Answering):
+        """Rank 0 answers at once, rank 1 on the third look."""
+
+        looks = 0
+
+        def _wait(self, pending, timeout_s):
+            self.looks += 1
+            seen.append([w.what for w in WAITS.active() if w.kind == "trainer_rank"])
+            return {0: ("ok", 0)} if 0 in pending else ({1: ("ok", 1)} if self.looks >= 3 else {})
+
+    assert _OneSlow([None, None]).call("train", every=True) == [0, 1]
+    assert seen[0] == ["train: ranks [0, 1] of 2 have not answered"]
+    assert seen[1] == ["train: ranks [1] of 2 have not answered"]
+    assert not [w for w in WAITS.active() if w.kind == "trainer_rank"], "the answer ends the wait"

@@ -99,9 +99,11 @@ async def test_abort_request_ends_in_flight_requests_with_abort(engine_url, engi
         one = asyncio.create_task(engine.generate(input_ids=[5, 6], sampling_params=long, rid="victim"))
         rest = [asyncio.create_task(engine.generate(input_ids=[7, 8], sampling_params=long)) for _ in range(3)]
         for _ in range(500):  # until all four reached the engine (bounded: 5 s)
-            if (await engine.get_server_info())["internal_states"][0]["num_requests"] >= 4:
+            state = (await engine.get_server_info())["internal_states"][0]
+            if state["num_requests"] >= 4:
                 break
             await asyncio.sleep(0.01)
+        assert state["num_running_reqs"] + state["num_waiting_reqs"] == state["num_requests"] == 4  # queue depths
         await engine.abort_request(rid="victim")
         out = await one
         assert out["meta_info"]["finish_reason"]["type"] == "abort"
@@ -333,3 +335,11 @@ def test_engine_serve_refuses_warm_up_sampling_it_could_not_serve(tmp_path):
                               "--load-format", "dummy", "--no-api-key", "--warm-sampling", value],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_stall_report_reads_the_engines_queue_depths(engine_url, engine_key):
+    from posttrain.core.watchdog import engine_queue_lines
+
+    [line] = engine_queue_lines([engine_url], engine_key)
+    assert line.startswith(f"engine {engine_url}: {{") and "'num_running_reqs': 0" in line
+    assert "'num_waiting_reqs': 0" in line

@@ -150,6 +150,12 @@ class BatchEngine:
         return len(self._running) + len(self._waiting) + self._inbox.qsize()
 
     @property
+    def queue_depths(self) -> dict[str, int]:
+        """Requests decoding now, and those waiting for a slot (queued or not yet taken in): a run's stall report
+        reads them from ``/server_info``."""
+        return {"num_running_reqs": len(self._running), "num_waiting_reqs": len(self._waiting) + self._inbox.qsize()}
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 

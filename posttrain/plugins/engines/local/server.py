@@ -397,6 +397,7 @@ class EngineServer:
         return web.json_response({**self.server_args, "version": "posttrain-local-engine",
                                   "weight_version": self.engine.weight_version, "startup_s": self.startup_s,
                                   "internal_states": [{"num_requests": self.engine.num_requests,
+                                                       **self.engine.queue_depths,
                                                        "memory": self.memory.stats(),
                                                        "steps": self.engine.steps,
                                                        "totals": await self._totals()}]})
