@@ -78,7 +78,7 @@ def run(config: Path = typer.Argument(None, help="run config (YAML); optional wi
             console.print(f"[green]data OK[/]: {escape(summary)}", highlight=False, soft_wrap=True)
         console.print(f"[green]config OK[/]: {escape(plan.source)}", highlight=False, soft_wrap=True)
         return
-    if plan.completed is not None and finished(plan, cfg.mode.create(plugins).total_steps(cfg)):
+    if plan.completed is not None and finished(plan, cfg.mode.create(plugins).total_steps(cfg), bool(overrides)):
         return
     run = plan.run
     if run is None:
@@ -117,10 +117,11 @@ def run(config: Path = typer.Argument(None, help="run config (YAML); optional wi
     _finish(run)
 
 
-def finished(plan: Plan, total: int) -> bool:
-    """A finished run asked to resume: True (said so, nothing to do) when it trained ``total`` steps already;
-    more steps go on from its last checkpoint, or are refused where it has none."""
-    if total <= plan.completed:
+def finished(plan: Plan, total: int, overridden: bool) -> bool:
+    """A finished run asked to resume: True (said so, nothing to do) when it trained ``total`` steps already
+    (with overrides and a checkpoint, the resume goes on to check them, e.g. another model is refused); more
+    steps go on from its last checkpoint, or are refused where it has none."""
+    if total <= plan.completed and (not overridden or plan.checkpoint is None):
         console.print(f"run complete ({plan.completed}/{total}): nothing to resume in {plan.run.path}; its final "
                       f"model is in {plan.run.path / 'hf-final'}", soft_wrap=True, markup=False)
         return True

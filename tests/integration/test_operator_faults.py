@@ -76,15 +76,18 @@ echo $? > {out}/ro.rc
 
 
 STOPPER = '''
-import os, signal, threading
+import os, signal, threading, time
 from posttrain import hookimpl
 
 @hookimpl
 def posttrain_on_step_end(step, metrics):
-    """Once: the signal 0.1 s after step 1 ends, so it arrives while step 2 runs."""
+    """Once: the signal 0.1 s after step 1 ends, while step 2 runs (its end waits for it: steps are fast)."""
     if step == 1 and not os.path.exists(os.environ["STOP_MARK"]):
         open(os.environ["STOP_MARK"], "w").close()
         threading.Timer(0.1, os.kill, (os.getpid(), int(os.environ["STOP_SIGNAL"]))).start()
+    elif step == 2 and os.path.exists(os.environ["STOP_MARK"]) and not os.path.exists(os.environ["STOP_MARK"] + ".2"):
+        open(os.environ["STOP_MARK"] + ".2", "w").close()
+        time.sleep(2.0)  # the signal lands here at the latest, inside the step
 '''
 
 
@@ -108,7 +111,7 @@ def test_ctrl_c_and_sigterm_save_the_step_in_flight_and_resume_exactly(tmp_path,
     assert "stopping at the end of this step, with a checkpoint" in first.stderr and "Traceback" not in first.stderr
     assert f"resume with: rl-cli run --resume {run}" in first.stderr
     stopped_after = len(jsonl(run / "metrics.jsonl"))
-    assert 2 <= stopped_after < 4 and (run / "checkpoints" / "latest").read_text() == f"step_{stopped_after - 1:06d}"
+    assert stopped_after == 3 and (run / "checkpoints" / "latest").read_text() == f"step_{stopped_after - 1:06d}"
     resumed = rl_cli("--resume", run, env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert curve(jsonl(run / "metrics.jsonl")) == whole_curve  # no step lost, none trained twice

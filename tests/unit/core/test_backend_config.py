@@ -52,8 +52,8 @@ def test_engine_backend_checks_run_before_start(plugins):
     errors = errors_of(plugins, ["rollout.engine.nme=local"])
     assert len(errors) == 1 and errors[0].startswith("rollout.engine.nme: unknown key") and "device" in errors[0]
     errors = errors_of(plugins, ["trainer.backend.name=megatorn"])
-    assert errors == ["trainer.backend.name: unknown trainer 'megatorn'. Did you mean 'megatron'? Valid: megatron "
-                      "(see `rl-cli plugins list --kind trainer`)."]
+    assert errors == ["trainer.backend.name: unknown trainer 'megatorn'. Did you mean 'megatron'? Valid: fsdp2, "
+                      "megatron (see `rl-cli plugins list --kind trainer`)."]
 
 
 def test_the_local_engine_refuses_a_model_it_cannot_serve(write):
