@@ -190,6 +190,32 @@ class ReceiverGroup:
         return out
 
 
+def tensor_buckets(named: Iterable[tuple[str, Any]], bucket_bytes: int) -> Iterable[list[tuple[str, Any]]]:
+    """``named`` tensors grouped, in order, into lists of at most ``bucket_bytes`` (a larger tensor gets its own):
+    what a trainer backend's weight export yields, one bucket per push call."""
+    bucket: list[tuple[str, Any]] = []
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def read_safetensors(files: Iterable[Any]) -> dict[str, Any]:
+    """Every tensor of these ``*.safetensors`` files by name (an engine's ``update_weights_from_disk``)."""
+    from safetensors.torch import load_file
+
+    named: dict[str, Any] = {}
+    for f in files:
+        named.update(load_file(str(f)))
+    return named
+
+
 def serialize_named_tensors(named: list[tuple[str, Any]]) -> str:
     """SGLang's ``MultiprocessingSerializer.serialize(named, output_str=True)`` format: base64 of a pickle.
 

@@ -22,6 +22,8 @@ from typing import Any
 
 from aiohttp import web
 
+from posttrain.core.rollout.weight_sync import read_safetensors
+
 from posttrain.plugins.engines.local.bodies import BadRequest, read_json
 
 BODY_LIMIT = 1 << 30  # weight updates by tensor carry whole buckets
@@ -71,15 +73,7 @@ class WeightEndpoints:
         if not files:
             raise BadRequest(f"model_path: no *.safetensors files in {path}")
 
-        def read() -> dict[str, Any]:
-            from safetensors.torch import load_file
-
-            named: dict[str, Any] = {}
-            for f in files:
-                named.update(load_file(str(f)))
-            return named
-
-        return await self._load(await asyncio.to_thread(read), body, f"update_weights_from_disk {path}",
+        return await self._load(await asyncio.to_thread(read_safetensors, files), body, f"update_weights_from_disk {path}",
                                 require_all=True)
 
     async def init_group(self, request: web.Request) -> web.Response:

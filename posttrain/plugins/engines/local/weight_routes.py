@@ -22,6 +22,8 @@ from typing import Any
 
 from aiohttp import web
 
+from posttrain.core.rollout.weight_sync import read_safetensors
+
 from posttrain.plugins.engines.local.bodies import WEIGHTS_BODY_LIMIT, BadRequest
 
 
@@ -56,16 +58,8 @@ class WeightRoutes:
         if not files:
             raise BadRequest(f"model_path: no *.safetensors files in {path}")
 
-        def read() -> dict[str, Any]:
-            from safetensors.torch import load_file
-
-            named: dict[str, Any] = {}
-            for f in files:
-                named.update(load_file(str(f)))
-            return named
-
         try:
-            named = await asyncio.to_thread(read)
+            named = await asyncio.to_thread(read_safetensors, files)
             count = await self._load(named, require_all=True)
         except Exception as exc:  # unreadable files, or names/shapes that are not this model's
             raise BadRequest(f"update_weights_from_disk {path}: {exc}") from None

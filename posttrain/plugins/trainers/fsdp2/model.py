@@ -244,16 +244,9 @@ class FSDP2Model:
     def export_hf(self, bucket_bytes: int = 1 << 30) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Buckets ``[(hf_name, tensor)]`` of at most ``bucket_bytes`` (a larger tensor alone), in the
         spec's dtype, on every rank (call it on every rank: each tensor is gathered from all)."""
-        bucket, size = [], 0
-        for name, tensor in self._full_named():
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, tensor))
-            size += nbytes
-        if bucket:
-            yield bucket
+        from posttrain.core.rollout.weight_sync import tensor_buckets
+
+        yield from tensor_buckets(self._full_named(), bucket_bytes)
 
     def save_hf(self, out_dir: str | Path) -> Path:
         """An HF checkpoint (config.json + safetensors, the spec's dtype) written by rank 0; a collective."""

@@ -342,21 +342,6 @@ def iter_hf(model: Any, spec: Any, hf: dict[str, Any]) -> Iterator[tuple[str, to
         yield from box[0]
 
 
-def buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """``named`` tensors grouped into lists of at most ``bucket_bytes`` (a larger tensor gets its own)."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
-
-
 def save_hf(model: Any, spec: Any, hf: dict[str, Any], out_dir: str | Path, *, dtype: str | None = None,
             source_dir: str | Path | None = None, shard_bytes: int = 5 << 30) -> Path | None:
     """Write an HF checkpoint (``config.json`` + safetensors shards + index) from rank 0; tokenizer files

@@ -449,7 +449,9 @@ class MegatronTrainer:
         gets its own bucket), TP shards gathered: a collective, call it on every TP rank. The weight push: the optimizer's
         state, offloaded, starts for host memory behind it (``offload_overlap``)."""
         self._offload.start_out()
-        return M.buckets(M.iter_hf(self.model, self.spec, self.hf), bucket_bytes)
+        from posttrain.core.rollout.weight_sync import tensor_buckets
+
+        return tensor_buckets(M.iter_hf(self.model, self.spec, self.hf), bucket_bytes)
 
     def save_hf(self, out_dir: str | Path) -> Path | None:
         """An HF checkpoint of the current weights (written by rank 0; tokenizer copied from the spec's path)."""
