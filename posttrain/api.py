@@ -11,7 +11,7 @@ behind the types::
         needs = EstimatorNeeds(critic=True)  # the loop computes critic values for it
         ...
 
-Kinds whose contract is a call (losses, corrections, rewards, filters, generators, tools) are
+Kinds whose contract is a call (losses, corrections, rewards, filters, generators, tools, agents) are
 runtime-checkable Protocols: a plain class (or a registered function) satisfies them. Kinds with more to
 them are base classes to subclass: :class:`Estimator`, :class:`ModelSpec`, :class:`EngineBackend`,
 :class:`TrainerBackend`, :class:`RunMode`; :class:`PolicyLoss` implements :class:`Loss` with shape checks,
@@ -21,7 +21,7 @@ every component shares. :data:`INTERFACES` maps each registry kind to its type.
 
 from __future__ import annotations
 
-from posttrain.core.interfaces import (Component, Correction, Estimator, EstimatorNeeds, Filter, Finding,
+from posttrain.core.interfaces import (Agent, Component, Correction, Estimator, EstimatorNeeds, Filter, Finding,
                                        Generator, Loss, Reward, Tool, needs_of)
 from posttrain.core.losses import PolicyLoss
 from posttrain.core.model_spec import ModelSpec
@@ -40,11 +40,12 @@ INTERFACES: dict[str, type] = {
     "models": ModelSpec,
     "filters": Filter,
     "tools": Tool,
+    "agents": Agent,
     "engines": EngineBackend,
     "trainers": TrainerBackend,
     "modes": RunMode,
 }
 
-__all__ = ["INTERFACES", "Component", "Correction", "EngineBackend", "EngineLaunch", "EngineSlot", "Estimator",
+__all__ = ["INTERFACES", "Agent", "Component", "Correction", "EngineBackend", "EngineLaunch", "EngineSlot", "Estimator",
            "EstimatorNeeds", "Filter", "Finding", "Generator", "Loss", "ModelSpec", "PolicyLoss", "Reward", "RunMode",
            "Tool", "TrainerBackend", "needs_of"]

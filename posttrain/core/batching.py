@@ -27,6 +27,22 @@ def dropped_metrics(groups: list[list[Sample]]) -> dict[str, float]:
     return {"rollout/aborted": float(sum(s.status == SampleStatus.ABORTED for g in groups for s in g))}
 
 
+def generator_metrics(groups: list[list[Sample]]) -> dict[str, float]:
+    """Metrics a generator stored on the kept groups' samples (trained or not, so failures count):
+    ``rollout/<name>`` = the sum over samples of ``metadata["rollout_sums"][name]`` (counts, e.g.
+    ``agent_failed``) and the mean over the samples that have it of ``metadata["rollout_means"][name]``
+    (per-sample quantities, e.g. ``turns_per_sample``)."""
+    sums: dict[str, float] = {}
+    means: dict[str, list[float]] = {}
+    for s in (s for g in groups for s in g):
+        for name, value in (s.metadata.get("rollout_sums") or {}).items():
+            sums[name] = sums.get(name, 0.0) + float(value)
+        for name, value in (s.metadata.get("rollout_means") or {}).items():
+            means.setdefault(name, []).append(float(value))
+    return {**{f"rollout/{k}": v for k, v in sums.items()},
+            **{f"rollout/{k}": sum(v) / len(v) for k, v in means.items()}}
+
+
 def to_batch(samples: list[Sample]) -> tuple[TrainBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(batch, rewards [B], group_index [B], rollout_log_probs [B, T])`` for ``samples``.
 

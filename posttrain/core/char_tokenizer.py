@@ -19,21 +19,24 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tokenizer(out_dir: str | Path | None = None):
-    """A character-level ``PreTrainedTokenizerFast`` (vocab: special tokens, then printable ASCII).
+def make_tokenizer(out_dir: str | Path | None = None, extra_special_tokens: list[str] | tuple[str, ...] = (),
+                   chat_template: str | None = None):
+    """A character-level ``PreTrainedTokenizerFast`` (vocab: special tokens, then printable ASCII, then
+    ``extra_special_tokens``, e.g. another family's role markers).
 
     ``eos`` and ``pad`` are ``<|endoftext|>`` (id 0); ``<|im_end|>`` (id 2) also ends a chat turn.
-    Saved to ``out_dir`` when given.
+    ``chat_template``: the template (default :data:`CHAT_TEMPLATE`). Saved to ``out_dir`` when given.
     """
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+    extra = [t for t in extra_special_tokens if t not in SPECIAL_TOKENS]
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS + extra)}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
     core.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                                  additional_special_tokens=SPECIAL_TOKENS[1:])
-    tok.chat_template = CHAT_TEMPLATE
+                                  additional_special_tokens=SPECIAL_TOKENS[1:] + extra)
+    tok.chat_template = chat_template or CHAT_TEMPLATE
     if out_dir is not None:
         tok.save_pretrained(str(out_dir))
     return tok

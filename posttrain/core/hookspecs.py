@@ -182,6 +182,24 @@ def posttrain_register_tools(registry: Registry) -> None:
 
 
 @hookspec
+def posttrain_register_agents(registry: Registry) -> None:
+    """Add agents that the ``openai_agent`` generator runs against its OpenAI-compatible endpoint.
+
+    :param registry: the agent registry; call ``registry.add(async_function, name="my_agent")``.
+
+    An agent satisfies ``posttrain.api.Agent`` (a Protocol): ``async def agent(base_url, api_key, sample)``.
+    ``base_url`` (``http://127.0.0.1:PORT/s/<id>/v1``) serves ``/chat/completions``, ``/completions`` and
+    ``/models`` for this one sample, authenticated with ``api_key``; every token the engines produce there is
+    recorded for training. It returns the final answer (a string the run's rewards score as
+    ``sample.response``) or a float reward (``rewards: [agent_reward]`` reads it). An agent that raises, hangs
+    past the generator's ``timeout_s`` or exceeds ``max_turns`` is counted in ``rollout/agent_failed`` and
+    its sample is not trained on.
+
+    Fires once per process inside ``load_plugins()``. Use in ``--plugin`` files: yes.
+    """
+
+
+@hookspec
 def posttrain_register_engines(registry: Registry) -> None:
     """Add rollout engine backends: what runs behind SGLang's HTTP protocol.
 

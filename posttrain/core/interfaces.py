@@ -2,7 +2,7 @@
 
 A component is a class with a ``name``, a nested dataclass ``Config`` and ``__init__(config=None)``;
 :class:`Component` gives the last for free. Kinds whose contract is a call (losses, corrections, rewards,
-filters, generators, tools) are :func:`~typing.runtime_checkable` Protocols, so a plain class or a
+filters, generators, tools, agents) are :func:`~typing.runtime_checkable` Protocols, so a plain class or a
 registered function satisfies them without inheriting anything; estimators declare what the loop must
 compute for them as one value, :class:`EstimatorNeeds`. ``posttrain.api`` gathers these with the base
 classes of the other kinds (model specs, engine and trainer backends, run modes).
@@ -153,6 +153,18 @@ class Tool(Protocol):
     async)."""
 
     def __call__(self, **arguments: Any) -> Any: ...
+
+
+@runtime_checkable
+class Agent(Protocol):
+    """Agent of the ``openai_agent`` generator: ``await agent(base_url, api_key, sample) -> str | float``.
+
+    It talks to an OpenAI-compatible endpoint at ``base_url`` (``.../v1``, bound to this one sample) with
+    ``api_key``, through any OpenAI-compatible client, runs its own tools, and returns its final answer (the
+    run's rewards score it as ``sample.response``) or a float (the sample's reward, read by the
+    ``agent_reward`` reward)."""
+
+    def __call__(self, base_url: str, api_key: str, sample: Sample) -> Any: ...
 
 
 @dataclass

@@ -54,6 +54,7 @@ class Plugins:
     models: Registry
     filters: Registry
     tools: Registry
+    agents: Registry
     engines: Registry
     trainers: Registry
     modes: Registry

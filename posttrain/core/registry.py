@@ -21,6 +21,7 @@ KINDS: dict[str, str] = {
     "models": "model",
     "filters": "filter",
     "tools": "tool",
+    "agents": "agent",
     "engines": "engine",
     "trainers": "trainer",
     "modes": "mode",

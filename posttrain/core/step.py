@@ -85,6 +85,7 @@ async def run_step(parts: StepParts, step: int) -> StepResult:
     phases, step_time = timer.pop(), time.perf_counter() - t0
     perf = _throughput(parts, learned, samples, step_time, phases)  # takes the FLOPs counts out of train_metrics
     last = {**batching.rollout_metrics(samples, step), **batching.dropped_metrics(groups),
+            **batching.generator_metrics(groups),
             **reward_metrics(groups), **estimator_metrics(parts.estimator), **sampling_metrics, **learned.metrics,
             **{f"train/{k}": v for k, v in learned.train_metrics.items()}, **phases, "perf/step_time": step_time,
             "perf/engine_restarts": float(len(restarted)), "perf/weight_push_s": push_s,

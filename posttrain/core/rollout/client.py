@@ -41,6 +41,7 @@ class EngineClient:
     def __init__(self, base_url: str, timeout_s: float = 600.0, max_retries: int = 3, max_concurrency: int = 512,
                  backoff_s: float = 0.2, api_key: str | None = None):
         self.base_url = base_url.rstrip("/")
+        self.api_key = api_key  # generators that serve their own endpoints (openai_agent) require the same key
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.max_retries = max_retries
