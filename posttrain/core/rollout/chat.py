@@ -33,6 +33,8 @@ from typing import Any
 
 log = logging.getLogger("posttrain.chat")
 
+TOOL_FORMATS = ("hermes", "llama_json", "glm_xml", "deepseek")
+
 # end-of-turn tokens of the known templates (the ones a tokenizer has are the engine's stop tokens)
 TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<｜end▁of▁sentence｜>", "<|user|>", "<|observation|>")
 
@@ -44,14 +46,16 @@ _DSV3 = re.compile(r"<｜tool▁call▁begin｜>(?:function)?<｜tool▁sep｜>(
 
 
 def detect_convention(template: str | None) -> str:
-    """The tool-call convention of a chat template: ``deepseek_v3``, ``glm4``, ``llama3`` or ``hermes`` (Qwen)."""
+    """The tool-call convention of a chat template (one of :data:`TOOL_FORMATS`): ``deepseek`` (DeepSeek-V3's
+    ``<｜tool▁call▁begin｜>`` blocks), ``glm_xml`` (GLM-4.5's ``<arg_key>/<arg_value>``), ``llama_json`` (Llama 3's
+    ``{"name", "parameters"}`` turn) or ``hermes`` (Qwen's ``<tool_call>{json}</tool_call>``)."""
     t = template or ""
     if "tool▁call▁begin" in t:
-        return "deepseek_v3"
+        return "deepseek"
     if "<arg_key>" in t:
-        return "glm4"
+        return "glm_xml"
     if "<|start_header_id|>" in t:
-        return "llama3"
+        return "llama_json"
     return "hermes"
 
 
@@ -75,19 +79,19 @@ def parse_tool_calls(text: str, convention: str) -> tuple[str, list[dict[str, An
     for end in TURN_ENDS:
         text = text.removesuffix(end)
     calls: list[dict[str, Any]] = []
-    if convention == "deepseek_v3":
+    if convention == "deepseek":
         head, sep, rest = text.partition("<｜tool▁calls▁begin｜>")
         calls = [c for c in (_call(n, a) for n, a in _DSV3.findall(rest)) if c] if sep else []
         return (head if calls else text), calls
-    if convention == "llama3":
+    if convention == "llama_json":
         body = text.removeprefix("<|python_tag|>").strip()
         obj = _loads(body) if body.startswith("{") else None
         call = _call(obj.get("name"), obj.get("parameters", obj.get("arguments"))) if isinstance(obj, dict) else None
         return ("", [call]) if call else (text, [])
-    pattern = _GLM if convention == "glm4" else _HERMES
+    pattern = _GLM if convention == "glm_xml" else _HERMES
     kept = []
     for match in pattern.finditer(text):
-        if convention == "glm4":
+        if convention == "glm_xml":
             call = _call(match.group(1), {k.strip(): _loads(v) for k, v in _GLM_ARG.findall(match.group(2))})
         else:
             obj = _loads(match.group(1))

@@ -74,3 +74,16 @@ class ModelSpecContract(ComponentContract):
                 assert torch.equal(tensor, state[name]), f"{mname} -> {name} does not round-trip exactly"
                 seen[name] = tensor
         assert set(seen) == set(state), f"HF tensors never mapped: {sorted(set(state) - set(seen))[:5]}"
+
+    def test_chat_template_is_token_in_token_out(self, model_spec):
+        """The family's chat template (``posttrain.testing.chat_templates``) renders random multi-turn conversations
+        with tool calls incrementally exactly as whole (``posttrain.testing.chat_conformance``)."""
+        from posttrain.testing.chat_conformance import check_template
+        from posttrain.testing.chat_templates import FAMILY_OF, TEMPLATES, chat_tokenizer
+
+        families = {FAMILY_OF[t] for t in type(model_spec).model_types if t in FAMILY_OF}
+        if not families:
+            pytest.skip(f"{type(model_spec).__name__}: no chat template of its family in posttrain.testing")
+        for family in sorted(families):
+            problems = check_template(chat_tokenizer(family), conversations=8, max_calls=TEMPLATES[family][2])
+            assert not problems, f"{family}: " + "\n".join(problems[:5])

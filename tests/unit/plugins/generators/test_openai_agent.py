@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -141,3 +142,112 @@ def test_edited_history_starts_a_counted_branch(engine_server):
     assert out[0].metadata["rollout_sums"]["agent_branches"] == 1
     assert len(out) == 2 and all(s.group_index == 3 and s.response == "done" for s in out), "each branch a sample"
     assert out[1].loss_mask[0] == 1 and out[1].prompt_length > out[0].prompt_length - 10
+
+
+class ScriptedEngine:
+    """SGLang-protocol answers from a script of texts (a random model never writes a tool call)."""
+
+    def __init__(self, tokenizer, path, script):
+        self.tokenizer, self.path, self.script, self.inputs = tokenizer, str(path), list(script), []
+        self.base_url, self.api_key = f"scripted://{id(self)}", None
+
+    async def get_model_info(self):
+        return {"model_path": self.path}
+
+    async def generate(self, input_ids, sampling_params, **kw):
+        self.inputs.append(list(input_ids))
+        ids = self.tokenizer.encode(self.script.pop(0), add_special_tokens=False)
+        return {"text": "", "output_ids": ids, "meta_info": {
+            "output_token_logprobs": [[-0.25, t, None] for t in ids], "finish_reason": {"type": "stop"},
+            "weight_version": "3"}}
+
+
+async def calculator_loop(base_url, api_key, sample):
+    """The example's agent shape: offer the calculator, run what the model calls, answer."""
+    from posttrain.plugins.tools.calculator import calculator
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key)
+    messages = [{"role": "user", "content": sample.prompt}]
+    for _ in range(4):
+        msg = (await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)).choices[0].message
+        messages.append(msg.model_dump(exclude_none=True))
+        if not msg.tool_calls:
+            return msg.content
+        for call in msg.tool_calls:
+            result = calculator(**json.loads(call.function.arguments))
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    return ""
+
+
+def test_tool_calls_parsed_and_tool_results_masked(tmp_path):
+    from posttrain.testing.chat_templates import chat_tokenizer
+
+    tok = chat_tokenizer("qwen3", vocab_size=128)
+    tok.save_pretrained(str(tmp_path))
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call><|im_end|>'
+    engine = ScriptedEngine(tok, tmp_path, [call, "5<|im_end|>"])
+    gen = OpenAIAgent(OpenAIAgent.Config(), agent=calculator_loop)
+
+    async def go():
+        out = await gen([Sample(prompt="2+3=")], engine, SamplingParams(max_new_tokens=200))
+        await gen._endpoint.stop()
+        return out
+
+    (s,) = asyncio.run(go())
+    assert s.response == "5" and s.status is SampleStatus.COMPLETED and s.weight_version == 3
+    assert s.metadata["rollout_means"]["tool_calls_per_sample"] == 1
+    assert s.metadata["rollout_sums"]["retokenization_mismatch"] == 0
+    first, second = (tok.encode(t, add_special_tokens=False) for t in (call, "5<|im_end|>"))
+    assert engine.inputs[1] == s.tokens[:len(engine.inputs[1])] == engine.inputs[0] + first + tok.encode(
+        "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+        add_special_tokens=False), "the tool result rendered by the template after the model's exact tokens"
+    response = s.tokens[s.prompt_length:]
+    assert response == first + response[len(first):-len(second)] + second
+    assert s.loss_mask == [1] * len(first) + [0] * (len(response) - len(first) - len(second)) + [1] * len(second)
+    assert s.rollout_log_probs == [-0.25 if m else 0.0 for m in s.loss_mask]
+
+
+def test_raising_hanging_and_over_budget_agents_fail_alone(engine_server):
+    async def agent(base_url, api_key, sample):
+        if sample.index == 0:
+            raise ValueError("boom")
+        if sample.index == 1:
+            await asyncio.sleep(1000)
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        for _ in range(3 if sample.index == 2 else 1):
+            try:
+                r = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "q"}],
+                                                         max_tokens=2)
+            except openai.BadRequestError:
+                pass  # an agent that swallows the refusal still fails
+        return r.choices[0].message.content
+
+    from posttrain.core.batching import generator_metrics
+
+    gen = OpenAIAgent(OpenAIAgent.Config(timeout_s=3.0, max_turns=2), agent=agent)
+    t0 = time.monotonic()
+    out, _ = run(gen, [Sample(prompt="q", index=i) for i in range(4)], engine_server)
+    assert time.monotonic() - t0 < 20, "a hung agent costs its timeout, not the step"
+    assert [s.status for s in out] == [SampleStatus.FAILED] * 3 + [SampleStatus.COMPLETED]
+    assert "raised ValueError: boom" in out[0].error and "timed out" in out[1].error
+    assert "max_turns=2" in out[2].error and out[3].response_length > 0
+    m = generator_metrics([out])
+    assert m["rollout/agent_failed"] == 3 and m["rollout/turns_per_sample"] == (0 + 0 + 2 + 1) / 4
+
+
+def test_256_concurrent_conversations(engine_server):
+    async def agent(base_url, api_key, sample):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=120)
+        msgs = [{"role": "user", "content": sample.prompt}]
+        r = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=4)
+        msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "and?"}]
+        r = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=4)
+        return r.choices[0].message.content or ""
+
+    gen = OpenAIAgent(OpenAIAgent.Config(), agent=agent)
+    out, engine = run(gen, [Sample(prompt=f"{i}+{i}=", index=i) for i in range(256)], engine_server, record=True)
+    assert len(out) == 256 and all(s.status is not SampleStatus.FAILED for s in out), [s.error for s in out][:3]
+    assert len(engine.calls) == 512
+    assert all(s.metadata["rollout_means"]["turns_per_sample"] == 2 and sum(s.loss_mask) > 0 for s in out)
+    assert sum(s.metadata["rollout_sums"]["retokenization_mismatch"] for s in out) == 0
+    assert sum(s.metadata["rollout_sums"]["agent_branches"] for s in out) == 0

@@ -1,5 +1,8 @@
 """The ``openai_agent`` generator: the user's agent, written against an OpenAI-compatible API, runs unchanged
-during RL against an endpoint that records every token the engines sample."""
+during RL against an endpoint that records every token the engines sample.
+
+``server``: the OpenAI-compatible HTTP endpoint; ``session``: one sample's conversation behind it.
+"""
 
 from __future__ import annotations
 
@@ -59,7 +62,7 @@ class OpenAIAgent(Component):
         eos_ends_turn: bool = option(False, help="also end a turn at the tokenizer's EOS, not only at the "
                                                  "template's end-of-turn token")
         tool_format: str = option("auto", help="tool-call format of the chat template: auto (detected from it), "
-                                               "hermes, llama3, glm4, deepseek_v3")
+                                               "hermes (Qwen), llama_json, glm_xml, deepseek")
         model_name: str = option("policy", help="the model id the endpoint reports and accepts")
 
     def __init__(self, config=None, agent=None):
@@ -73,9 +76,11 @@ class OpenAIAgent(Component):
         errors = []
         if self.config.agent not in plugins.agents:
             errors.append(f"generator.agent: {plugins.agents.unknown_message(self.config.agent)}")
-        if self.config.tool_format not in ("auto", "hermes", "llama3", "glm4", "deepseek_v3"):
+        from posttrain.core.rollout.chat import TOOL_FORMATS
+
+        if self.config.tool_format not in ("auto", *TOOL_FORMATS):
             errors.append(f"generator.tool_format: unknown format {self.config.tool_format!r}. "
-                          "Valid: auto, hermes, llama3, glm4, deepseek_v3")
+                          f"Valid: auto, {', '.join(TOOL_FORMATS)}")
         return errors
 
     def bind(self, plugins) -> None:
@@ -89,7 +94,7 @@ class OpenAIAgent(Component):
         """The endpoint of the running event loop (started on first use, with the engines' API key)."""
         import secrets
 
-        from posttrain.plugins.generators.agent_endpoint.server import AgentEndpoint
+        from posttrain.plugins.generators.openai_agent.server import AgentEndpoint
 
         loop = asyncio.get_running_loop()
         if self._endpoint is None or self._loop is not loop:
@@ -116,7 +121,7 @@ class OpenAIAgent(Component):
 
     async def rollout(self, sample, engine, sampling, tokenizer, endpoint) -> list:
         """Run the agent on ``sample``; return its training samples (``[sample]`` marked failed if it failed)."""
-        from posttrain.plugins.generators.agent_endpoint.session import Session
+        from posttrain.plugins.generators.openai_agent.session import Session
 
         fmt = None if self.config.tool_format == "auto" else self.config.tool_format
         session = Session(sample, engine, sampling, tokenizer, self.config, fmt)

@@ -46,6 +46,7 @@ class Session:
         self.over_budget = False
         self.closed = False
         self.finish, self.version, self.truncated = "stop", 0, False
+        self._sample_limited = False
         self.last_content = ""
         self.lock = asyncio.Lock()  # one request at a time: a conversation is a sequence
 
@@ -53,9 +54,10 @@ class Session:
         """``sampling_params`` for the next turn; None when the sample's response budget is spent."""
         seg = self.conv.segment
         used = len(seg.tokens) - seg.prompt_length if seg and seg.turns else 0
-        budget = self.sampling.max_new_tokens - used
+        remaining = self.sampling.max_new_tokens - used
         want = body.get("max_completion_tokens") or body.get("max_tokens")
-        budget = min(budget, int(want)) if want else budget
+        budget = min(remaining, int(want)) if want else remaining
+        self._sample_limited = budget == remaining  # hitting it truncates the sample, not only the request
         if budget <= 0:
             return None
         params = self.sampling.for_sample(self.sample, self.conv.turns)
@@ -93,7 +95,7 @@ class Session:
         except EngineRequestError as exc:
             raise RequestError(400, f"engine: {exc.message}") from None
         self.finish, self.version = finish_type(out), weight_version_int(out)
-        self.truncated = self.finish == "length"
+        self.truncated = self.finish == "length" and self._sample_limited
         return tokens_and_logprobs(out)
 
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:

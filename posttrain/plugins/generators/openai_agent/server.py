@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from posttrain.plugins.generators.agent_endpoint.session import RequestError, Session, stream_chunks
+from posttrain.plugins.generators.openai_agent.session import RequestError, Session, stream_chunks
 
 
 def _error(status: int, message: str) -> web.Response:
