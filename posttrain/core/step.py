@@ -157,7 +157,8 @@ async def _empty_step(parts: StepParts, step: int, groups: list, sampling_metric
     version), so staleness keeps counting steps."""
     parts.empty_steps += 1
     log.warning("step %d: no trainable sample (%d groups); skipped, the run goes on", step, len(groups))
-    last = {**reward_metrics(groups), **batching.dropped_metrics(groups), **sampling_metrics,
+    last = {**reward_metrics(groups), **batching.dropped_metrics(groups), **batching.generator_metrics(groups),
+            **sampling_metrics,
             **parts.timer.pop(), "rollout/samples": 0.0, "rollout/empty_steps": float(parts.empty_steps),
             "perf/step_time": time.perf_counter() - t0}
     if parts.generation.feeder is not None:

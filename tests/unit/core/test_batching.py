@@ -53,3 +53,14 @@ def test_a_loss_mask_of_the_wrong_length_is_named():
     s = Sample(prompt="p", tokens=[1, 2, 3], response_length=1, reward=0.0, loss_mask=[1, 1])
     with pytest.raises(ValueError, match="loss_mask has 2 entries for 1 response tokens"):
         batching.to_batch([s])
+
+
+def test_generator_metrics_sum_counts_and_average_per_sample_values():
+    from posttrain.core.batching import generator_metrics
+    from posttrain.core.types import Sample
+
+    a = Sample(prompt="a", metadata={"rollout_sums": {"agent_failed": 1.0}, "rollout_means": {"turns": 3.0}})
+    b = Sample(prompt="b", metadata={"rollout_sums": {"agent_failed": 1.0}, "rollout_means": {"turns": 1.0}})
+    c = Sample(prompt="c")  # a fan-out copy: carries none, counts in neither
+    assert generator_metrics([[a, c], [b]]) == {"rollout/agent_failed": 2.0, "rollout/turns": 2.0}
+    assert generator_metrics([[c]]) == {}

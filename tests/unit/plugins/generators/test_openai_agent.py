@@ -251,3 +251,11 @@ def test_256_concurrent_conversations(engine_server):
     assert all(s.metadata["rollout_means"]["turns_per_sample"] == 2 and sum(s.loss_mask) > 0 for s in out)
     assert sum(s.metadata["rollout_sums"]["retokenization_mismatch"] for s in out) == 0
     assert sum(s.metadata["rollout_sums"]["agent_branches"] for s in out) == 0
+
+
+def test_config_errors_name_the_key():
+    from posttrain.core.plugins import load_plugins
+
+    errors = OpenAIAgent(OpenAIAgent.Config(agent="nope", tool_format="xml")).check_config(None, load_plugins())
+    assert errors[0].startswith("generator.agent: unknown agent 'nope'") and "chat" in errors[0]
+    assert errors[1].startswith("generator.tool_format: unknown format 'xml'")
