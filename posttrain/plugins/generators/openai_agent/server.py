@@ -9,12 +9,16 @@ OpenAI-style ``{"error": {"message", "type", "code"}}`` bodies, so OpenAI client
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 from typing import Any
 
 from aiohttp import web
 
 from posttrain.plugins.generators.openai_agent.session import RequestError, Session, stream_chunks
+
+
+log = logging.getLogger("posttrain.openai_agent")
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -91,6 +95,9 @@ class AgentEndpoint:
             response = await session.chat(body)
         except RequestError as exc:
             return _error(exc.status, str(exc))
+        except Exception as exc:  # a template that cannot render these messages, ...: the agent sees why
+            log.warning("chat request failed: %s: %s", type(exc).__name__, exc)
+            return _error(500, f"{type(exc).__name__}: {exc}")
         if not body.get("stream"):
             return web.json_response(response)
         stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -107,3 +114,6 @@ class AgentEndpoint:
             return web.json_response(await session.complete(await self._body(request)))
         except RequestError as exc:
             return _error(exc.status, str(exc))
+        except Exception as exc:
+            log.warning("completions request failed: %s: %s", type(exc).__name__, exc)
+            return _error(500, f"{type(exc).__name__}: {exc}")

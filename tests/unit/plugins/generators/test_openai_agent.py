@@ -259,3 +259,24 @@ def test_config_errors_name_the_key():
     errors = OpenAIAgent(OpenAIAgent.Config(agent="nope", tool_format="xml")).check_config(None, load_plugins())
     assert errors[0].startswith("generator.agent: unknown agent 'nope'") and "chat" in errors[0]
     assert errors[1].startswith("generator.tool_format: unknown format 'xml'")
+
+
+def test_one_sample_per_turn(tmp_path):
+    from posttrain.testing.chat_templates import chat_tokenizer
+
+    tok = chat_tokenizer("qwen3", vocab_size=128)
+    tok.save_pretrained(str(tmp_path))
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call><|im_end|>'
+    engine = ScriptedEngine(tok, tmp_path, [call, "42<|im_end|>"])
+    gen = OpenAIAgent(OpenAIAgent.Config(samples="turn"), agent=calculator_loop)
+
+    async def go():
+        out = await gen([Sample(prompt="6*7=", group_index=5)], engine, SamplingParams(max_new_tokens=200))
+        await gen._endpoint.stop()
+        return out
+
+    first, second = asyncio.run(go())
+    assert first.tokens == engine.inputs[0] + tok.encode(call, add_special_tokens=False)
+    assert second.tokens[:second.prompt_length] == engine.inputs[1], "turn 2's prompt: all before it, as sent"
+    assert first.loss_mask == [1] * first.response_length and second.loss_mask == [1] * second.response_length
+    assert first.response == second.response == "42" and first.group_index == second.group_index == 5
