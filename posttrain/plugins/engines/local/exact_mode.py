@@ -1,0 +1,83 @@
+"""The local engine in exact mode (``rollout.exact``, ``rl-cli engine serve --exact``): its forward passes use
+:mod:`posttrain.core.exact`'s batch-invariant arithmetic, the same the trainer uses, so the log-prob it
+reports for a sampled token is the trainer's, bit for bit.
+
+What changes in the model runner (``RunnerTuning.exact``):
+
+- every RMSNorm of the checkpoint's modules computes ``exact.rms_norm`` and every MLP's activation
+  ``exact.silu`` (:func:`adopt`); Q/K/V and gate/up stay separate matmuls;
+- prefill and decode run under ``exact.mode()`` (every matmul through ``exact.bmm``'s fixed tiles) and attend
+  with ``exact.attention`` (:func:`prefill_attention`, :func:`step_attention`), whose key blocks start at
+  position 0 in the prefill, over the decode's cache span and in the trainer's causal pass alike;
+- the sampler's log-softmax is ``exact.log_softmax`` (``sampling``; ``exact.enabled()``);
+- eager only: no ``torch.compile``, CUDA graphs, fused Q/K/V, rotary-in-attention or fused sampling kernel
+  (each would reorder sums or fuse ops that the trainer runs apart).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from posttrain.core import exact
+
+
+class ExactSiLU(torch.nn.Module):
+    """``exact.silu`` as a module (an MLP's ``act_fn``)."""
+
+    def forward(self, x):
+        return exact.silu(x)
+
+
+def exact_tuning(tuning):
+    """``tuning`` (a ``RunnerTuning``) with the levers exact mode cannot keep turned off."""
+    return replace(tuning, compile=False, cuda_graphs=False, fuse_projections=False, rope_in_attention=False,
+                   decode_attention="sdpa")
+
+
+def adopt(runner) -> None:
+    """Make ``runner`` (a ``ModelRunner``) exact: its model's norms and activations through
+    :mod:`posttrain.core.exact`, its prefill and decode under ``exact.mode()`` with this module's attentions, and
+    the process marked exact (the sampler's log-softmax)."""
+    exact.enable()
+    exact.patch_norms(runner.model)
+    for module in runner.model.modules():
+        if hasattr(module, "act_fn"):
+            module.act_fn = ExactSiLU()
+    runner._exact_attention, runner._exact_step_attention = prefill_attention, step_attention
+    for name in ("prefill_scored", "_decode_eager"):
+        setattr(runner, name, _under_mode(getattr(runner, name)))
+
+
+def _under_mode(method):
+    def run(*args, **kwargs):
+        with exact.mode():
+            return method(*args, **kwargs)
+
+    run.__doc__ = method.__doc__
+    return run
+
+
+def prefill_attention(q, k, v, scale: float):
+    """Causal attention of a right-padded prompt batch: ``q [n, H, P, D]``, ``k``/``v`` ``[n, Hkv, P, D]``."""
+    n, _, width, _ = q.shape
+    positions = torch.arange(width, device=q.device)[None, :].expand(n, width)
+    return exact.attention(q, k, v, positions, scale)
+
+
+def step_attention(runner, positions: torch.Tensor, span: int):
+    """``attend(l, q [nb, H, 1, D], k, v [nb, Hkv, 1, D])`` of one decode step: writes the step's keys and values at
+    each slot's position in layer ``l``'s cache, then ``exact.attention`` over the cache's first ``span``
+    positions (keys past a slot's position add exact zeros)."""
+    nb = positions.shape[0]
+    rows = torch.arange(nb, device=positions.device)
+    q_pos = positions[:, None]
+
+    def attend(l, q, k, v):
+        runner.k_cache[l][rows, :, positions] = k[:, :, 0]
+        runner.v_cache[l][rows, :, positions] = v[:, :, 0]
+        return exact.attention(q, runner.k_cache[l, :nb, :, :span], runner.v_cache[l, :nb, :, :span], q_pos,
+                               runner.scaling)
+
+    return attend
