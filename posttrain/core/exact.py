@@ -140,6 +140,39 @@ def log_softmax(z: torch.Tensor) -> torch.Tensor:
     return z - (m + torch.log(row_sum(torch.exp(z - m))))
 
 
+def softmax(z: torch.Tensor) -> torch.Tensor:
+    """``exp(z - m) / row_sum(exp(z - m))`` over the last dim, fp32."""
+    z = z.float()
+    e = torch.exp(z - z.amax(-1, keepdim=True))
+    return e / row_sum(e)
+
+
+def moe(x: torch.Tensor, logits: torch.Tensor, chosen: torch.Tensor, expert, normalize: bool) -> torch.Tensor:
+    """A softmax-routed MoE layer's output for tokens ``x [m, H]`` with router ``logits [m, E]`` and the experts
+    each token goes to, ``chosen [m, E]`` bool (the engine's top-k; the trainer's replay of them)::
+
+        w = softmax(logits) where chosen, else 0     (normalize: w / row_sum(w), Qwen3's norm_topk_prob)
+        y = sum_e w_e * expert(e, x)                 over the chosen experts in ascending id, from 0
+
+    ``expert(e, rows [r, H]) -> [r, H]``. Each token's sum runs in expert-id order, whatever order a top-k or a
+    dispatcher lists its experts in; differentiable in ``x``, ``logits`` and the experts' weights."""
+    w = torch.where(chosen, softmax(logits), 0.0)
+    if normalize:
+        w = w / row_sum(w)
+    out = x.new_zeros(x.shape)
+    for e in range(chosen.shape[1]):
+        rows = chosen[:, e].nonzero()[:, 0]
+        if rows.numel():
+            out = out.index_add(0, rows, expert(e, x[rows]) * w[rows, e, None].to(x.dtype))
+    return out
+
+
+def swiglu_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """``down(silu(gate) * up)`` with ``[gate; up] = gate_up [2F, H]`` (gate rows first), ``down [H, F]``."""
+    gate, up = linear(x, gate_up).chunk(2, dim=-1)
+    return linear(silu(gate) * up, down)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention by position: query ``i`` of row ``b`` (at position ``q_pos[b, i]``) attends to keys
     ``j <= q_pos[b, i]``. ``q [B, H, Sq, D]``, ``k``/``v`` ``[B, Hkv, Sk, D]`` (key ``j`` at position ``j``; GQA:

@@ -45,6 +45,8 @@ def adopt(runner) -> None:
     for module in runner.model.modules():
         if hasattr(module, "act_fn"):
             module.act_fn = ExactSiLU()
+        if hasattr(module, "experts") and hasattr(module, "gate"):
+            module.exact_moe = ExactMoE(module)
     runner._exact_attention, runner._exact_step_attention = prefill_attention, step_attention
     for name in ("prefill_scored", "_decode_eager"):
         setattr(runner, name, _under_mode(getattr(runner, name)))
@@ -57,6 +59,28 @@ def _under_mode(method):
 
     run.__doc__ = method.__doc__
     return run
+
+
+class ExactMoE:
+    """A HF softmax-routed MoE block (Qwen3-MoE: ``gate.weight [E, H]``, ``gate.top_k``, ``gate.norm_topk_prob``,
+    ``experts.gate_up_proj [E, 2F, H]``, ``experts.down_proj [E, H, F]``) through ``exact.moe``:
+    ``x [n, q, H] -> (y [n, q, H], expert ids [n * q, k])``, the ids the trainer replays."""
+
+    def __init__(self, block):
+        if hasattr(block, "shared_experts") or hasattr(block, "shared_expert"):
+            raise ValueError(f"exact mode: {type(block).__name__} has shared experts, which it does not cover")
+        self.block = block
+
+    def __call__(self, x):
+        gate, experts = self.block.gate, self.block.experts
+        flat = x.reshape(-1, x.shape[-1])
+        logits = exact.linear(flat, gate.weight)
+        ids = exact.softmax(logits).topk(gate.top_k, dim=-1).indices
+        chosen = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, ids, True)
+        y = exact.moe(flat, logits, chosen,
+                      lambda e, rows: exact.swiglu_expert(rows, experts.gate_up_proj[e], experts.down_proj[e]),
+                      bool(getattr(gate, "norm_topk_prob", True)))
+        return y.reshape(x.shape), ids
 
 
 def prefill_attention(q, k, v, scale: float):

@@ -180,8 +180,11 @@ def build_gpt(spec: Any, hf: dict[str, Any], *, dtype: str = "float32", attentio
                      post_process=parallel_state.is_pipeline_last_stage())
     mark_tp_params(model)
     if exact:
+        from posttrain.plugins.trainers.megatron import exact_moe
+
         exact_ops.enable()
         exact_ops.patch_norms(model)
+        exact_moe.install(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     model = model.to(torch_dtype)
