@@ -513,17 +513,20 @@ class RunConfig:
             errors += [e.replace("rollout.engine", "teacher.engine", 1)
                        for e in self.teacher.engine.create(plugins).check_config(self, plugins)
                        if e.startswith("rollout.engine")]
-        return errors + self._exact_errors()
+        return errors + self._exact_errors(plugins)
 
-    def _exact_errors(self) -> list[str]:
+    def _exact_errors(self, plugins: Any) -> list[str]:
         """What keeps ``rollout.exact`` from holding: backends without an exact mode, a sampling temperature the
         trainer does not score at."""
         if not self.rollout.exact:
             return []
-        errors = [f"rollout.exact: the {c.name} {kind} has no exact mode ({kind}s with one: {have})"
-                  for c, kind, have in ((self.rollout.engine, "engine", "local"),
-                                        (self.trainer.backend, "trainer", "megatron"))
-                  if not getattr(c.cls, "exact_mode", False)]
+        registries = plugins.registries()
+        errors = []
+        for c, kind in ((self.rollout.engine, "engine"), (self.trainer.backend, "trainer")):
+            if not getattr(c.cls, "exact_mode", False):
+                have = sorted(n for n, cls in registries[f"{kind}s"].items() if getattr(cls, "exact_mode", False))
+                errors.append(f"rollout.exact: the {c.name} {kind} has no exact mode ({kind}s with one: "
+                              f"{', '.join(have) or 'none'})")
         if self.rollout.temperature not in (0.0, 1.0):
             errors.append(f"rollout.exact: needs rollout.temperature 1.0 (or 0, greedy), got "
                           f"{self.rollout.temperature}: the trainer scores tokens at temperature 1")
