@@ -104,11 +104,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out + bias if bias is not None else out
 
 
+def _zero_tail_safe(x: torch.Tensor) -> bool:
+    """Whether :func:`bmm` on ``x``'s device sums ``K`` in fixed chunks from 0 (the Triton kernel): one product over a
+    zero-padded ``K`` then equals the blocked sums, with no loop over blocks."""
+    if not x.is_cuda:
+        return False
+    from posttrain.core.exact_kernel import triton_ok
+
+    return triton_ok()
+
+
 def row_sum(x: torch.Tensor) -> torch.Tensor:
     """``sum_k x[..., k]`` -> ``[..., 1]``: blocks of ``SUM_BLOCK`` terms (one tile dot with ones each, zero
-    padded) added left to right, so trailing zeros never change the sum."""
+    padded) added left to right, so trailing zeros never change the sum (on CUDA one product of the kernel's
+    in-order chunks, which has the same property)."""
     k = x.shape[-1]
     flat = x.reshape(-1, k)
+    if _zero_tail_safe(flat):
+        return mm(flat, flat.new_ones(k, 1)).reshape(*x.shape[:-1], 1)
     kp = -(-k // SUM_BLOCK) * SUM_BLOCK
     if kp > k:
         flat = F.pad(flat, (0, kp - k))
@@ -196,12 +209,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     s = s.view(bsz, heads, sq, skp).masked_fill(~allowed[:, None], float("-inf"))
     e = torch.exp(s - s.amax(-1, keepdim=True)).reshape(bsz * heads, sq, skp)
     vf = vf.reshape(bsz * heads, skp, d + 1)
+    if _zero_tail_safe(vf):  # the kernel's K chunks are the key blocks: one product
+        acc = bmm(e, vf)
+        return (acc[..., :d] / acc[..., d:]).reshape(bsz, heads, sq, d).to(q.dtype)
     acc = None
     for at in range(0, skp, KEY_BLOCK):
         part = bmm(e[:, :, at:at + KEY_BLOCK], vf[:, at:at + KEY_BLOCK])
         acc = part if acc is None else acc + part
     out = acc[..., :d] / acc[..., d:]
     return out.reshape(bsz, heads, sq, d).to(q.dtype)
+
+
+def align_inv_freq(inv_freq: torch.Tensor, base: float) -> bool:
+    """Overwrite a rotary table's ``inv_freq [D/2]`` with ``1 / base^(2i / D)`` computed on the CPU in fp32 (HF's and
+    Megatron's formula): a table computed on a GPU may differ from one computed on the CPU in the last bit of
+    ``pow``. Only where it already holds that formula to 1e-5 (a scaled or partial rotary is left alone); returns
+    whether it was written."""
+    dim = 2 * inv_freq.numel()
+    want = 1.0 / (float(base) ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
+    if not torch.allclose(inv_freq.detach().float().cpu(), want, rtol=1e-5, atol=0.0):
+        return False
+    with torch.no_grad():
+        inv_freq.copy_(want.to(inv_freq.device, inv_freq.dtype))
+    return True
 
 
 class RMSNormForward:

@@ -47,9 +47,22 @@ def adopt(runner) -> None:
             module.act_fn = ExactSiLU()
         if hasattr(module, "experts") and hasattr(module, "gate"):
             module.exact_moe = ExactMoE(module)
+    _align_rotary(runner.model)
     runner._exact_attention, runner._exact_step_attention = prefill_attention, step_attention
     for name in ("prefill_scored", "_decode_eager"):
         setattr(runner, name, _under_mode(getattr(runner, name)))
+
+
+def _align_rotary(model) -> None:
+    """The rotary table recomputed on the CPU (``exact.align_inv_freq``), as the trainer's is."""
+    rotary, cfg = getattr(model.model, "rotary_emb", None), model.config
+    params = getattr(cfg, "rope_parameters", None) or {}
+    base = getattr(cfg, "rope_theta", None) or params.get("rope_theta")
+    if rotary is None or base is None or not isinstance(getattr(rotary, "inv_freq", None), torch.Tensor):
+        return
+    if exact.align_inv_freq(rotary.inv_freq, base) and isinstance(getattr(rotary, "original_inv_freq", None),
+                                                                  torch.Tensor):
+        rotary.original_inv_freq = rotary.inv_freq.clone()
 
 
 def _under_mode(method):
