@@ -97,8 +97,9 @@ def main() -> None:
             subprocess.run([sys.executable, __file__, *sys.argv[1:], "--experts", kind], check=False)  # last wins
         return
     if args.exact == "both":  # exact mode marks the process (core.exact.enable): one process each
-        for mode in ("off", "on"):
-            subprocess.run([sys.executable, __file__, *sys.argv[1:], "--exact", mode], check=False)  # last wins
+        for mode in ("off", "on"):  # exact runs its layers eagerly: --compile applies to the default alone
+            argv = [a for a in sys.argv[1:] if mode == "off" or a != "--compile"]
+            subprocess.run([sys.executable, __file__, *argv, "--exact", mode], check=False)  # last wins
         return
     if args.exact == "on" and args.compile:
         parser.error("--exact on runs the layers eagerly: drop --compile")

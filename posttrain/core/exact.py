@@ -284,15 +284,14 @@ class _ExactMode(TorchDispatchMode):
         if getattr(_STATE, "raw", 0):
             return func(*args, **kwargs)
         aten = torch.ops.aten
-        packet = getattr(func, "overloadpacket", None)
-        if packet is aten.mm:
+        if func is aten.mm.default:
             return mm(*args)
-        if packet is aten.bmm:
+        if func is aten.bmm.default:
             return bmm(*args)
-        if packet in (aten.addmm, aten.baddbmm):
+        if func in (aten.addmm.default, aten.baddbmm.default):
             bias, a, b = args[:3]
             beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
-            out = mm(a, b) if packet is aten.addmm else bmm(a, b)
+            out = mm(a, b) if func is aten.addmm.default else bmm(a, b)
             out = out if alpha == 1 else out * alpha
             return out if beta == 0 else out + (bias if beta == 1 else bias * beta)
         if any(part in str(func) for part in _REFUSED):
