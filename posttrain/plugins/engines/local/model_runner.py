@@ -53,6 +53,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from posttrain.core.exact import log_softmax as exact_log_softmax
 from posttrain.plugins.engines.local import compiling, graphs
 from posttrain.plugins.engines.local.attention import checked_launch, step_attention
 from posttrain.plugins.engines.local.cache_write import write_prompt_kv, write_prompt_kv_reference
@@ -490,7 +491,8 @@ class ModelRunner:
         ids = torch.tensor(targets, dtype=torch.long, device=self.device)
         for at in range(0, len(targets), rows):
             logits = self.model.lm_head(self.model.model.norm(hidden[at:at + rows])).float()
-            out.append(logits.log_softmax(-1).gather(-1, ids[at:at + rows, None]).squeeze(-1))
+            lp = exact_log_softmax(logits) if self.exact else logits.log_softmax(-1)
+            out.append(lp.gather(-1, ids[at:at + rows, None]).squeeze(-1))
         return torch.cat(out).tolist() if out else []
 
     @torch.no_grad()
