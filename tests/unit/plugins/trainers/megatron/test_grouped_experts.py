@@ -29,7 +29,7 @@ def _run(experts, x, counts, probs, grouped: bool, kernel: bool):
     x, probs = x.clone().requires_grad_(), probs.clone().requires_grad_()
     y, bias = experts(x, counts, probs)
     assert bias is None
-    (y * torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum().backward()
+    (y * torch.linspace(-1, 1, y.numel(), device=y.device).reshape(y.shape)).sum().backward()
     return [y.detach(), x.grad, probs.grad] + [p.grad.clone() for p in experts.parameters()]
 
 
