@@ -1,7 +1,7 @@
 """rollout.exact end to end through `rl-cli run` on the CPU (Megatron trainer, local engine): five steps of the
 quickstart, 16 new tokens per sample, every response token's train log-prob equal to the rollout's
 (``train_rollout_logprob_abs_diff_max`` exactly 0.0 at every step) for qwen3, llama3 and a qwen3_moe with
-routing replay; and with TIS on, the first (only) PPO minibatch's ratio and the TIS weights exactly 1."""
+routing replay (llama3 with packed micro-batches); and with TIS on, the first (only) PPO minibatch's ratio and the TIS weights exactly 1."""
 
 import json
 import subprocess
@@ -17,8 +17,10 @@ SMALL = ["rollout.exact=true", "rollout.max_new_tokens=16", "rollout.min_new_tok
          "trainer.micro_batch_size=8", "checkpoint.interval=0"]
 RUNS = {
     "qwen3": ("quickstart.yaml", ["correction=tis"]),
+    # packed micro-batches of 4 (THD attention, one exact.attention call per sample)
     "llama3": ("quickstart.yaml", ["model.name=llama3", "model.preset=tiny", "model.tokenizer=char",
-                                   "model.dtype=float32"]),
+                                   "model.dtype=float32", "trainer.backend.sequence_packing=true",
+                                   "trainer.micro_batch_size=4"]),
     "qwen3_moe": ("quickstart-moe.yaml", ["rollout.use_router=false"]),
 }
 
