@@ -10,8 +10,9 @@ What changes in the model runner (``RunnerTuning.exact``):
   with ``exact.attention`` (:func:`prefill_attention`, :func:`step_attention`), whose key blocks start at
   position 0 in the prefill, over the decode's cache span and in the trainer's causal pass alike;
 - the sampler's log-softmax is ``exact.log_softmax`` (``sampling``; ``exact.enabled()``);
-- eager only: no ``torch.compile``, CUDA graphs, fused Q/K/V, rotary-in-attention or fused sampling kernel
-  (each would reorder sums or fuse ops that the trainer runs apart).
+- eager only: no ``torch.compile``, fused Q/K/V, rotary-in-attention or fused sampling kernel (each would
+  reorder sums or fuse ops that the trainer runs apart); no CUDA graphs (the MoE path picks each expert's rows on
+  the host; a dense step's capture is not done).
 """
 
 from __future__ import annotations
