@@ -516,8 +516,9 @@ class RunConfig:
         return errors + self._exact_errors(plugins)
 
     def _exact_errors(self, plugins: Any) -> list[str]:
-        """What keeps ``rollout.exact`` from holding: backends without an exact mode, a sampling temperature the
-        trainer does not score at."""
+        """What keeps ``rollout.exact`` from holding: backends without an exact mode, a sampling temperature
+        (the engine divides the logits by ``T``, the trainer scales its last hidden state by ``1 / T``: equal
+        in exact arithmetic, not in the last bit)."""
         if not self.rollout.exact:
             return []
         registries = plugins.registries()
@@ -529,7 +530,7 @@ class RunConfig:
                               f"{', '.join(have) or 'none'})")
         if self.rollout.temperature not in (0.0, 1.0):
             errors.append(f"rollout.exact: needs rollout.temperature 1.0 (or 0, greedy), got "
-                          f"{self.rollout.temperature}: the trainer scores tokens at temperature 1")
+                          f"{self.rollout.temperature}: the engine's z / T and the trainer's (h / T) W^T differ in the last bit")
         return errors
 
     def _teacher_errors(self) -> list[str]:

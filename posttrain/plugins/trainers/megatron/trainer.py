@@ -230,6 +230,8 @@ class MegatronTrainer:
             if rows is not None:
                 rows = rows.to(hidden.device, non_blocking=True)
                 whole, hidden, targets = hidden.shape[0], hidden.index_select(0, rows), targets.index_select(0, rows)
+            if mb.logit_scale != 1.0:  # z / T as (h / T) W^T
+                hidden = hidden * mb.logit_scale
             lp, ent = vocab_parallel_log_probs(hidden, self._output_weight(), targets,
                                                vocab_size=int(self.hf["vocab_size"]),
                                                chunk_size=self.backend.log_probs_chunk_size, with_entropy=with_entropy)
