@@ -33,6 +33,9 @@ class TrainBatch:
     :ivar routed_experts: ``[B, T, L * k]`` int16, the engine's MoE expert ids of token ``t`` in each of the
         ``L`` layers (``k`` per layer; -1 where the engine reported none: dense layers, each sample's last
         token, padding), or None. A trainer that replays routing reads them (Sample.rollout_routed_experts).
+    :ivar images: ``B`` lists of image references (:mod:`posttrain.core.vision`; ``[]`` for a text-only sample),
+        in the order of each sample's image tokens, or None when no sample has images. Not a tensor: a
+        vision-language trainer turns a micro-batch's into pixels.
     """
 
     tokens: torch.Tensor
@@ -45,6 +48,7 @@ class TrainBatch:
     returns: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
     routed_experts: torch.Tensor | None = None
+    images: list[list[str]] | None = None
 
     @classmethod
     def from_lists(cls, token_lists: list[list[int]], prompt_lengths: list[int], **per_token: Any) -> "TrainBatch":
@@ -75,7 +79,7 @@ class TrainBatch:
             v = getattr(self, f.name)
             if v is None:
                 kw[f.name] = None
-            elif f.name == "lengths":
+            elif f.name in ("lengths", "images"):
                 kw[f.name] = v[start:end]
             else:
                 kw[f.name] = v[start:end, :width]
@@ -90,12 +94,13 @@ class TrainBatch:
         kw = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            kw[f.name] = None if v is None else v[rows] if f.name == "lengths" else v[rows, :width]
+            kw[f.name] = (None if v is None else v[rows] if f.name == "lengths" else [v[i] for i in index]
+                          if f.name == "images" else v[rows, :width])
         return replace(self, **kw)
 
     def to(self, device: Any) -> "TrainBatch":
         return replace(self, **{f.name: (getattr(self, f.name).to(device) if getattr(self, f.name) is not None
-                                         else None) for f in fields(self)})
+                                         and f.name != "images" else getattr(self, f.name)) for f in fields(self)})
 
 
 @dataclass
