@@ -101,11 +101,13 @@ def tiny_vlm_config(**overrides: Any):
         vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False, **overrides)
 
 
-def make_tiny_vlm_checkpoint(out_dir: str | Path, seed: int = 0, max_pixels: int = 112 * 112,
-                             **overrides: Any) -> Path:
-    """Write a randomly initialized tiny Qwen2.5-VL (:func:`tiny_vlm_config`), the character tokenizer with the
-    vision tokens and chat template, and Qwen2-VL's image processor (``preprocessor_config.json``: 14-pixel
-    patches, merge 2, images resized to between 56 x 56 and ``max_pixels`` pixels) to ``out_dir``."""
+def make_tiny_vlm_checkpoint(out_dir: str | Path, seed: int = 0, max_pixels: int = 112 * 112, dtype: str = "float32",
+                             device: str = "cpu", **overrides: Any) -> Path:
+    """Write a randomly initialized tiny Qwen2.5-VL (:func:`tiny_vlm_config`; ``overrides`` reshape it, e.g.
+    ``text_config={...}, vision_config={...}`` for a full-size shape, drawn on ``device`` in ``dtype``), the
+    character tokenizer with the vision tokens and chat template, and Qwen2-VL's image processor
+    (``preprocessor_config.json``: 14-pixel patches, merge 2, images resized to between 56 x 56 and
+    ``max_pixels`` pixels) to ``out_dir``."""
     import torch
     from transformers import AutoModelForImageTextToText
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -113,8 +115,10 @@ def make_tiny_vlm_checkpoint(out_dir: str | Path, seed: int = 0, max_pixels: int
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(tiny_vlm_config(**overrides), dtype=torch.float32)
+    with torch.device(device):
+        model = AutoModelForImageTextToText.from_config(tiny_vlm_config(**overrides), dtype=getattr(torch, dtype))
     model.save_pretrained(str(out), safe_serialization=True)
+    del model
     make_tokenizer(out, vision=True)
     Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=max_pixels, patch_size=14, temporal_patch_size=2,
                              merge_size=2).save_pretrained(str(out))
