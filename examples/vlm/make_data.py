@@ -12,7 +12,7 @@ Writes, beside this file:
 
 Chance is 1/3 (three colours, one-letter answers).
 
-    python examples/vlm/make_data.py [--count 512] [--seed 0]
+    python examples/vlm/make_data.py [--count 512] [--seed 0] [--out DIR]
 """
 
 from __future__ import annotations
@@ -43,21 +43,22 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(HERE), help="where data/ and tiny-qwen2.5-vl/ go (default: beside this)")
     args = parser.parse_args(argv)
-    rng = random.Random(args.seed)
-    images = HERE / "data" / "images"
+    rng, out = random.Random(args.seed), Path(args.out)
+    images = out / "data" / "images"
     images.mkdir(parents=True, exist_ok=True)
     rows = []
     for n in range(args.count):
         image, letter = draw(rng)
         image.save(images / f"{n}.png")
         rows.append({"prompt": "largest:", "images": f"images/{n}.png", "label": letter})
-    (HERE / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (out / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     from posttrain.testing.tiny import make_tiny_vlm_checkpoint
 
-    make_tiny_vlm_checkpoint(HERE / "tiny-qwen2.5-vl", seed=args.seed)
-    print(f"wrote {args.count} images, {HERE / 'data' / 'train.jsonl'} and {HERE / 'tiny-qwen2.5-vl'}")
+    make_tiny_vlm_checkpoint(out / "tiny-qwen2.5-vl", seed=args.seed)
+    print(f"wrote {args.count} images, {out / 'data' / 'train.jsonl'} and {out / 'tiny-qwen2.5-vl'}")
 
 
 if __name__ == "__main__":
