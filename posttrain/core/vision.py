@@ -73,6 +73,14 @@ def open_image(ref: str) -> Any:
     return image.convert("RGB")
 
 
+def open_size(ref: str) -> tuple[int, int]:
+    """``(width, height)`` of the reference's image, from its header (a file is not decoded)."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(image_bytes(ref)) if _is_base64(ref) else ref) as image:
+        return image.size
+
+
 def encode_png(image: Any) -> str:
     """``data:image/png;base64,...`` of a ``PIL.Image`` (how generated data and tools pass images inline)."""
     buf = io.BytesIO()
@@ -149,12 +157,27 @@ class ImageInputs:
         """Image tokens of each image: ``t h w / merge_size^2``."""
         return [int(n) // self.merge ** 2 for n in grid_thw.prod(-1).tolist()]
 
-    def tokens_added(self, images: list[Any]) -> int:
-        return sum(c - 1 for c in self.counts(self.pixels(images)[1]))
+    def token_counts(self, images: list[Any]) -> list[int]:
+        """Image tokens of each image from its size alone (the processor's ``get_number_of_image_patches``: no
+        pixels are processed), else through :meth:`pixels`."""
+        patches = getattr(self.processor, "get_number_of_image_patches", None)
+        if patches is None:
+            return self.counts(self.pixels(images)[1])
+        sizes = [(open_size(i) if isinstance(i, str) else i.size) for i in images]
+        return [int(patches(h, w)) // self.merge ** 2 for w, h in sizes]
 
-    def expand(self, ids: list[int], images: list[Any]) -> tuple[list[int], Any, Any]:
-        pixel_values, grid = self.pixels(images)
-        counts = self.counts(grid)
+    def tokens_added(self, images: list[Any]) -> int:
+        return sum(c - 1 for c in self.token_counts(images))
+
+    def expand(self, ids: list[int], images: list[Any], pixels: bool = True) -> tuple[list[int], Any, Any]:
+        """``(ids', pixel_values, image_grid_thw)`` (the class doc); ``pixels=False`` counts the image tokens
+        from the images' sizes and returns ``(ids', None, None)``."""
+        if pixels:
+            pixel_values, grid = self.pixels(images)
+            counts = self.counts(grid)
+        else:
+            pixel_values = grid = None
+            counts = self.token_counts(images)
         have = sum(1 for t in ids if t == self.image_token_id)
         if have == sum(counts):
             return list(ids), pixel_values, grid

@@ -59,15 +59,21 @@ async def with_images(group: list[Sample], prompts: list[list[int]], engine) -> 
     SGLang's ``image_data`` takes; ``(prompts, None)`` for a group without images."""
     if not any(s.images for s in group):
         return prompts, None
+    import asyncio
+
     vision = await engine_images(engine)
-    done: dict[tuple, list[int]] = {}
-    out = []
-    for s, ids in zip(group, prompts):
-        key = (tuple(ids), tuple(s.images or ()))
-        if key not in done:
-            done[key] = vision.expand(ids, s.images)[0] if s.images else list(ids)
-        out.append(list(done[key]))
-    return out, [list(s.images or []) for s in group]
+
+    def expand() -> list[list[int]]:
+        done: dict[tuple, list[int]] = {}
+        out = []
+        for s, ids in zip(group, prompts):
+            key = (tuple(ids), tuple(s.images or ()))
+            if key not in done:  # counted from the images' sizes: no pixels here
+                done[key] = vision.expand(ids, s.images, pixels=False)[0] if s.images else list(ids)
+            out.append(list(done[key]))
+        return out
+
+    return await asyncio.to_thread(expand), [list(s.images or []) for s in group]
 
 
 def prompt_ids(sample: Sample, tokenizer: Any, chat_template: bool = True) -> list[int]:

@@ -112,8 +112,11 @@ def test_expand_image_tokens_once_and_accepts_them_expanded(vlm_dir, tmp_path):
     assert grid.tolist() == [[1, 4, 4], [1, 4, 8]] and pixels.shape[0] == 16 + 32
     assert ids == [5] + [pad] * 4 + [6] + [pad] * 8 + [7]
     assert vision.expand(ids, refs)[0] == ids  # already expanded (as an engine receives it): kept
+    (tmp_path / "c.png").write_bytes(_png((30, 500)))  # resized within the processor's pixel bounds
+    refs.append(str(tmp_path / "c.png"))
+    assert vision.token_counts(refs) == vision.counts(vision.pixels(refs)[1]) == [4, 8, 16]  # sizes alone suffice
     with pytest.raises(ValueError, match="holds 3 image tokens"):
-        vision.expand([pad, pad, pad], refs)
+        vision.expand([pad, pad, pad], refs[:2])
 
 
 def test_the_local_engine_refuses_vision_language_runs(vlm_dir):

@@ -17,7 +17,8 @@ every name and shape checked before the first copy).
 
 Vision-language checkpoints (a ``vision_config``; built with ``AutoModelForImageTextToText``): a row's
 ``images`` (references, :mod:`posttrain.core.vision`) become ``pixel_values`` and ``image_grid_thw`` for the
-prefill, in row order, and its prompt holds the expanded image tokens; every row's positions are the model's
+prefill (the image processor runs in the decode thread), in row order, and its prompt holds the expanded image
+tokens; every row's positions are the model's
 multimodal ones (``[3, B, P]`` from ``get_rope_index`` over the real tokens), each decode step the last + 1.
 """
 
@@ -48,7 +49,7 @@ class Row:
     logprobs: list[float] = field(default_factory=list)
     finish: dict[str, Any] | None = None
     text_end: int | None = None  # where a matched stop string starts in the decoded text (trimmed there)
-    pixels: Any = None  # (pixel_values [P, D], image_grid_thw [n, 3]) of the row's images (vision-language)
+    images: list[str] | None = None  # image references (vision-language), their tokens expanded in ``prompt``
 
 
 class HFGenerator:
@@ -131,10 +132,10 @@ class HFGenerator:
             return (mask.cumsum(-1) - 1).clamp(min=0), {}
         from posttrain.core.vision import rope_positions
 
-        pixels = [r.pixels for r in rows if r.pixels is not None]
-        grid = torch.cat([g for _, g in pixels]).to(self.device) if pixels else None
-        extra = {"pixel_values": torch.cat([p for p, _ in pixels]).to(self.device, self.dtype),
-                 "image_grid_thw": grid} if pixels else {}
+        refs = [ref for r in rows for ref in r.images or []]
+        pixels, grid = self.vision.pixels(refs) if refs else (None, None)
+        grid = grid.to(self.device) if refs else None
+        extra = {"pixel_values": pixels.to(self.device, self.dtype), "image_grid_thw": grid} if refs else {}
         return rope_positions(self.model, ids, grid, self.vision.image_token_id, mask), extra
 
     def _left_padded(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -138,7 +138,7 @@ class Server:
             row = Row(self._prompt(prompt if text is not None else None, prompt if ids is not None else None),
                       p, str(r or f"hf-{self.count}"))
             if im:
-                self._add_pixels(row, im)
+                self._add_images(row, im)
             rows.append(row)
         return rows, batched, return_logprob
 
@@ -157,16 +157,17 @@ class Server:
             raise BadRequest("image_data: expected image references (file paths, URLs or base64 strings)")
         return out
 
-    def _add_pixels(self, row: Row, images: list[str]) -> None:
-        """The row's prompt with its image tokens expanded and its pixels (a 400 names what does not fit)."""
+    def _add_images(self, row: Row, images: list[str]) -> None:
+        """The row's prompt with its image tokens expanded (counted from the images' sizes; the pixels come in the
+        decode thread) and its images; a 400 names an image that cannot be read or a prompt that does not fit."""
         try:
-            row.prompt, pixel_values, grid = self.gen.vision.expand(row.prompt, images)
+            row.prompt = self.gen.vision.expand(row.prompt, images, pixels=False)[0]
         except (OSError, ValueError) as exc:
             raise BadRequest(f"image_data: {exc}") from None
         if len(row.prompt) >= self.gen.context_length:
             raise BadRequest(f"the prompt has {len(row.prompt)} tokens with its images; the context length is "
                              f"{self.gen.context_length}")
-        row.pixels = (pixel_values, grid)
+        row.images = list(images)
 
     def _answer(self, r: Row, return_logprob: bool) -> dict[str, Any]:
         meta = {"id": r.rid, "finish_reason": r.finish, "prompt_tokens": len(r.prompt),

@@ -54,8 +54,7 @@ def _rollout(engine, refs):
         row = Row(_prompt(engine, "colour?" if k else "c?", len(im)),
                   parse_sampling({"max_new_tokens": 5, "temperature": 1.0, "sampling_seed": k}), f"r{k}")
         if im:
-            row.prompt, pixels, grid = engine.vision.expand(row.prompt, im)
-            row.pixels = (pixels, grid)
+            row.prompt, row.images = engine.vision.expand(row.prompt, im, pixels=False)[0], im
         rows.append(row)
     engine.decode(rows)
     return rows, images
