@@ -119,7 +119,7 @@ def test_expand_image_tokens_once_and_accepts_them_expanded(vlm_dir, tmp_path):
         vision.expand([pad, pad, pad], refs[:2])
 
 
-def test_the_local_engine_refuses_vision_language_runs(vlm_dir):
+def test_the_local_engine_and_megatron_refuse_vision_language_runs(vlm_dir):
     from posttrain.core.config import ConfigError, load_config
     from posttrain.core.plugins import load_plugins
 
@@ -133,3 +133,8 @@ def test_the_local_engine_refuses_vision_language_runs(vlm_dir):
         assert err.value.errors == ["rollout.engine: the local engine serves text models only, not a vision-language "
                                     "model or images (data.images_key); use rollout.engine.name: hf (or sglang)"]
     load_config(None, base + ["rollout.engine.name=hf"], plugins=plugins, data=data)  # the hf engine serves it
+    with pytest.raises(ConfigError) as err:  # and Megatron trains no images
+        load_config(None, ["data.images_key=images", "rollout.engine.name=hf", "trainer.backend.name=megatron"],
+                    plugins=plugins, data=data)
+    assert err.value.errors == ["trainer.backend: megatron trains text models only; images (data.images_key) need "
+                                "trainer.backend.name: fsdp2"]
