@@ -46,6 +46,10 @@ def write_task(root: Path, args: argparse.Namespace) -> Path:
     gpu = args.device == "cuda"
     ckpt = make_tiny_vlm_checkpoint(root / "ckpt", max_pixels=args.image_size ** 2, dtype="bfloat16" if gpu else
                                     "float32", device=args.device, **SHAPES[args.shape])
+    if gpu:  # the run's trainer and engine need the memory the random draw took
+        import torch
+
+        torch.cuda.empty_cache()
     rng = random.Random(0)
     (root / "images").mkdir()
     rows = []
@@ -54,7 +58,7 @@ def write_task(root: Path, args: argparse.Namespace) -> Path:
         image.save(root / "images" / f"{n}.png")
         rows.append({"prompt": "Which colour is the largest shape?", "images": f"images/{n}.png", "label": letter})
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    engine = {"name": "hf", "device": "cuda", "max_batch_size": 512} if gpu else {"name": "hf"}
+    engine = {"name": "hf", "device": "cuda", "max_batch_size": 256} if gpu else {"name": "hf"}
     config = {
         "seed": 0, "model": {"name": "hf", "path": str(ckpt), "dtype": "bfloat16" if gpu else "float32"},
         "data": {"path": str(root / "train.jsonl"), "images_key": "images", "epochs": 100},

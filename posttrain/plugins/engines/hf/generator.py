@@ -81,7 +81,10 @@ class HFGenerator:
         self.model.to(self.device).eval()
         self.config = self.model.config
         # the KV cache's argument and output field: ``cache`` in newer transformers, ``past_key_values`` before
-        self.cache_key = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        params = inspect.signature(self.model.forward).parameters
+        self.cache_key = "cache" if "cache" in params else "past_key_values"
+        # only the last position's logits: a prefill's [B, P, V] would dwarf the model at a 150k vocabulary
+        self.last_logits = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self.tied = bool(getattr(self.config, "tie_word_embeddings", False))
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         text = self.config.get_text_config()
@@ -108,7 +111,7 @@ class HFGenerator:
                 self._finished(r)
             while any(r.finish is None for r in rows):
                 out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                                 **{self.cache_key: cache}, **extra)
+                                 **{self.cache_key: cache}, **extra, **self.last_logits)
                 extra = {}
                 cache = getattr(out, self.cache_key)
                 live = [i for i, r in enumerate(rows) if r.finish is None]
