@@ -4,8 +4,8 @@
     python bench/vlm.py --shape tiny [--steps 3]                                        # the CPU check of it
 
 Writes, in a temporary directory, a randomly initialized checkpoint of the shape (``qwen2.5-vl-3b``: Qwen2.5-VL-3B's
-language model, 36 layers of width 2048, GQA 16/2, vocabulary 151,936, and its 32-block vision tower of width
-1280; the character tokenizer with the vision tokens; Qwen2-VL's image processor), ``--prompts`` drawn images of
+language model, 36 layers of width 2048, GQA 16/2, vocabulary 151,936, tied embeddings, and its 32-block vision
+tower of width 1280, 3.75B parameters; the character tokenizer with the vision tokens; Qwen2-VL's image processor), ``--prompts`` drawn images of
 ``--image-size`` pixels square (the colour of the largest shape, ``examples/vlm``; 224 x 224 is 256 patches, 64
 image tokens) and a run config: the ``fsdp2`` trainer (bf16 compute, float32 master weights, vision tower frozen),
 the ``hf`` engine on the same GPU (``resources.colocate``: its weights leave the GPU while the trainer steps), GRPO
@@ -34,7 +34,8 @@ SHAPES = {
                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
                                           "mrope_section": [16, 24, 24]}),
         vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
-                           window_size=112, fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2)),
+                           window_size=112, fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2),
+        tie_word_embeddings=True),
 }
 
 

@@ -98,7 +98,7 @@ def tiny_vlm_config(**overrides: Any):
     return transformers.Qwen2_5_VLConfig(
         text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False, **overrides)
+        vision_end_token_id=ids["<|vision_end|>"], **{"tie_word_embeddings": False, **overrides})
 
 
 def make_tiny_vlm_checkpoint(out_dir: str | Path, seed: int = 0, max_pixels: int = 112 * 112, dtype: str = "float32",
