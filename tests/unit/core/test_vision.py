@@ -138,3 +138,21 @@ def test_the_local_engine_and_megatron_refuse_vision_language_runs(vlm_dir):
                     plugins=plugins, data=data)
     assert err.value.errors == ["trainer.backend: megatron trains text models only; images (data.images_key) need "
                                 "trainer.backend.name: fsdp2"]
+
+
+def test_count_params_counts_the_language_model_and_the_vision_tower(vlm_dir):
+    from safetensors import safe_open
+
+    from posttrain.core.model_spec import count_params, read_hf_config
+
+    with safe_open(str(vlm_dir / "model.safetensors"), "pt") as f:
+        real = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
+    counted = count_params(read_hf_config(vlm_dir))
+    assert abs(counted - real) <= 0.01 * real, (counted, real)  # biases are not counted
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
