@@ -3,13 +3,13 @@
     python bench/vlm.py --shape qwen2.5-vl-3b --device cuda [--steps 5] [key=value ...]   # one GPU, colocated
     python bench/vlm.py --shape tiny [--steps 3]                                        # the CPU check of it
 
-Writes, in a temporary directory, a randomly initialized checkpoint of the shape (``qwen2.5-vl-3b``: Qwen2.5-VL-3B's
-language model, 36 layers of width 2048, GQA 16/2, vocabulary 151,936, tied embeddings, and its 32-block vision
-tower of width 1280, 3.75B parameters; the character tokenizer with the vision tokens; Qwen2-VL's image processor), ``--prompts`` drawn images of
-``--image-size`` pixels square (the colour of the largest shape, ``examples/vlm``; 224 x 224 is 256 patches, 64
-image tokens) and a run config: the ``fsdp2`` trainer (bf16 compute, float32 master weights, vision tower frozen),
-the ``hf`` engine on the same GPU (``resources.colocate``: its weights leave the GPU while the trainer steps), GRPO
-with ``--new-tokens`` sampled tokens per answer. Then ``bench/e2e.py`` runs it and its one JSON line is printed with
+Writes, in a temporary directory, a randomly initialized checkpoint of the shape (``qwen2.5-vl-3b``:
+Qwen2.5-VL-3B's language model, 36 layers of width 2048, GQA 16/2, vocabulary 151,936, tied embeddings, and its
+32-block vision tower of width 1280, 3.75B parameters; the character tokenizer with the vision tokens; Qwen2-VL's
+image processor), ``--prompts`` drawn images of ``--image-size`` pixels square (the colour of the largest shape,
+``examples/vlm``; 224 x 224 is 256 patches, 64 image tokens) and a run config: the ``fsdp2`` trainer (bf16 compute,
+float32 master weights, vision tower frozen), the ``hf`` engine on the same GPU (``resources.colocate``: its weights
+leave the GPU while the trainer steps), GRPO with ``--new-tokens`` sampled tokens per answer. Then ``bench/e2e.py`` runs it and its one JSON line is printed with
 ``"bench": "vlm"``, the shape and its depths.
 """
 

@@ -68,7 +68,8 @@ def test_rows_get_image_slots_and_absolute_references(tmp_path):
     from posttrain.core.data import load_prompts
 
     path = _data(tmp_path, [{"prompt": "which colour?", "images": ["img/ok.png", "img/ok.png"]},
-                            {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}],
+                            {"prompt": [{"role": "user", "content": [{"type": "image"},
+                                                                     {"type": "text", "text": "x"}]}],
                              "images": "img/ok.png"},
                             {"prompt": [{"role": "user", "content": [{"type": "image"}]}],
                              "images": ["img/ok.png", "img/ok.png"]}])

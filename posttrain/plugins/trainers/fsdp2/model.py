@@ -111,7 +111,8 @@ class FSDP2Model:
         self.model = shard(model.to(self.device), self._param_dtype(), DTYPES[backend.reduce_dtype],
                            cpu_offload=backend.cpu_offload and self.device.type == "cuda")
         c = config
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=c.lr, betas=(c.adam_beta1, c.adam_beta2),
+        trained = [p for p in self.model.parameters() if p.requires_grad]  # a frozen vision tower: not here
+        self.optimizer = torch.optim.AdamW(trained, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2),
                                            eps=c.adam_eps, weight_decay=c.weight_decay)
         self.step = 0
         self._snapshots: dict[str, list[torch.Tensor]] = {}
@@ -140,7 +141,7 @@ class FSDP2Model:
     # ------------------------------------------------------------------ forward
     def _forward(self, mb: TrainBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(log_probs [b, T], entropy [b, T] | None)`` of micro-batch ``mb`` (on the device), with autograd."""
-        ids, extra = self.pixels.prepare(self.model, mb.tokens, mb.images) if self.pixels is not None else (mb.tokens, {})
+        ids, extra = (mb.tokens, {}) if self.pixels is None else self.pixels.prepare(self.model, mb.tokens, mb.images)
         logits = self.model(input_ids=ids, use_cache=False, **extra).logits[:, :-1].float()  # [b, T-1, V]
         target = logits.gather(-1, mb.tokens[:, 1:, None]).squeeze(-1)
         lp = torch.nn.functional.pad(target - torch.logsumexp(logits, -1), (1, 0)) * valid_columns(mb)
