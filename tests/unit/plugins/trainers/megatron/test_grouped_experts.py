@@ -68,6 +68,27 @@ def test_grouped_experts_equal_sequential_forward_and_gradients(megatron_tp1, fa
     assert all(torch.equal(gr, torch.zeros_like(gr)) for gr in idle)
 
 
+def test_grouped_backward_adds_into_ddp_main_grads_once(megatron_tp1):
+    """With Megatron DDP's attributes on the weights (fp32 ``main_grad``, ``grad_added_to_main_grad``) the
+    grouped backward accumulates into ``main_grad`` itself and marks it, so DDP's hook does not add again."""
+    spec = spec_for("qwen3_moe")
+    model = M.build_gpt(spec, spec.hf_config(), seed=3)
+    experts = _experts(model)[0]
+    g = torch.Generator().manual_seed(1)
+    counts = torch.tensor([3, 0, 5, 4, 2, 0, 1, 6])
+    x = torch.randn(int(counts.sum()), spec.hf_config()["hidden_size"], generator=g)
+    probs = torch.rand(x.shape[0], generator=g)
+    expected = _run(experts, x, counts, probs, grouped=False, kernel=False)[3:]
+    weights = list(experts.parameters())  # _run's order
+    for w in weights:
+        w.main_grad, w.grad_added_to_main_grad = torch.ones_like(w, dtype=torch.float32), False
+    _run(experts, x, counts, probs, grouped=True, kernel=False)
+    assert all(w.grad_added_to_main_grad for w in weights)
+    assert all(torch.allclose(w.main_grad, 1 + e, rtol=1e-5, atol=1e-5) for w, e in zip(weights, expected))
+    for w in weights:
+        del w.main_grad, w.grad_added_to_main_grad
+
+
 def test_moe_model_logits_and_gradients_equal_with_either_experts(megatron_tp1):
     """The whole tiny GLM-4.5 (dense layer, shared experts, sigmoid router with bias) through Megatron's
     all-to-all dispatcher: grouped and sequential experts give the same logits and parameter gradients."""
