@@ -130,7 +130,13 @@ class DataConfig:
                                                   "system message)")
     chat_template_kwargs: dict[str, Any] = option(default_factory=dict,
                                                   help="extra keyword arguments for apply_chat_template")
-    max_prompt_len: int | None = option(None, ge=1, help="drop prompts longer than this many tokens")
+    max_prompt_len: int | None = option(None, ge=1, help="drop prompts longer than this many tokens (a prompt's "
+                                                         "image tokens count)")
+    images_key: str | None = option(None, help="key holding a prompt's images (vision-language models): a path "
+                                               "relative to the data file, a base64 string (or data: URL), or a "
+                                               "list of them; the chat template places them")
+    max_pixels: int | None = option(None, ge=1, help="a row with an image of more pixels (width x height) is a bad "
+                                                     "row")
     on_bad_row: Literal["error", "skip"] = option("error", help="a malformed row stops the run, or is skipped "
                                                                 "and counted")
     shuffle: bool = option(True, help="shuffle each epoch with seed + epoch")

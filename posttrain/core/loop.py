@@ -138,7 +138,12 @@ def _load_setup(cfg: Any, plugins: Any, run: Any, roles: Roles, stack: AsyncExit
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(roles.init_dir)
-    dataset = load_prompts(cfg.data, tokenizer=tokenizer, base_dir=run.base_dir)
+    vision = None
+    if cfg.data.images_key:  # max_prompt_len counts image tokens
+        from posttrain.core.vision import ImageInputs
+
+        vision = ImageInputs.from_dir(roles.init_dir)
+    dataset = load_prompts(cfg.data, tokenizer=tokenizer, base_dir=run.base_dir, vision=vision)
     buffer = DataBuffer.from_config(cfg, dataset)
     rewards = RewardRunner.from_config(cfg, plugins)
     stack.push_async_callback(rewards.aclose)
