@@ -61,5 +61,5 @@ def test_empty_steps_lock_resume_model_check_and_resume_overrides(tmp_path, writ
     assert second.returncode == 2 and f"in use by another process (PID {resumed.pid})" in second.stderr
     stdout, stderr = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, stdout[-2000:] + stderr[-3000:]
-    assert "config changed since step_000001: rollout.num_rollouts: 2 -> 3" in stderr
+    assert "config changed since step_000002: rollout.num_rollouts: 2 -> 3" in stderr
     assert [r["step"] for r in jsonl(run / "metrics.jsonl")] == [1, 2, 3]
