@@ -33,6 +33,7 @@ import torch.distributed as dist
 from posttrain.core.errors import UsageError
 from posttrain.core.hf_init import HF_EXTRA_FILES, config_json
 from posttrain.plugins.trainers.megatron import cpu_shims
+from posttrain.plugins.trainers.megatron.optim import use_foreach_multi_tensor
 from posttrain.plugins.trainers.megatron.sharding import (ep_info, gather, is_expert, mark_tp_params, shard, tp_group_of,
                                                        tp_info)
 
@@ -56,6 +57,7 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0, cp: int = 1, ep: int 
     from megatron.core import parallel_state
 
     cpu_shims.install()
+    use_foreach_multi_tensor()
     if not dist.is_initialized():
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
@@ -136,9 +138,12 @@ def core_attention_for(kind: str) -> Any:
 
 
 def build_gpt(spec: Any, hf: dict[str, Any], *, dtype: str = "float32", attention: str = "auto",
-              transformer_overrides: dict[str, Any] | None = None, init_weights: bool = True, seed: int = 0) -> Any:
+              transformer_overrides: dict[str, Any] | None = None, init_weights: bool = True, seed: int = 0,
+              exact: bool = False) -> Any:
     """A ``GPTModel`` holding this rank's TP shards, on the current device. ``tp`` comes from parallel state.
-    ``init_weights`` draws them from ``seed`` the same way on every device and layout (:mod:`.init`)."""
+    ``init_weights`` draws them from ``seed`` the same way on every device and layout (:mod:`.init`).
+    ``exact``: norms, SwiGLU and core attention from ``posttrain.core.exact`` (the local engine's exact mode);
+    its matmuls become batch-invariant under ``exact.mode()``, which the trainer's forward passes enter."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
 
@@ -160,7 +165,14 @@ def build_gpt(spec: Any, hf: dict[str, Any], *, dtype: str = "float32", attentio
         kwargs.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
                       batch_p2p_comm=torch.cuda.is_available())  # gloo: plain isend/irecv
     kwargs.update(transformer_overrides or {})
-    layer_spec = spec.layer_spec(hf, core_attention_for(attention))
+    core_attention = core_attention_for(attention)
+    if exact:
+        from posttrain.core import exact as exact_ops
+        from posttrain.plugins.trainers.megatron.exact_attention import ExactAttention
+
+        kwargs.update(activation_func=exact_ops.silu, bias_activation_fusion=False)
+        core_attention = ExactAttention
+    layer_spec = spec.layer_spec(hf, core_attention)
     if kwargs.get("multi_latent_attention"):  # MLA's fields live on a subclass
         from megatron.core.transformer.transformer_config import MLATransformerConfig as TransformerConfig
     config = TransformerConfig(**kwargs)
@@ -169,9 +181,18 @@ def build_gpt(spec: Any, hf: dict[str, Any], *, dtype: str = "float32", attentio
                      pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage())
     mark_tp_params(model)
+    if exact:
+        from posttrain.plugins.trainers.megatron import exact_moe
+
+        exact_ops.enable()
+        exact_ops.patch_norms(model)
+        exact_moe.install(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     model = model.to(torch_dtype)
+    rotary = getattr(model, "rotary_pos_emb", None)
+    if exact and isinstance(getattr(rotary, "inv_freq", None), torch.Tensor):  # the engine's table, from the CPU
+        exact_ops.align_inv_freq(rotary.inv_freq, spec.gpt_model_kwargs(hf)["rotary_base"])
     if init_weights:
         from posttrain.plugins.trainers.megatron.init import seeded_init
 

@@ -29,7 +29,7 @@ def _run(experts, x, counts, probs, grouped: bool, kernel: bool):
     x, probs = x.clone().requires_grad_(), probs.clone().requires_grad_()
     y, bias = experts(x, counts, probs)
     assert bias is None
-    (y * torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum().backward()
+    (y * torch.linspace(-1, 1, y.numel(), device=y.device).reshape(y.shape)).sum().backward()
     return [y.detach(), x.grad, probs.grad] + [p.grad.clone() for p in experts.parameters()]
 
 
@@ -66,6 +66,27 @@ def test_grouped_experts_equal_sequential_forward_and_gradients(megatron_tp1, fa
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (kernel, i, (a - b).abs().max())
     idle = [p.grad for e in (1, 5) for p in experts.local_experts[e].parameters()]
     assert all(torch.equal(gr, torch.zeros_like(gr)) for gr in idle)
+
+
+def test_grouped_backward_adds_into_ddp_main_grads_once(megatron_tp1):
+    """With Megatron DDP's attributes on the weights (fp32 ``main_grad``, ``grad_added_to_main_grad``) the
+    grouped backward accumulates into ``main_grad`` itself and marks it, so DDP's hook does not add again."""
+    spec = spec_for("qwen3_moe")
+    model = M.build_gpt(spec, spec.hf_config(), seed=3)
+    experts = _experts(model)[0]
+    g = torch.Generator().manual_seed(1)
+    counts = torch.tensor([3, 0, 5, 4, 2, 0, 1, 6])
+    x = torch.randn(int(counts.sum()), spec.hf_config()["hidden_size"], generator=g)
+    probs = torch.rand(x.shape[0], generator=g)
+    expected = _run(experts, x, counts, probs, grouped=False, kernel=False)[3:]
+    weights = list(experts.parameters())  # _run's order
+    for w in weights:
+        w.main_grad, w.grad_added_to_main_grad = torch.ones_like(w, dtype=torch.float32), False
+    _run(experts, x, counts, probs, grouped=True, kernel=False)
+    assert all(w.grad_added_to_main_grad for w in weights)
+    assert all(torch.allclose(w.main_grad, 1 + e, rtol=1e-5, atol=1e-5) for w, e in zip(weights, expected))
+    for w in weights:
+        del w.main_grad, w.grad_added_to_main_grad
 
 
 def test_moe_model_logits_and_gradients_equal_with_either_experts(megatron_tp1):
