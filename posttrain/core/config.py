@@ -272,10 +272,11 @@ class TrainerConfig:
 
     global_batch_size: int = option(64, ge=1, help="samples per optimizer step")
     micro_batch_size: int = option(8, ge=1, help="samples per forward/backward pass")
-    max_tokens_per_micro_batch: int | None = option(
+    max_tokens_per_micro_batch: int | Literal["auto"] | None = option(
         None, ge=1, help="dynamic micro-batches: consecutive samples up to this many tokens per forward/backward "
                          "pass (log-prob and train passes; micro_batch_size then no longer caps the count); "
-                         "same loss and gradients as fixed micro-batches")
+                         "same loss and gradients as fixed micro-batches. auto: sized from the trainer device's "
+                         "memory and the model's shape (core.micro_batch_plan), printed at start-up")
     steps_per_rollout: int = option(1, ge=1, help="optimizer steps per rollout step")
     lr: float = option(1e-6, gt=0.0, help="peak learning rate (after warm-up)")
     kl_loss_coef: float = option(0.0, ge=0.0, help="weight of the KL(policy || reference) loss term")

@@ -46,6 +46,9 @@ class MegatronBackend(TrainerBackend):
     # named, with their values, when a pass runs out of GPU memory (core.out_of_memory)
     memory_keys = ("trainer.backend.log_probs_chunk_size", "trainer.backend.log_probs_recompute", "trainer.backend.tp")
 
+    def logits_chunk_tokens(self) -> int | None:
+        return self.config.log_probs_chunk_size
+
     @property
     def needs_routed_experts(self) -> bool:
         return self.config.routing_replay
