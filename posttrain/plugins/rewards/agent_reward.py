@@ -15,6 +15,11 @@ class AgentReward(Component):
     name = "agent_reward"
     scope = "sample"
 
+    @staticmethod
+    def contract_cases() -> list[tuple[Sample, float]]:
+        """Samples as ``openai_agent`` leaves them when its agent returned a float."""
+        return [(Sample(prompt="2+3=", response="5", label="5", metadata={"agent_reward": r}), r) for r in (0.75, 0.0)]
+
     def __call__(self, sample: Sample) -> float:
         if "agent_reward" not in sample.metadata:
             raise ValueError("the agent returned no reward (a string answer: use another reward to score it)")
