@@ -6,7 +6,9 @@ A LoRA adapter on a linear layer ``y = x W^T`` (``W [out, in]``) trains two smal
     y = x W^T + (alpha / r) * dropout(x) A^T B^T      i.e.  W_eff = W + (alpha / r) * B @ A
 
 ``r = trainer.lora.rank`` (0: off), on the modules named in ``target_modules`` (HF module names: ``q_proj``,
-``down_proj``, ...; a Megatron backend maps them to its fused linears).
+``down_proj``, ...; a Megatron backend maps them to its fused linears). ``lm_head`` may be named too (not by
+default, and not with tied embeddings): a random-init model's frozen output layer (std 0.02 on RMS-normalized
+hidden states) bounds its logits to about +-1.3, so adapters on the decoder alone cannot make it confident.
 
 Adapter updates on the wire: a trainer with adapters pushes, after a first push of the base weights, only pairs
 ``<module>.lora_A.weight [r, in]`` and ``<module>.lora_B.weight [out, r]`` under the HF module name, with the
@@ -25,6 +27,7 @@ from typing import Any
 from posttrain.core.schema import option
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGETS = ALL_LINEAR + ("lm_head",)  # the output layer too, on request (not with tied embeddings)
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
 
 
@@ -50,11 +53,46 @@ class LoraConfig:
         errors = []
         if self.rank and not self.target_modules:
             errors.append("target_modules: empty; name the modules that get adapters (e.g. q_proj, v_proj)")
-        unknown = sorted(set(self.target_modules) - set(ALL_LINEAR))
+        unknown = sorted(set(self.target_modules) - set(TARGETS))
         if self.rank and unknown:
-            errors.append(f"target_modules: {', '.join(unknown)} not among the decoder's linear layers "
-                          f"({', '.join(ALL_LINEAR)})")
+            errors.append(f"target_modules: {', '.join(unknown)} not among the linear layers that take adapters "
+                          f"({', '.join(TARGETS)})")
         return errors
+
+
+def tied_head_error(lora: LoraConfig, spec: Any) -> list[str]:
+    """``trainer.lora.target_modules`` naming ``lm_head`` of a model whose output layer is its embedding: the merged
+    output layer would no longer be the embedding every engine and checkpoint ties it to."""
+    if not lora.enabled or "lm_head" not in lora.target_modules or spec is None:
+        return []
+    try:
+        tied = bool(spec.hf_config().get("tie_word_embeddings"))
+    except Exception:  # noqa: BLE001 - an unreadable checkpoint config is the model section's error to report
+        return []
+    return ["trainer.lora.target_modules: lm_head of a model with tied embeddings (its output layer is its "
+            "embedding); leave lm_head out"] if tied else []
+
+
+def write_peft_adapter(out: Any, adapters: dict[str, Any], lora: LoraConfig, base_path: str | None) -> Any:
+    """An adapter in peft's format in directory ``out``: ``adapter_config.json`` (peft's own writer; its
+    ``target_modules``: the module names the pairs adapt; ``base_model_name_or_path``: the checkpoint the run started
+    from) and ``adapter_model.safetensors`` under peft's names (``base_model.model.<module>.lora_A.weight``).
+    ``adapters``: ``{<module>.lora_A.weight: A, <module>.lora_B.weight: B}`` with ``B`` unscaled (peft applies
+    alpha / r itself). Loads with ``peft.PeftModel.from_pretrained(base_model, out)``."""
+    from pathlib import Path
+
+    import peft
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    targets = sorted({adapter_part(name)[0].rsplit(".", 1)[-1] for name in adapters})
+    config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
+                             bias="none", base_model_name_or_path=base_path)
+    config.save_pretrained(str(out))
+    save_file({"base_model.model." + name: t.detach().to("cpu", copy=True).contiguous() for name, t in adapters.items()},
+              str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return out
 
 
 def adapter_part(name: str) -> tuple[str, str | None]:

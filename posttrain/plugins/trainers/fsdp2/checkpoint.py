@@ -90,9 +90,9 @@ def save_hf(model: Any, out_dir: str | Path) -> Path:
     (out / "config.json").write_text(json.dumps(config, indent=2))
     save_file(named, str(out / "model.safetensors"), metadata={"format": "pt"})
     if adapters is not None:
-        from posttrain.plugins.trainers.fsdp2.lora import save_adapter
+        from posttrain.core.lora import write_peft_adapter
 
-        save_adapter(model.model, out / ADAPTER_DIR, adapters, model.spec.config.path)
+        write_peft_adapter(out / ADAPTER_DIR, adapters, model.lora, model.spec.config.path)
     return out
 
 

@@ -17,7 +17,6 @@ maps it back and yields, from the full (gathered) tensors, one of three views (:
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -77,18 +76,3 @@ def hf_tensors(named: Iterator[tuple[str, Any]], view: str, scaling: float,
         else:
             yield name + LORA_A, a
             yield name + LORA_B, b * scaling
-
-
-def save_adapter(model: torch.nn.Module, out: Path, adapters: dict[str, torch.Tensor], base_path: str | None) -> Path:
-    """peft's format in ``out``: ``adapter_config.json`` (peft's own writer; ``base_model_name_or_path``: the
-    checkpoint the run started from) and ``adapter_model.safetensors`` (``base_model.model.<module>.lora_A.weight``,
-    B unscaled: peft applies alpha / r itself). ``adapters``: :func:`hf_tensors`'s ``adapters`` view with scaling 1."""
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    config = model.peft_config["default"]
-    config.base_model_name_or_path = base_path
-    config.save_pretrained(str(out))
-    save_file({PREFIX + name: t.contiguous() for name, t in adapters.items()}, str(out / "adapter_model.safetensors"),
-              metadata={"format": "pt"})
-    return out
