@@ -207,9 +207,10 @@ class TrainerRole:
         return time.perf_counter() - start, sent
 
     def _update_buckets(self, bucket: int) -> Any:
-        """The push's buckets: ``export_update(bucket, full)`` of a model that has it (LoRA: the base weights and
-        adapters on a first push, then adapters only; :mod:`posttrain.core.lora`), else ``export_hf``."""
-        if hasattr(self.policy, "export_update"):
+        """The push's buckets: ``export_update(bucket, full)`` of a model that has it, to engines that merge adapters
+        (LoRA: the base weights and adapters on a first push, then adapters only; :mod:`posttrain.core.lora`), else
+        ``export_hf`` (the merged weights)."""
+        if hasattr(self.policy, "export_update") and getattr(self.engine_backend, "merges_adapters", False):
             return self.policy.export_update(bucket, self.full_push_due)
         return self.policy.export_hf(bucket)
 

@@ -72,7 +72,7 @@ def hf_tensors(named: Iterator[tuple[str, Any]], view: str, scaling: float,
         a, b = pair["A"], pair["B"]
         if view == "merged":
             base = held.pop(name + ".weight")
-            yield name + ".weight", (base.float() + scaling * (b.float() @ a.float())).to(base.dtype)
+            yield name + ".weight", (base.float() + (b.float() * scaling) @ a.float()).to(base.dtype)
         else:
             yield name + LORA_A, a
             yield name + LORA_B, b * scaling

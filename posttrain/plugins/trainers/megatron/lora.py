@@ -170,7 +170,7 @@ def hf_tensors(trainer: Any, view: str) -> Iterator[tuple[str, torch.Tensor]]:
             linear = name.removesuffix(".weight")
             if view == "merged" and linear in modules:
                 a, b = full_pair(linear, modules[linear])
-                tensor = (tensor.float() + s * (b.float() @ a.float())).to(tensor.dtype)
+                tensor = (tensor.float() + (b.float() * s) @ a.float()).to(tensor.dtype)
             yield from spec.to_hf(hf, name, tensor)
     if view != "merged":
         for name, module in modules.items():

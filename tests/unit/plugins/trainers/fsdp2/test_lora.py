@@ -108,3 +108,25 @@ def test_checkpoint_holds_the_adapters_and_resumes_exactly(trained, tmp_path):
     after = [m.train_step(batch, trained["loss"]) for m in (model, other)]
     assert after[0] == after[1]
     assert all(torch.equal(p, q) for p, q in zip(model.model.parameters(), other.model.parameters()))
+
+
+def test_the_trainer_role_pushes_adapters_only_to_engines_that_merge_them(trained):
+    """TrainerRole's push: base + adapters, then adapters, to the local engine; merged weights to an engine backend
+    without ``merges_adapters`` (SGLang's), every push."""
+    from types import SimpleNamespace
+
+    from posttrain.core.actors.trainer import TrainerRole
+    from posttrain.core.plugins import load_plugins
+
+    engines = load_plugins(autoload=False).registry("engines")
+    model = trained["model"]
+    names = {}
+    for engine in ("local", "sglang"):
+        role = SimpleNamespace(policy=model, engine_backend=engines[engine], full_push_due=True)
+        names[engine] = [[n for b in TrainerRole._update_buckets(role, 1 << 30) for n, _ in b]]
+        role.full_push_due = False
+        names[engine].append([n for b in TrainerRole._update_buckets(role, 1 << 30) for n, _ in b])
+    merged = [n for b in model.export_hf() for n, _ in b]
+    assert names["sglang"] == [merged, merged]
+    first, then = names["local"]
+    assert set(merged) < set(first) and then == [n for n in first if n not in merged]
