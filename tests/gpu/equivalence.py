@@ -104,7 +104,8 @@ def rel(a, b) -> float:
 # norms, log-probs and weights drift further, in an equivalent computation too: Adam turns rounding in
 # near-zero gradient elements (|g| ~ eps) into O(lr) differences of those elements, which later steps
 # see. A CPU run that only packs its samples differently (the same math summed in another order) drifts
-# to 3e-5 in grad norm and 9e-6 in weights by step 10 (tests/unit/train/test_equivalence_harness.py), so
+# to 3e-5 in grad norm and 9e-6 in weights by step 10
+# (tests/unit/plugins/trainers/megatron/test_equivalence_harness.py), so
 # the 10-step bar is 1e-4: a 1% lr change, beta2 0.999 or a lost entropy/KL term give 1e-3 to 4e-3.
 # Grad norms have 2e-4: since the train step sends only response rows through the output layer (issue 17,
 # trainer.scored_rows) the padded GPU variants drift to 1.07e-4 - 1.10e-4 by step 10 (H200, 2026-12-02;

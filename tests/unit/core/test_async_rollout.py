@@ -1,6 +1,6 @@
 """The fully-async producer and queue (``core.async_rollout``) with the real data buffer and filters; the
 rollout is a coroutine that records the versions the engines held while it ran (no engine here: the
-pause-and-continue over a real engine is in tests/unit/rollout/test_partial_rollout.py)."""
+pause-and-continue over a real engine is in tests/unit/core/rollout/test_preempt.py)."""
 
 import asyncio
 import json

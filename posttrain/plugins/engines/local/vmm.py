@@ -12,7 +12,7 @@ faults and takes the CUDA context down, so callers point every tensor elsewhere 
 (``memory.EngineMemory``).
 
 The driver calls go through :class:`CudaDriver`; tests on machines without CUDA pass a stand-in that
-keeps the same contract (``tests/unit/rollout/test_engine_memory.py``).
+keeps the same contract (``tests/unit/plugins/engines/local/test_memory.py``).
 """
 
 from __future__ import annotations

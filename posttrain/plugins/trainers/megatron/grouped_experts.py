@@ -117,7 +117,22 @@ class GroupedSwiGLUExperts(torch.autograd.Function):
         del a
         dw1 = gmm_wgrad(dh.t(), x, offs, counts, kernel)  # [E, 2F, H]
         dx = gmm(dh, w1, offs, counts, kernel)  # [N, H]
-        return (dx, dprobs, None, None, *dw1.unbind(0), *dw2.unbind(0))
+        dws = [*dw1.unbind(0), *dw2.unbind(0)]
+        _add_to_main_grads(weights, dws)
+        return (dx, dprobs, None, None, *dws)
+
+
+def _add_to_main_grads(weights: tuple[torch.Tensor, ...], grads: list[torch.Tensor]) -> None:
+    """Accumulate the experts' weight gradients into Megatron DDP's fp32 ``main_grad`` buffers in one
+    foreach call and mark them added (``grad_added_to_main_grad``, as Megatron's fused weight-gradient
+    linears do), so DDP's per-parameter hook skips its own ``add_``. Without DDP (the CPU trainer) the
+    parameters have no ``main_grad`` and autograd accumulates ``.grad`` as usual."""
+    if not all(hasattr(w, "main_grad") and hasattr(w, "grad_added_to_main_grad")
+               and not getattr(w, "zero_out_wgrad", False) for w in weights):
+        return
+    torch._foreach_add_([w.main_grad for w in weights], grads)
+    for w in weights:
+        w.grad_added_to_main_grad = True
 
 
 class GroupedExperts(SequentialMLP):

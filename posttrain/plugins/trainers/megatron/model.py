@@ -33,6 +33,7 @@ import torch.distributed as dist
 from posttrain.core.errors import UsageError
 from posttrain.core.hf_init import HF_EXTRA_FILES, config_json
 from posttrain.plugins.trainers.megatron import cpu_shims
+from posttrain.plugins.trainers.megatron.optim import use_foreach_multi_tensor
 from posttrain.plugins.trainers.megatron.sharding import (ep_info, gather, is_expert, mark_tp_params, shard, tp_group_of,
                                                        tp_info)
 
@@ -56,6 +57,7 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0, cp: int = 1, ep: int 
     from megatron.core import parallel_state
 
     cpu_shims.install()
+    use_foreach_multi_tensor()
     if not dist.is_initialized():
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
