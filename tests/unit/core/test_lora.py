@@ -73,3 +73,15 @@ def test_adapter_push_bytes_at_rank_32_on_the_qwen3_1p7b_shape():
     assert full == 2 * 1_720_574_976
     assert round(attention, 4) == 0.0075 and attention <= 0.02
     assert round(every, 4) == 0.0203
+
+
+@pytest.mark.parametrize("backend", ["megatron", "fsdp2"])
+def test_the_lora_quickstart_validates_on_both_backends(backend):
+    from pathlib import Path
+
+    from posttrain.core.config import load_config
+    from posttrain.core.plugins import load_plugins
+
+    path = Path(__file__).parents[3] / "examples" / "quickstart-lora.yaml"
+    run = load_config(path, [f"trainer.backend.name={backend}"], plugins=load_plugins(autoload=False))
+    assert run.trainer.lora.enabled and "lm_head" in run.trainer.lora.target_modules
