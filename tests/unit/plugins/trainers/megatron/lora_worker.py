@@ -40,6 +40,7 @@ def main() -> None:
     merged = {k: v.clone() for b in trainer.export_hf(1 << 20) for k, v in b}
     base = [(k, v.clone()) for b in trainer.export_update(1 << 20, True) for k, v in b]
     pairs = [(k, v.clone()) for b in trainer.export_update(1 << 20, False) for k, v in b]
+    trainer.save_hf(ckpt + "-hf")
     third = trainer.train_step(batch, loss)
     fresh, _ = build()
     fresh.load(ckpt)

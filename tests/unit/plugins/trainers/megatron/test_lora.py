@@ -38,6 +38,7 @@ def runs(tmp_path_factory):
     for tp in (1, 2):
         _torchrun(tp, str(hf), str(tmp / f"tp{tp}.pt"), str(tmp / f"ckpt{tp}"))
         out[tp] = torch.load(tmp / f"tp{tp}.pt", weights_only=False)
+        out[tp]["hf_final"] = tmp / f"ckpt{tp}-hf"
     out["hf"] = hf
     return out
 
@@ -81,3 +82,20 @@ def test_pushed_adapters_merge_to_the_exported_weights(runs):
     engine.load_weights(dict(run["pairs"]))
     held = engine.named_weights()
     assert all(torch.allclose(held[k], v, atol=1e-6) for k, v in run["merged"].items())
+
+
+@pytest.mark.slow
+def test_hf_final_is_the_merged_model_and_a_peft_adapter(runs):
+    """TP=2's hf-final: transformers loads the merged model, peft the adapter onto the starting checkpoint; both
+    give the same logits, which the adapters moved."""
+    import peft
+    import transformers
+
+    out, tokens = runs[2]["hf_final"], torch.tensor([[5, 17, 3, 9, 44, 2]])
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    base = transformers.AutoModelForCausalLM.from_pretrained(runs["hf"], dtype=torch.float32)
+    with torch.no_grad():
+        plain = base(tokens).logits
+        adapted = peft.PeftModel.from_pretrained(base, out / "adapter")
+        a, b = merged(tokens).logits, adapted(tokens).logits
+    assert torch.allclose(a, b, atol=1e-5) and (a - plain).abs().max() > 1e-4
