@@ -239,6 +239,9 @@ VARIANT_WORDS = {"sdpa": {"decode_attention": "sdpa"}, "bmm": {"decode_attention
                  "torchsample": {"fused_sampling": False}, "fusedsample": {"fused_sampling": True},
                  "prefill8k": {"prefill_tokens": 8192}, "prefill32k": {"prefill_tokens": 32768},
                  "floatlogits": {"float_logits": True},
+                 # rollout.exact (core.exact): patches the shared model's norms, activations and MoE blocks, so an
+                 # exact variant runs after the others (--exact appends one)
+                 "exact": {"exact": True, "fused_sampling": False, "cuda_graphs": False, "compile": False},
                  "stepsample": {"sample_in_step": True}, "aftersample": {"sample_in_step": False},
                  **{f"stages{n}": {"attention_launch": {"num_stages": n}} for n in (2, 3, 4)},
                  **{f"group{p}": {"attention_launch": {"slots_per_program": p}} for p in (1, 2, 4, 8, 16)},
@@ -618,6 +621,8 @@ def main() -> None:
     ap.add_argument("--kernel-tables", default=None, metavar="DIR", help="write profiler op tables here")
     ap.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth for the bound (GB/s)")
     ap.add_argument("--skip-hf", action="store_true", help="measure the engine only")
+    ap.add_argument("--exact", action="store_true", help="also the exact-mode engine (rollout.exact), measured last "
+                                                         "in the same call: decode tok/s against the default's")
     args = ap.parse_args()
 
     import torch
@@ -630,6 +635,9 @@ def main() -> None:
                 "cuda_graphs": cuda if args.cuda_graphs is None else args.cuda_graphs, "fuse_projections": None}
     names = args.variants.split(",") if args.variants else [
         args.decode_attention + ("+compile" if args.compile else "")]
+    if args.exact:
+        names.append("exact")
+    names.sort(key=lambda n: "exact" in n.split("+"))  # exact patches the shared model: after the others
     try:
         variants = [(name, parse_variant(name, defaults)) for name in names]
     except ValueError as exc:

@@ -87,6 +87,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="kernel time of one step by kind")
     parser.add_argument("--kernel-table", default=None, metavar="PATH", help="write the profiler's op table")
     parser.add_argument("--megatron", action="append", default=[], help="key=value (repeatable)")
+    parser.add_argument("--exact", choices=["off", "on", "both"], default="off",
+                        help="rollout.exact's trainer (core.exact); both: default then exact, one process each")
     parser.add_argument("--experts", choices=["grouped", "sequential", "both"], default=None,
                         help="MoE expert layer (default: the spec's, grouped); both: one process each")
     args = parser.parse_args()
@@ -94,6 +96,13 @@ def main() -> None:
         for kind in ("grouped", "sequential"):
             subprocess.run([sys.executable, __file__, *sys.argv[1:], "--experts", kind], check=False)  # last wins
         return
+    if args.exact == "both":  # exact mode marks the process (core.exact.enable): one process each
+        for mode in ("off", "on"):  # exact runs its layers eagerly: --compile applies to the default alone
+            argv = [a for a in sys.argv[1:] if mode == "off" or a != "--compile"]
+            subprocess.run([sys.executable, __file__, *argv, "--exact", mode], check=False)  # last wins
+        return
+    if args.exact == "on" and args.compile:
+        parser.error("--exact on runs the layers eagerly: drop --compile")
 
     if args.sdpa_gqa:
         os.environ["POSTTRAIN_SDPA_GQA"] = "1"
@@ -125,7 +134,7 @@ def main() -> None:
     backend = MegatronBackend.Config(tp=args.tp, attention=args.attention, log_probs_chunk_size=args.chunk,
                                      sequence_packing=not args.no_packing, megatron=megatron, compile=args.compile,
                                      fused_adam=args.fused_adam, log_probs_recompute=not args.keep_logits)
-    trainer = MegatronTrainer(spec, config, backend=backend)
+    trainer = MegatronTrainer(spec, config, backend=backend, exact=args.exact == "on")
     hf = spec.hf_config()
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, hf["vocab_size"], (batch_size, args.seq_len), generator=g)
@@ -159,6 +168,7 @@ def main() -> None:
         "micro_batch": args.micro_batch, "grad_accum": args.grad_accum, "seq_len": args.seq_len,
         "attention": args.attention, "compile": args.compile, "sdpa_gqa": args.sdpa_gqa,
         "fused_adam": args.fused_adam, "keep_logits": args.keep_logits, "packing": not args.no_packing,
+        "exact": args.exact == "on",
         "megatron": megatron, "experts": _experts_kind(trainer.gpt),
         "step_s": round(seconds, 4), "tokens_per_s": round(tokens_per_step / seconds, 1),
         "model_tflops_per_s": round(flops / seconds / 1e12, 3),  # MoE: on active parameters

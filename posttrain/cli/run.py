@@ -114,7 +114,7 @@ def run(config: Path = typer.Argument(None, help="run config (YAML); optional wi
             raise RunFailed(str(exc)) from None
         interrupted(run, display.next_step, total, signalled=exc)
     run.mark_complete(total)
-    _finish(run)
+    _finish(run, exact=bool(getattr(getattr(cfg, "rollout", None), "exact", False)))
 
 
 def finished(plan: Plan, total: int, overridden: bool) -> bool:
@@ -213,7 +213,22 @@ def interrupted(run: Any, next_step: int, total: int, signalled: BaseException |
     raise typer.Exit(143 if terminated else 130)
 
 
-def _finish(run: Any) -> None:
+def exact_line(rows: list[dict]) -> str:
+    """``rollout.exact``'s verdict over a run's metric rows: every compared token's train log-prob equal to the
+    rollout's, or the first step where one was not."""
+    key = "train_rollout_logprob_abs_diff_max"
+    scored = [r for r in rows if key in r]
+    bad = next((r for r in scored if r[key] != 0.0), None)
+    tokens = int(sum(r.get("train_rollout_logprob_tokens", 0.0) for r in scored))
+    if not scored:
+        return "exact: no step compared train and rollout log-probs"
+    if bad is None:
+        return f"exact: every token matched ({tokens} tokens, {len(scored)} steps)"
+    return (f"exact: step {bad['step'] + 1} did not match: max |train - rollout| log-prob {bad[key]:.3g} "
+            f"(mean {bad.get('train_rollout_logprob_abs_diff', float('nan')):.3g})")
+
+
+def _finish(run: Any, exact: bool = False) -> None:
     from posttrain.cli.plot_cmd import write_curves
     from posttrain.core.metrics import read_metrics
 
@@ -222,6 +237,8 @@ def _finish(run: Any) -> None:
         write_curves(rows, run.path / "curves.png", title=run.path.name)
         console.print(f"done: {len(rows)} steps; curves: {run.path / 'curves.png'}; "
                       f"metrics: {run.path / 'metrics.jsonl'}", soft_wrap=True, markup=False)
+        if exact:
+            console.print(exact_line(rows), soft_wrap=True, markup=False)
     if (run.path / "hf-final" / "config.json").is_file():
         console.print(f"final model (HF checkpoint): {run.path / 'hf-final'}; any checkpoint's: "
                       f"rl-cli models export {run.path} --step N OUT", soft_wrap=True, markup=False)

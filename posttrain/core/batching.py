@@ -118,12 +118,14 @@ def train_tokens(samples: list[Sample]) -> int:
 def mismatch_metrics(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
                      mask: torch.Tensor) -> dict[str, float]:
     """How far the trainer's log-probs of the sampled tokens are from the engine's (same weights); the mean
-    is the one every correction reports (``core.losses``), the max is for spotting single bad tokens."""
+    is the one every correction reports (``core.losses``), the max is for spotting single bad tokens (exactly 0
+    at every token with ``rollout.exact``), ``_tokens`` how many tokens were compared."""
     from posttrain.core.losses import masked_mean
 
     diff = (train_log_probs - rollout_log_probs).abs()
     return {"train_rollout_logprob_abs_diff": float(masked_mean(diff, mask)),
-            "train_rollout_logprob_abs_diff_max": float((diff * mask).max()) if mask.any() else 0.0}
+            "train_rollout_logprob_abs_diff_max": float((diff * mask).max()) if mask.any() else 0.0,
+            "train_rollout_logprob_tokens": float(mask.sum())}
 
 
 def policy_metrics(batch: TrainBatch, entropy: torch.Tensor) -> dict[str, float]:

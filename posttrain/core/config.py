@@ -154,6 +154,8 @@ class RolloutConfig:
     top_p: float = option(1.0, gt=0.0, le=1.0, help="nucleus sampling: the smallest token set of this total probability")
     top_k: int = option(-1, help="-1 disables; else >= 1")
     max_new_tokens: int = option(128, ge=1, help="tokens generated per sample at most (a longer answer is truncated)")
+    min_new_tokens: int = option(0, ge=0, help="tokens generated per sample at least: EOS and stops before then do "
+                                               "not end it (SGLang's min_new_tokens; the distribution is not changed)")
     mode: Literal["sync", "async", "fully_async"] = option(
         "sync", help="async overlaps generation N+1 with training N; fully_async never stops generating: a "
                      "background producer fills a queue of finished groups, the trainer takes a batch as soon as "
@@ -195,6 +197,10 @@ class RolloutConfig:
     weight_sync_timeout_s: float = option(300.0, gt=0.0, help="bound on every HTTP call and collective of a weight "
                                                                "push: an engine that dies mid-push fails it this soon "
                                                                "(it is restarted and the push repeated)")
+    exact: bool = option(False, help="exactly on-policy: the engine and the trainer compute with the same "
+                                     "batch-invariant arithmetic (core.exact), so a sampled token's rollout "
+                                     "log-prob equals the trainer's bit for bit (eager engine; slower); needs "
+                                     "backends with an exact mode (local engine, megatron trainer)")
     seed_sampling: bool = option(False, help="give every sample its own sampling_seed, from the run's seed and the "
                                              "sample's index, so a rerun draws the same tokens (SGLang engines also "
                                              "need sglang: {enable_deterministic_inference: true})")
@@ -214,6 +220,8 @@ class RolloutConfig:
                        for key, on in (("partial", self.partial), ("update_weights_interval",
                                        self.update_weights_interval != 1), ("stale", self.stale != "drop"),
                                        ("async_buffer_size", self.async_buffer_size is not None)) if on]
+        if self.min_new_tokens > self.max_new_tokens:
+            errors.append(f"min_new_tokens: {self.min_new_tokens} exceeds max_new_tokens ({self.max_new_tokens})")
         if self.top_k != -1 and not 1 <= self.top_k < 2**63:
             errors.append(f"top_k: {self.top_k} is out of range (-1 disables; else 1 <= top_k < 2**63)")
         return errors
@@ -243,7 +251,8 @@ class RolloutConfig:
                               max_new_tokens=self.max_new_tokens, stop=list(self.stop) or None,
                               stop_token_ids=list(self.stop_token_ids) or None,
                               seed=seed if self.seed_sampling else None,
-                              seed_rows=self.seeds_batch_rows, return_routed_experts=return_routed_experts)
+                              seed_rows=self.seeds_batch_rows, return_routed_experts=return_routed_experts,
+                              extra={"min_new_tokens": self.min_new_tokens} if self.min_new_tokens else {})
 
     @property
     def seeds_batch_rows(self) -> bool:
@@ -506,6 +515,24 @@ class RunConfig:
             errors += [e.replace("rollout.engine", "teacher.engine", 1)
                        for e in self.teacher.engine.create(plugins).check_config(self, plugins)
                        if e.startswith("rollout.engine")]
+        return errors + self._exact_errors(plugins)
+
+    def _exact_errors(self, plugins: Any) -> list[str]:
+        """What keeps ``rollout.exact`` from holding: backends without an exact mode, a sampling temperature
+        (the engine divides the logits by ``T``, the trainer scales its last hidden state by ``1 / T``: equal
+        in exact arithmetic, not in the last bit)."""
+        if not self.rollout.exact:
+            return []
+        registries = plugins.registries()
+        errors = []
+        for c, kind in ((self.rollout.engine, "engine"), (self.trainer.backend, "trainer")):
+            if not getattr(c.cls, "exact_mode", False):
+                have = sorted(n for n, cls in registries[f"{kind}s"].items() if getattr(cls, "exact_mode", False))
+                errors.append(f"rollout.exact: the {c.name} {kind} has no exact mode ({kind}s with one: "
+                              f"{', '.join(have) or 'none'})")
+        if self.rollout.temperature not in (0.0, 1.0):
+            errors.append(f"rollout.exact: needs rollout.temperature 1.0 (or 0, greedy), got "
+                          f"{self.rollout.temperature}: the engine's z / T and the trainer's (h / T) W^T differ in the last bit")
         return errors
 
     def _teacher_errors(self) -> list[str]:

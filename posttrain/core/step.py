@@ -105,6 +105,7 @@ async def learn(parts: StepParts, samples: list) -> Learned:
     the train step when they are the batch's only use of them (``batching.old_log_probs_from_train``)."""
     cfg, trainer, timer = parts.cfg, parts.trainer, parts.timer
     batch, reward, group_index, rollout_lp = batching.to_batch(samples)
+    batch.temperature = cfg.rollout.temperature  # the trainer scores the distribution the engine sampled from
     fused = batching.old_log_probs_from_train(cfg, parts.estimator)
     with timer("log_probs"):  # the sampling policy as the trainer sees it, the reference, critic values
         if not fused:

@@ -33,6 +33,10 @@ class TrainBatch:
     :ivar routed_experts: ``[B, T, L * k]`` int16, the engine's MoE expert ids of token ``t`` in each of the
         ``L`` layers (``k`` per layer; -1 where the engine reported none: dense layers, each sample's last
         token, padding), or None. A trainer that replays routing reads them (Sample.rollout_routed_experts).
+    :ivar temperature: the sampling temperature ``T`` of the rollout. Engines report ``log_softmax(z / T)``
+        of the token they drew, so the trainer scores ``log_softmax(z / T)`` too (and the entropy of that
+        distribution): the policy-gradient ratio is against the distribution that sampled. ``T`` of 0
+        (greedy) or 1 leaves the logits as they are.
     """
 
     tokens: torch.Tensor
@@ -45,6 +49,12 @@ class TrainBatch:
     returns: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
     routed_experts: torch.Tensor | None = None
+    temperature: float = 1.0
+
+    @property
+    def logit_scale(self) -> float:
+        """``1 / T`` for a sampling temperature ``T`` other than 0 and 1, else 1.0 (see ``temperature``)."""
+        return 1.0 / self.temperature if self.temperature not in (0.0, 1.0) else 1.0
 
     @classmethod
     def from_lists(cls, token_lists: list[list[int]], prompt_lengths: list[int], **per_token: Any) -> "TrainBatch":
@@ -71,7 +81,7 @@ class TrainBatch:
         """Samples ``start:end``, trimmed to their longest length."""
         width = int(self.lengths[start:end].max())
         kw = {}
-        for f in fields(self):
+        for f in _tensor_fields(self):
             v = getattr(self, f.name)
             if v is None:
                 kw[f.name] = None
@@ -88,14 +98,14 @@ class TrainBatch:
         rows = torch.as_tensor(index, dtype=torch.long)
         width = int(self.lengths[rows].max())
         kw = {}
-        for f in fields(self):
+        for f in _tensor_fields(self):
             v = getattr(self, f.name)
             kw[f.name] = None if v is None else v[rows] if f.name == "lengths" else v[rows, :width]
         return replace(self, **kw)
 
     def to(self, device: Any) -> "TrainBatch":
         return replace(self, **{f.name: (getattr(self, f.name).to(device) if getattr(self, f.name) is not None
-                                         else None) for f in fields(self)})
+                                         else None) for f in _tensor_fields(self)})
 
 
 @dataclass
@@ -136,6 +146,11 @@ def pack(tokens: torch.Tensor, lengths: torch.Tensor) -> Packed:
         cu_host.append(cu_host[-1] + n)
     cu = torch.tensor(cu_host, dtype=torch.int32).to(tokens.device)
     return Packed(ids.unsqueeze(0), positions.unsqueeze(0), targets, cu, max(sizes), cu_host)
+
+
+def _tensor_fields(batch: TrainBatch) -> list:
+    """The batch's per-sample tensor fields (everything but ``temperature``)."""
+    return [f for f in fields(batch) if f.name != "temperature"]
 
 
 def split_by_tokens(lengths: list[int], parts: int) -> list[list[int]]:

@@ -66,6 +66,7 @@ class TrainerBackend(Component):
 
     name = ""
     offloads = False  # whether its models implement offload()/onload() (resources.offload_trainer)
+    exact_mode = False  # rollout.exact: its forward computes with core.exact's arithmetic (build reads run.rollout.exact)
     # dotted config keys that make a pass take less memory, named with their values when one runs out of it
     # (core.out_of_memory; the core's micro-batch keys come first)
     memory_keys: tuple[str, ...] = ()

@@ -72,6 +72,7 @@ class EngineSlot:
     # the run's rollout sampling_params as its requests send them (SGLang's form, seeded if the run seeds): a backend
     # may prepare its kernels for them before it answers (the local engine's --warm-sampling); None: unknown
     sampling: dict[str, Any] | None = None
+    exact: bool = False  # rollout.exact: the engine computes with core.exact's batch-invariant arithmetic
 
 
 @dataclass
@@ -111,6 +112,7 @@ class EngineBackend(Component):
 
     name = ""
     weight_sync_modes: tuple[str, ...] = WEIGHT_SYNC_MODES
+    exact_mode = False  # rollout.exact: its servers compute with core.exact's arithmetic (EngineSlot.exact)
     seeds_batch_rows = False
     flat_weight_buckets = False
     merges_adapters = False

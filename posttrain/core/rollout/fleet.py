@@ -89,7 +89,8 @@ class EngineFleet:
                                                 seed=self.seed, resources=self.resources, gpus=gpus,
                                                 api_key=self.api_key, model_pending=self._model_pending,
                                                 weights_from_push=self.weights_from_push,
-                                                sampling=run_sampling(self.rollout, self.seed)))
+                                                sampling=run_sampling(self.rollout, self.seed),
+                                                exact=bool(getattr(self.rollout, "exact", False))))
         return ManagedServer(launch.command, f"http://{self.host}:{port}", log_path=self._log(f"engine-{i}.log"),
                              env={**(self.env or {}), **launch.env}, health_path=launch.health_path)
 

@@ -321,3 +321,36 @@ def test_an_unknown_component_defined_beside_the_config_names_the_plugin_file(tm
         load_config(cfg)
     [error] = [e for e in caught.value.errors if e.startswith("generator")]
     assert error.endswith(f"{tmp_path / 'my_gen.py'} defines it: add `--plugin {tmp_path / 'my_gen.py'}`")
+
+
+def test_exact_mode_names_each_thing_that_cannot_be_exact_one_line_each(write, plugins):
+    base = GOOD.replace("rollout: {rollout_batch_size: 4, n_samples_per_prompt: 4}",
+                        "rollout: {rollout_batch_size: 4, n_samples_per_prompt: 4, exact: true, temperature: 0.7, "
+                        "engine: {name: sglang}}")
+    with pytest.raises(ConfigError) as info:
+        load_config(write("c.yaml", base.replace("steps_per_rollout: 2", "steps_per_rollout: 2, backend: {name: fsdp2}")),
+                    plugins=plugins)
+    errors = [e for e in info.value.errors if e.startswith("rollout.exact")]
+    assert any("the sglang engine has no exact mode" in e for e in errors), info.value.errors
+    assert any("the fsdp2 trainer has no exact mode" in e for e in errors), info.value.errors
+    assert any("needs rollout.temperature 1.0" in e for e in errors), info.value.errors
+    assert all("\n" not in e for e in errors)
+    local = base.replace(", engine: {name: sglang}", "").replace("temperature: 0.7", "temperature: 1.0")
+    with pytest.raises(ConfigError) as info:
+        load_config(write("d.yaml", local.replace("steps_per_rollout: 2", "steps_per_rollout: 2, backend: {tp: 2}")),
+                    plugins=plugins)
+    assert [e for e in info.value.errors if e.startswith("rollout.exact")] == [
+        "rollout.exact: needs trainer.backend.tp: 1 (tensor parallelism splits sums over ranks in another order "
+        "than the engine's)"], info.value.errors
+    cfg = load_config(write("e.yaml", local), plugins=plugins)
+    assert cfg.rollout.exact
+
+
+def test_min_new_tokens_reaches_the_sampling_params(write, plugins):
+    cfg = load_config(write("c.yaml", GOOD.replace("n_samples_per_prompt: 4}", "n_samples_per_prompt: 4, "
+                                                   "min_new_tokens: 3}")), plugins=plugins)
+    assert cfg.rollout.sampling_params().to_sglang()["min_new_tokens"] == 3
+    with pytest.raises(ConfigError) as info:
+        load_config(write("d.yaml", GOOD.replace("n_samples_per_prompt: 4}", "n_samples_per_prompt: 4, "
+                                                 "min_new_tokens: 9, max_new_tokens: 8}")), plugins=plugins)
+    assert "rollout.min_new_tokens: 9 exceeds max_new_tokens (8)" in info.value.errors

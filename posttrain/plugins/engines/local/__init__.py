@@ -47,6 +47,7 @@ class LocalEngine(EngineBackend):
     merges_adapters = True  # LoRA pushes: adapter pairs merged from each weight's kept base
     waits_for_checkpoint = True  # rl-cli engine serve --wait-for-model: imports torch and transformers meanwhile
     starts_without_weights = True  # rl-cli engine serve --load-format dummy: the model built from config.json
+    exact_mode = True  # rollout.exact: exact_mode.py, with the megatron trainer's arithmetic
 
     Config = EngineOptions
 
@@ -90,7 +91,7 @@ class LocalEngine(EngineBackend):
         warm = (cfg.warm_up and device == "cuda" and slot.sampling is not None
                 and (cfg.stable_memory or not slot.resources.colocate))
         # stable memory serves the releases of colocated engines alone
-        served = replace(cfg, device=device, warm_up=warm,
+        served = replace(cfg, device=device, warm_up=warm, exact=cfg.exact or slot.exact,
                          stable_memory=device == "cuda" and cfg.stable_memory and slot.resources.colocate)
         return EngineLaunch(local_engine_command(
             slot.model_path, slot.port, served, host=slot.host,

@@ -157,6 +157,9 @@ def mlp_forward(mlp, x, gate_up: Fused | None = None):
         return mlp.down_proj(mlp.act_fn(gate) * up), None
     if not hasattr(mlp, "experts"):
         return mlp(x), None
+    exact_moe = getattr(mlp, "exact_moe", None)  # exact mode (exact_mode.adopt): core.exact's MoE arithmetic
+    if exact_moe is not None:
+        return exact_moe(x)
     flat = x.reshape(-1, x.shape[-1])
     if getattr(mlp, moe_kernel.TAG, False):  # fused routing and grouped expert kernels (moe_kernel)
         y, ids = moe_kernel.moe_forward(mlp, flat)

@@ -53,6 +53,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from posttrain.core.exact import log_softmax as exact_log_softmax
 from posttrain.core.lora import AdapterMerge
 from posttrain.plugins.engines.local import compiling, graphs
 from posttrain.plugins.engines.local.attention import checked_launch, step_attention
@@ -202,6 +203,8 @@ class RunnerTuning:
       on a GPU, where its sampling upcasts anyway).
     - ``attention_launch``: launch settings of the Triton decode attention (``decode_kernel.decode_attention``'s
       ``block_n``, ``num_warps``, ``num_stages``, ``num_splits``, ``slots_per_program``; None: its defaults).
+    - ``exact``: batch-invariant arithmetic shared with the trainer (``exact_mode``; ``rollout.exact``): the
+      reported log-prob of a sampled token is the trainer's, bit for bit; eager, the levers above off.
     - ``rope_in_attention``: the decode step hands the ``triton`` attention raw Q/K projections, and the kernel
       applies Qwen3's per-head Q/K norms and the rotary as it loads them (``decode_kernel.Rope``: one kernel and
       a round trip of ``q`` and ``k`` fewer per layer). None: on where it can be on a GPU; True: on, also on the
@@ -216,10 +219,15 @@ class RunnerTuning:
     float_logits: bool = True
     attention_launch: dict | None = None
     rope_in_attention: bool | None = None
+    exact: bool = False
 
     def resolved(self, device: torch.device) -> RunnerTuning:
         """This tuning checked (a ValueError naming the field) with ``decode_attention: auto`` resolved for
         ``device``."""
+        if self.exact:
+            from posttrain.plugins.engines.local.exact_mode import exact_tuning
+
+            self = exact_tuning(self)  # noqa: PLW0642 - the resolved copy
         attention = self.decode_attention
         if attention == "auto":  # the fastest on an H200 (python -m bench rollout)
             from posttrain.plugins.engines.local.decode_kernel import triton_available
@@ -285,6 +293,11 @@ class ModelRunner:
         self.float_logits, self.compile, self.compile_mode = tuning.float_logits, tuning.compile, tuning.compile_mode
         self.rope_in_attention = self._rope_in_attention(tuning.rope_in_attention)
         self._build_step()
+        self.exact = tuning.exact
+        if self.exact:
+            from posttrain.plugins.engines.local import exact_mode
+
+            exact_mode.adopt(self)
         self.mla = adopt_latent_attention(self) if is_mla(self.model) else None  # its cache, prefill parts, decode
 
     def _allocate(self) -> None:
@@ -469,7 +482,10 @@ class ModelRunner:
             else:
                 write_prompt_kv_reference(k, v, self.k_cache[l], self.v_cache[l], dest,
                                           rows if n != len(prompts) else None)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
+            if self.exact:
+                o = self._exact_attention(q, k, v, self.scaling)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
             if self.compile:  # [n, H, P, D]
                 torch._dynamo.maybe_mark_dynamic(o, 0)
                 torch._dynamo.maybe_mark_dynamic(o, 2)
@@ -487,7 +503,8 @@ class ModelRunner:
         ids = torch.tensor(targets, dtype=torch.long, device=self.device)
         for at in range(0, len(targets), rows):
             logits = self.model.lm_head(self.model.model.norm(hidden[at:at + rows])).float()
-            out.append(logits.log_softmax(-1).gather(-1, ids[at:at + rows, None]).squeeze(-1))
+            lp = exact_log_softmax(logits) if self.exact else logits.log_softmax(-1)
+            out.append(lp.gather(-1, ids[at:at + rows, None]).squeeze(-1))
         return torch.cat(out).tolist() if out else []
 
     @torch.no_grad()
@@ -523,7 +540,10 @@ class ModelRunner:
         nb = tokens.shape[0]
         model = self.model.model
         h, cos, sin = self._embed(model, tokens[:, None], positions[:, None])
-        attend = step_attention(self, positions, span, (cos, sin))  # attend(l, q, k, v)
+        if self.exact:
+            attend = self._exact_step_attention(self, positions, span)
+        else:
+            attend = step_attention(self, positions, span, (cos, sin))  # attend(l, q, k, v)
         parts = [self._parts(layer) for layer in self.layers]  # [(qkv, gate_up)] per layer
         q, k, v = self._project(self.layers[0], h, cos, sin, self._rope, parts[0][0])
         routed = []

@@ -44,6 +44,10 @@ class EngineOptions:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
         "auto", help="weights and KV cache: auto = float32 on the CPU; on a GPU the checkpoint's torch_dtype (a "
                      "float32 policy is sampled in float32), bfloat16 when it names none")
+    exact: bool = option(
+        False, help="batch-invariant arithmetic shared with the trainer: a sampled token's log-prob equals the "
+                    "trainer's bit for bit (eager: compile, CUDA graphs and fused kernels off); a run sets it from "
+                    "rollout.exact")
     request_timeout_s: float = option(
         60.0, gt=0.0, help="seconds a request body may take to arrive (a stalled or slow client gets HTTP 408 "
                            "and its connection closed); a connection idle this long is closed too")

@@ -195,10 +195,10 @@ def sample_tokens(logits, params: list[RequestSampling], steps: list[int] | None
         return fused_sample(logits if logits.stride(-1) == 1 else logits.contiguous(), temperature)
     logits = logits.float()
     if temperature == 0.0:  # every row greedy (seeds do not matter): argmax, log-prob at T = 1
-        logprobs = torch.log_softmax(logits, dim=-1)
+        logprobs = _log_softmax(logits, dim=-1)
         tokens = logits.argmax(dim=-1)
     elif temperature is not None and not seeded:
-        logprobs = torch.log_softmax(logits / temperature, dim=-1)
+        logprobs = _log_softmax(logits / temperature, dim=-1)
         tokens = torch.multinomial(logprobs.exp(), 1).squeeze(1)
     else:
         return _sample_mixed(logits, params, steps)
@@ -281,7 +281,7 @@ def _sample_mixed(logits, params: list[RequestSampling], steps: list[int] | None
 
     device = logits.device
     temps = to_device([p.temperature if not p.greedy else 1.0 for p in params], device)
-    logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)
+    logprobs = _log_softmax(logits / temps[:, None], dim=-1)
     probs = logprobs.exp()
     if any(p.top_p < 1.0 or p.top_k > 0 or p.min_p > 0.0 for p in params if not p.greedy):
         probs = _truncate(probs, params)
@@ -300,6 +300,16 @@ def _sample_mixed(logits, params: list[RequestSampling], steps: list[int] | None
         greedy = to_device([p.greedy for p in params], device)
         tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _log_softmax(x, dim: int = -1):
+    """``torch.log_softmax`` over the last dim, or ``exact.log_softmax`` in an exact-mode engine (the trainer's
+    arithmetic, bit for bit)."""
+    import torch
+
+    from posttrain.core import exact
+
+    return exact.log_softmax(x) if exact.enabled() else torch.log_softmax(x, dim=dim)
 
 
 def to_device(values: list, device, dtype=None):

@@ -107,7 +107,7 @@ def runner_tuning(config: EngineOptions) -> RunnerTuning:
 
     return RunnerTuning(decode_attention=config.decode_attention, compile=config.compile,
                         compile_mode=config.compile_mode, cuda_graphs=config.cuda_graphs,
-                        float_logits=not config.device.startswith("cuda"))
+                        float_logits=not config.device.startswith("cuda"), exact=config.exact)
 
 
 class EngineServer:
@@ -142,7 +142,7 @@ class EngineServer:
             eos.append(self.tokenizer.eos_token_id)
         on_gpu = self.runner.device.type == "cuda"
         self.engine = BatchEngine(self.runner, self.tokenizer, eos, overlap=config.overlap and on_gpu,
-                                  fused_sampling=None if config.fused_sampling else False,
+                                  fused_sampling=None if config.fused_sampling and not config.exact else False,
                                   prefill_tokens=config.prefill_tokens or None)
         self.api_key = api_key
         self.generate_body_limit = generate_body_limit

@@ -128,6 +128,8 @@ class FSDP2Model:
     def _forward(self, mb: TrainBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(log_probs [b, T], entropy [b, T] | None)`` of micro-batch ``mb`` (on the device), with autograd."""
         logits = self.model(input_ids=mb.tokens, use_cache=False).logits[:, :-1].float()  # [b, T-1, V]
+        if mb.logit_scale != 1.0:  # the rollout's temperature: log_softmax(z / T)
+            logits = logits * mb.logit_scale
         target = logits.gather(-1, mb.tokens[:, 1:, None]).squeeze(-1)
         lp = torch.nn.functional.pad(target - torch.logsumexp(logits, -1), (1, 0)) * valid_columns(mb)
         if not with_entropy:

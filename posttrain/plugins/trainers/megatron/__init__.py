@@ -42,6 +42,7 @@ class MegatronBackend(TrainerBackend):
     Config = MegatronConfig
 
     offloads = True  # MegatronTrainer.offload/onload (offload.HostOffload)
+    exact_mode = True  # rollout.exact: core.exact's norms, SwiGLU, attention and matmuls (exact_attention.py)
     # named, with their values, when a pass runs out of GPU memory (core.out_of_memory)
     memory_keys = ("trainer.backend.log_probs_chunk_size", "trainer.backend.log_probs_recompute", "trainer.backend.tp")
 
@@ -96,6 +97,10 @@ class MegatronBackend(TrainerBackend):
         if c.pp > 1 and c.attention == "local":
             errors.append("trainer.backend.pp: pipeline parallelism needs a packed-sequence attention "
                           "(trainer.backend.attention: auto, sdpa or te), not local")
+        if run.rollout.exact:
+            errors += [f"rollout.exact: needs trainer.backend.{key} ({why})" for key, why, bad in (
+                ("tp: 1", "tensor parallelism splits sums over ranks in another order than the engine's", c.tp > 1),
+                ("compile: false", "compiled layers fuse norms and SwiGLU their own way", c.compile)) if bad]
         if c.cp > 1 and not r.trainer_gpus_per_node:
             errors.append("trainer.backend.cp: context parallelism runs on GPUs only "
                           "(resources.trainer_gpus_per_node is 0)")
@@ -108,7 +113,7 @@ class MegatronBackend(TrainerBackend):
         from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
 
         return MegatronTrainer(spec, run.trainer, backend=self.config, seed=seed, role=role,
-                               max_response_len=run.rollout.max_new_tokens)
+                               max_response_len=run.rollout.max_new_tokens, exact=run.rollout.exact)
 
 
     def verify_hf(self, spec: Any, hf_dir: str, *, tp: int = 1, ep: int = 1, pp: int = 1, tolerance: float = 1e-4,

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from posttrain.core import exact
+
 _NEG = -1e30  # finite "minus infinity": exp() gives 0 and 0 * _NEG stays 0 in the entropy sum
 
 
@@ -65,7 +67,7 @@ def _softmax_terms(z: torch.Tensor, targets: torch.Tensor, vocab_start: int, wit
     if group is not None:
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
     e = torch.exp(z - m.unsqueeze(-1))
-    s = tp_sum(e.sum(dim=-1))
+    s = tp_sum(exact.row_sum(e)[..., 0] if exact.enabled() else e.sum(dim=-1))  # exact: the engine's sum
     lse = m + torch.log(s)
     local = targets - vocab_start
     inside = (local >= 0) & (local < z.shape[-1])

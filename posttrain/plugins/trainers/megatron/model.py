@@ -138,9 +138,12 @@ def core_attention_for(kind: str) -> Any:
 
 
 def build_gpt(spec: Any, hf: dict[str, Any], *, dtype: str = "float32", attention: str = "auto",
-              transformer_overrides: dict[str, Any] | None = None, init_weights: bool = True, seed: int = 0) -> Any:
+              transformer_overrides: dict[str, Any] | None = None, init_weights: bool = True, seed: int = 0,
+              exact: bool = False) -> Any:
     """A ``GPTModel`` holding this rank's TP shards, on the current device. ``tp`` comes from parallel state.
-    ``init_weights`` draws them from ``seed`` the same way on every device and layout (:mod:`.init`)."""
+    ``init_weights`` draws them from ``seed`` the same way on every device and layout (:mod:`.init`).
+    ``exact``: norms, SwiGLU and core attention from ``posttrain.core.exact`` (the local engine's exact mode);
+    its matmuls become batch-invariant under ``exact.mode()``, which the trainer's forward passes enter."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
 
@@ -162,7 +165,14 @@ def build_gpt(spec: Any, hf: dict[str, Any], *, dtype: str = "float32", attentio
         kwargs.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
                       batch_p2p_comm=torch.cuda.is_available())  # gloo: plain isend/irecv
     kwargs.update(transformer_overrides or {})
-    layer_spec = spec.layer_spec(hf, core_attention_for(attention))
+    core_attention = core_attention_for(attention)
+    if exact:
+        from posttrain.core import exact as exact_ops
+        from posttrain.plugins.trainers.megatron.exact_attention import ExactAttention
+
+        kwargs.update(activation_func=exact_ops.silu, bias_activation_fusion=False)
+        core_attention = ExactAttention
+    layer_spec = spec.layer_spec(hf, core_attention)
     if kwargs.get("multi_latent_attention"):  # MLA's fields live on a subclass
         from megatron.core.transformer.transformer_config import MLATransformerConfig as TransformerConfig
     config = TransformerConfig(**kwargs)
@@ -171,9 +181,18 @@ def build_gpt(spec: Any, hf: dict[str, Any], *, dtype: str = "float32", attentio
                      pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage())
     mark_tp_params(model)
+    if exact:
+        from posttrain.plugins.trainers.megatron import exact_moe
+
+        exact_ops.enable()
+        exact_ops.patch_norms(model)
+        exact_moe.install(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     model = model.to(torch_dtype)
+    rotary = getattr(model, "rotary_pos_emb", None)
+    if exact and isinstance(getattr(rotary, "inv_freq", None), torch.Tensor):  # the engine's table, from the CPU
+        exact_ops.align_inv_freq(rotary.inv_freq, spec.gpt_model_kwargs(hf)["rotary_base"])
     if init_weights:
         from posttrain.plugins.trainers.megatron.init import seeded_init
 

@@ -44,6 +44,8 @@ def run(self: Any, batch: TrainBatch, *, train: bool, with_entropy: bool = False
             out = model(p.input_ids, p.position_ids, attention_mask=None, packed_seq_params=psp)
 
         def loss_func(hidden):
+            if mb.logit_scale != 1.0:  # the rollout's temperature: z / T as (h / T) W^T
+                hidden = hidden * mb.logit_scale
             lp, ent = vocab_parallel_log_probs(
                 hidden.reshape(-1, hidden.shape[-1]), self._output_weight(), p.targets,
                 vocab_size=int(self.hf["vocab_size"]), chunk_size=self.backend.log_probs_chunk_size,

@@ -55,6 +55,7 @@ from posttrain.plugins.trainers.megatron import checkpoint, data_parallel, dedup
 from posttrain.plugins.trainers.megatron import model as M
 from posttrain.plugins.trainers.megatron.compiled import compiled_layer
 from posttrain.core.train_batch import TrainBatch, pack
+from posttrain.core import exact
 from posttrain.plugins.trainers.megatron.logprobs import vocab_parallel_log_probs
 from posttrain.plugins.trainers.megatron.moe import MoERuntime, moe_overrides
 from posttrain.plugins.trainers.megatron.optim import use_fused_adam
@@ -71,15 +72,16 @@ class MegatronTrainer:
     """A Megatron-core GPTModel (policy, or critic with ``role="critic"``) with its optimizer."""
 
     def __init__(self, spec: Any, config: Any = None, *, backend: Any = None, seed: int = 0, role: str = "actor",
-                 load_weights: bool = True, max_response_len: int | None = None):
+                 load_weights: bool = True, max_response_len: int | None = None, exact: bool = False):
         """``config``: the run's ``trainer`` section (algorithm keys); ``backend``: this backend's own
-        (``trainer.backend``: parallelism, attention, compile, optimizer kernels, Megatron pass-through)."""
+        (``trainer.backend``: parallelism, attention, compile, optimizer kernels, Megatron pass-through).
+        ``exact``: the forward passes compute with ``posttrain.core.exact`` (``rollout.exact``)."""
         from posttrain.core.config import TrainerConfig
 
         self.spec, self.config = spec, config or TrainerConfig()
         self.backend = backend or MegatronConfig()
         self.role, self._packed = role, self.backend.sequence_packing and self.backend.attention != "local"
-        self.max_response_len = max_response_len
+        self.max_response_len, self.exact = max_response_len, exact
         self.hf = spec.hf_config()
         self.dtype = spec.config.dtype
         overrides = M.split_megatron_overrides({**self.backend.megatron, **moe_overrides(self.backend)})
@@ -94,7 +96,7 @@ class MegatronTrainer:
         has_ckpt = bool(spec.config.path) and load_weights
         self.model = M.build_gpt(spec, self.hf, dtype=self.dtype, attention=self.backend.attention,
                                  transformer_overrides=overrides["transformer"], init_weights=not has_ckpt,
-                                 seed=seed)
+                                 seed=seed, exact=exact)
         if has_ckpt:
             M.load_hf(self.model, spec, self.hf, spec.config.path)
         self.lora_modules: dict[str, Any] = {}  # LoRA: adapted linears by Megatron name; the rest is frozen
@@ -239,13 +241,16 @@ class MegatronTrainer:
         (:func:`scored_rows`): only those hidden rows go through the output layer and the softmax (the
         others, prompt positions, come back 0): the loss reads no other, and a prompt is often a sixth of
         a sample (the quickstart's five of six tokens)."""
-        hidden, targets, unpack = self._hidden(mb)
-        if rows is not None:
-            rows = rows.to(hidden.device, non_blocking=True)
-            whole, hidden, targets = hidden.shape[0], hidden.index_select(0, rows), targets.index_select(0, rows)
-        lp, ent = vocab_parallel_log_probs(hidden, self._output_weight(), targets,
-                                           vocab_size=int(self.hf["vocab_size"]),
-                                           chunk_size=self.backend.log_probs_chunk_size, with_entropy=with_entropy)
+        with exact.maybe(self.exact):  # exact: every matmul batch-invariant (backward runs outside)
+            hidden, targets, unpack = self._hidden(mb)
+            if rows is not None:
+                rows = rows.to(hidden.device, non_blocking=True)
+                whole, hidden, targets = hidden.shape[0], hidden.index_select(0, rows), targets.index_select(0, rows)
+            if mb.logit_scale != 1.0:  # z / T as (h / T) W^T
+                hidden = hidden * mb.logit_scale
+            lp, ent = vocab_parallel_log_probs(hidden, self._output_weight(), targets,
+                                               vocab_size=int(self.hf["vocab_size"]),
+                                               chunk_size=self.backend.log_probs_chunk_size, with_entropy=with_entropy)
         if rows is not None:
             lp = lp.new_zeros(whole).index_copy(0, rows, lp)
             ent = ent.new_zeros(whole).index_copy(0, rows, ent) if ent is not None else None

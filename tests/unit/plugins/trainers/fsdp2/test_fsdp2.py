@@ -39,7 +39,7 @@ def _weights_close(a: dict, b: dict, tol: float) -> None:
 
 def test_fsdp2_equals_megatron_on_one_checkpoint(tiny_ckpts):
     """Loaded from one HF checkpoint, the fsdp2 and megatron backends give the same log-probs, entropy and
-    first step (loss, grad norm, KL, entropy), and the same log-probs after it."""
+    first step (loss, grad norm, KL, entropy), and the same log-probs after it (at a sampling temperature of 0.7)."""
     from posttrain.core.plugins import load_plugins
     from posttrain.testing.contracts.trainer import contract_batch, run_config
 
@@ -55,6 +55,7 @@ def test_fsdp2_equals_megatron_on_one_checkpoint(tiny_ckpts):
         lp, ent = model.log_probs(batch, with_entropy=True)
         batch.old_log_probs, batch.ref_log_probs = lp, lp - 0.01
         metrics = model.train_step(batch, run.loss.create(plugins))
+        batch.temperature = 0.7  # the rollout's temperature: both score log_softmax(z / T)
         results[name] = (lp, ent, metrics, model.log_probs(batch)[0])
     (lp, ent, metrics, after), (m_lp, m_ent, m_metrics, m_after) = results["fsdp2"], results["megatron"]
     assert (lp - m_lp).abs().max() < 1e-5 and (ent - m_ent).abs().max() < 1e-5

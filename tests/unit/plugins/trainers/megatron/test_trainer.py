@@ -36,19 +36,21 @@ def _max_diff(a, b):
     return max((a[n] - b[n]).abs().max().item() for n in a)
 
 
-@pytest.mark.parametrize("packing", [True, False])
-def test_log_probs_and_entropy_equal_hf(tiny_ckpts, packing):
+@pytest.mark.parametrize("packing,temperature", [(True, 1.0), (False, 0.6)])
+def test_log_probs_and_entropy_equal_hf(tiny_ckpts, packing, temperature):
+    """Log-probs and entropy of ``softmax(z / T)`` at the batch's sampling temperature ``T``, as HF computes them."""
     from transformers import AutoModelForCausalLM
 
     trainer = _trainer(tiny_ckpts, sequence_packing=packing, attention="sdpa" if packing else "local",
                        log_probs_chunk_size=5)
     lists, batch = _batch()
+    batch.temperature = temperature
     lp, ent = trainer.log_probs(batch, with_entropy=True)
     assert lp.shape == ent.shape == batch.tokens.shape
     ref = AutoModelForCausalLM.from_pretrained(str(tiny_ckpts("qwen3")), dtype=torch.float32).eval()
     for i, ids in enumerate(lists):
         with torch.no_grad():
-            logp = torch.log_softmax(ref(torch.tensor([ids])).logits[0].float(), -1)
+            logp = torch.log_softmax(ref(torch.tensor([ids])).logits[0].float() / temperature, -1)
         expected = logp[:-1].gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
         assert (lp[i, 1: len(ids)] - expected).abs().max() < 1e-5
         assert (ent[i, 1: len(ids)] + (logp.exp() * logp).sum(-1)[:-1]).abs().max() < 1e-5
@@ -66,6 +68,20 @@ def test_twenty_steps_on_a_fixed_batch_lower_the_loss(tiny_ckpts):
     end = trainer.log_probs(batch)[0]
     mask = batch.response_mask.bool()
     assert end[mask].mean() > start[mask].mean() + 0.1
+
+
+def test_the_train_step_scores_the_sampling_temperature(tiny_ckpts):
+    """At ``T = 0.6`` the first step's ratio against log-probs taken at ``T`` is exactly 1, and the log-probs
+    are not those at ``T = 1``: the train step and ``log_probs`` scale the logits alike."""
+    trainer = _trainer(tiny_ckpts)
+    _, batch = _batch(seed=2)
+    plain = trainer.log_probs(batch)[0]
+    batch.temperature = 0.6
+    batch.old_log_probs = trainer.log_probs(batch)[0]
+    assert (batch.old_log_probs - plain).abs().max() > 1e-2
+    assert batch.select(1, 3).temperature == batch.take([2, 0]).temperature == batch.to("cpu").temperature == 0.6
+    metrics = trainer.train_step(batch, local_loss)
+    assert abs(metrics["pg/ratio"] - 1.0) < 1e-6
 
 
 def test_micro_batching_and_packing_do_not_change_the_step(tiny_ckpts):
