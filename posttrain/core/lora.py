@@ -115,8 +115,8 @@ class AdapterMerge:
     pending: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def resolve(self, named: dict[str, Any], current: Callable[[str], Any]) -> dict[str, Any]:
-        """``named``: the bucket; ``current(hf_name)``: the engine's tensor of that name (to keep as a base).
-        Raises ``ValueError`` naming a pair whose shapes do not multiply to the weight's."""
+        """``named``: the bucket; ``current(hf_name)``: the engine's tensor of that name (to keep as a base), None
+        when it has none. Raises ``ValueError`` naming such a weight, or a pair whose shapes do not give its shape."""
         import torch
 
         out, ready = {}, []
@@ -135,7 +135,10 @@ class AdapterMerge:
             base = out.get(target)  # a base in this very bucket (a first push), else the kept one, else the engine's
             base = self.base.get(target) if base is None else base
             if base is None:
-                base = current(target).detach().clone()
+                held = current(target)
+                if held is None:
+                    raise ValueError(f"{target}: a LoRA adapter for a weight this model does not have")
+                base = held.detach().clone()
             a, b = halves["A"], halves["B"]
             if b.shape[1] != a.shape[0] or (b.shape[0], a.shape[1]) != tuple(base.shape):
                 raise ValueError(f"{module}: adapter B {tuple(b.shape)} @ A {tuple(a.shape)} does not give "

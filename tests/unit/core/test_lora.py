@@ -85,3 +85,8 @@ def test_the_lora_quickstart_validates_on_both_backends(backend):
     path = Path(__file__).parents[3] / "examples" / "quickstart-lora.yaml"
     run = load_config(path, [f"trainer.backend.name={backend}"], plugins=load_plugins(autoload=False))
     assert run.trainer.lora.enabled and "lm_head" in run.trainer.lora.target_modules
+
+
+def test_an_adapter_for_a_weight_the_engine_lacks_is_refused():
+    with pytest.raises(ValueError, match="m.weight: a LoRA adapter for a weight this model does not have"):
+        AdapterMerge().resolve({"m" + LORA_A: torch.ones(2, 3), "m" + LORA_B: torch.ones(4, 2)}, {}.get)

@@ -167,7 +167,7 @@ class HFGenerator:
         merged into their weight from its kept base first (:class:`~posttrain.core.lora.AdapterMerge`)."""
         own = self.own_tensors()
         with self.lock:
-            named = self.adapters.resolve(named, lambda name: _own(own, name))
+            named = self.adapters.resolve(named, own.get)
         unknown = sorted(set(named) - set(own))
         if unknown:
             raise ValueError(f"unknown tensor(s) {', '.join(unknown[:3])}{' ...' if len(unknown) > 3 else ''}")
@@ -199,9 +199,3 @@ class HFGenerator:
             self.model.to(device)
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
-
-def _own(own: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    """The model's weight ``name`` that a LoRA pair adapts (``ValueError`` when it has none)."""
-    if name not in own:
-        raise ValueError(f"{name}: a LoRA adapter for a weight this model does not have")
-    return own[name]

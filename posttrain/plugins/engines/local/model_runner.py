@@ -94,14 +94,6 @@ def _weight_view(params: dict[str, torch.Tensor], name: str) -> torch.Tensor | N
     return stacked[e, :half] if kind == "gate_proj" else stacked[e, half:]
 
 
-def _base_weight(params: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    """The engine's weight ``name`` that a LoRA pair adapts (``ValueError`` when the model has none)."""
-    view = _weight_view(params, name)
-    if view is None:
-        raise ValueError(f"{name}: a LoRA adapter for a weight this model does not have; no weight was changed")
-    return view
-
-
 def _hf_model(model_dir: str, device: torch.device, dtype: torch.dtype, from_config: bool) -> Any:
     """The HF model of ``model_dir``: its weights read, or (``from_config``) built from its ``config.json`` on
     ``device`` with every parameter zero. The first push writes them all, so transformers' random init is skipped
@@ -379,7 +371,7 @@ class ModelRunner:
         of tensors copied. LoRA adapter pairs (``<module>.lora_A.weight``, ``.lora_B.weight``) are merged into
         their weight from its kept base first (:class:`~posttrain.core.lora.AdapterMerge`)."""
         params = self.named_weights()
-        named = self.adapters.resolve(named, lambda name: _base_weight(params, name))
+        named = self.adapters.resolve(named, lambda name: _weight_view(params, name))
         targets = {n: _weight_view(params, n) for n in named}
         problems = _load_problems(named, targets, params, self.required_weights() if require_all else None)
         if problems:
