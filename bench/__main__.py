@@ -78,6 +78,11 @@ BENCHES: dict[str, Bench] = {
                             cpu=["--steps", "30", "--rounds", "3"], gpu=None),
     "trl-gpu": Bench("trl_gpu.py", "TRL's GRPOTrainer on the GPU example's workload (the other side of e2e on a GPU)",
                      cpu=None),
+    "vlm": Bench("vlm.py", "vision-language GRPO, colocated on one GPU at the Qwen2.5-VL-3B shape (random init, drawn "
+                 "224 x 224 images): step time by phase, engine/trainer log-prob gap, peak GiB",
+                 cpu=["--shape", "tiny", "--steps", "3"],
+                 gpu=["--shape", "qwen2.5-vl-3b", "--device", "cuda", "--steps", "5", "--prompts", "64",
+                      "--samples", "8", "--new-tokens", "128", "--image-size", "224", "--micro-batch", "16"]),
     "pipelines": Bench("pipelines.py", "steps to reward 0.8, distillation gap: read from run directories "
                        "(arguments: steps-to RUN_DIR | distill TEACHER_RUN STUDENT_RUN)", cpu=None, gpu=None),
 }

@@ -63,3 +63,18 @@ def run_triton_interpreted(script: str, *args: str) -> None:
     out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300, env=env,
                          cwd=str(ROOT))
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+@pytest.fixture(scope="session")
+def quickstart_run(tmp_path_factory):
+    """The quickstart run as docs/getting-started.md shows it, unmodified: ``rl-cli run examples/quickstart.yaml``
+    in a folder of its own (``examples/`` linked there), so it writes ``runs/quickstart-<time>/`` there.
+    Returns ``(folder, run directory, completed process)``; one run for every test that asks (about 40 s idle)."""
+    folder = tmp_path_factory.mktemp("quickstart")
+    (folder / "examples").symlink_to(ROOT / "examples")
+    out = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "run", "examples/quickstart.yaml"],
+                         capture_output=True, text=True, cwd=folder, timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    runs = sorted((folder / "runs").glob("quickstart-*"))
+    assert len(runs) == 1, runs
+    return folder, runs[0], out

@@ -52,7 +52,7 @@ def test_a_gpu_benchmark_without_a_gpu_and_an_unknown_name_are_one_line_errors()
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr == ("error: unknown benchmark 'trainn'; valid: cli-startup, e2e, e2e-moe, train, train-moe, "
                           "rollout, rollout-moe, decode-parts, generate-step, weight-sync, pin-memory, losses, "
-                          "rewards, long-tail, trl-quickstart, trl-gpu, pipelines\n")
+                          "rewards, long-tail, trl-quickstart, trl-gpu, vlm, pipelines\n")
 
 
 def test_dry_run_prints_the_command_for_this_machine():

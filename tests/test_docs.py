@@ -62,3 +62,14 @@ def test_components_and_commands_are_listed(site):
     for command in ("rl-cli run", "rl-cli models export", "rl-cli config show", "rl-cli engine serve"):
         assert f"<code>{command}</code>" in cli, command
     assert "Benchmark" in page(site, "benchmarks") and "bench/e2e.py" in page(site, "benchmarks")
+
+
+def test_no_page_shows_a_raw_sphinx_role(site):
+    """Docstrings' ``:class:`X``` and the like (docs/hooks/sphinx_roles.py) render as links or code, never as
+    the role's text; a target the site documents is a link to it."""
+    raw = re.compile(r":(?:py:)?(?:class|func|meth|mod|attr|data|exc|obj|const|ref):(?:<code>|`)")
+    found = {str(p.relative_to(site)): raw.findall(p.read_text()) for p in site.rglob("*.html")}
+    assert not {name: hits for name, hits in found.items() if hits}
+    text = page(site, "reference/interfaces")
+    assert 'href="#posttrain.core.interfaces.EstimatorNeeds"><code>EstimatorNeeds</code></a>' in text
+    assert 'href="#posttrain.core.types.SamplingParams.to_sglang"><code>to_sglang()</code></a>' in text

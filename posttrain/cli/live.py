@@ -29,7 +29,7 @@ STARTUP = {"model": "building the model (trainer)", "init_checkpoint": "writing 
            "model_files": "writing the model's config and tokenizer for the engines",
            "offload": "moving the trainer's state to host memory", "engines": "starting the engines and the router",
            "connect": "joining the trainer and the engines (weight updates)", "data": "loading the prompts",
-           "resume": "loading the checkpoint", "weights": "first weight push", "train": "training"}
+           "resume": "loading the checkpoint", "plan": "memory plan", "weights": "first weight push", "train": "training"}
 ROWS_SHOWN = 15
 ETA_WINDOW = 20  # steady steps averaged: recent enough to follow a slowdown, long enough to be smooth
 

@@ -248,5 +248,5 @@ def export(run_dir: Path = typer.Argument(..., help="a run directory (rl-cli run
                 trainer.close()
     finally:
         executor.close()
-    console.print(f"wrote {out} (HF checkpoint of {ckpt}, {run.checkpoint_step(ckpt) + 1} steps)", soft_wrap=True,
+    console.print(f"wrote {out} (HF checkpoint of {ckpt}, {run.checkpoint_step(ckpt)} steps)", soft_wrap=True,
                   markup=False)

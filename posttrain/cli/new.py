@@ -209,8 +209,8 @@ def plugin(directory: Path = typer.Argument(..., help="where to create the packa
         path = directory / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    console.print(f"created {directory}/ ({', '.join(files)})\nnext: pip install -e {directory}[test] && "
-                  f"pytest {directory}")
+    console.print(f"created {directory}/ ({', '.join(files)})\nnext: {install_line(directory)} && pytest {directory}",
+                  markup=False, highlight=False, soft_wrap=True)
 
 
 def _files(kind: str, name: str) -> dict[str, str]:
@@ -226,9 +226,15 @@ def _files(kind: str, name: str) -> dict[str, str]:
     return files
 
 
+def install_line(directory: Path | str) -> str:
+    """The install command for a scaffolded package: into the environment posttrain is in, from what is
+    installed there (no package index needed: ``--no-build-isolation`` builds with the environment's setuptools)."""
+    return f"pip install --no-build-isolation -e {directory}[test]"
+
+
 def _pyproject(kind: str, name: str, package: str) -> str:
     return f'''[build-system]
-requires = ["setuptools>=68"]
+requires = ["setuptools>=64"]  # 64: editable installs (PEP 660)
 build-backend = "setuptools.build_meta"
 
 [project]
@@ -236,7 +242,10 @@ name = "posttrain-{name.replace('_', '-')}"
 version = "0.1.0"
 description = "A posttrain {kind} plugin: {name}"
 requires-python = ">=3.11"
-dependencies = ["posttrain"]
+# posttrain is not listed: the plugin is installed into the environment posttrain runs in (see README.md),
+# and no package index carries posttrain for pip to resolve. List the version you test against here
+# (dependencies = ["posttrain>=0.1"]) once yours does.
+dependencies = []
 
 [project.optional-dependencies]
 test = ["pytest>=8"]
@@ -305,10 +314,14 @@ def test_discovered_through_the_entry_point():
 def _readme(kind: str, name: str) -> str:
     return f'''# posttrain-{name.replace('_', '-')}
 
-A [posttrain](https://pypi.org/project/posttrain/) {kind} plugin.
+A posttrain {kind} plugin.
+
+Install it into the environment posttrain is installed in (posttrain is not a dependency that pip resolves:
+no package index carries it), then run posttrain's contract tests on it:
 
 ```bash
-pip install -e .[test] && pytest          # the posttrain contract tests run on it
+{install_line(".")} && pytest
+rl-cli plugins check {name}
 rl-cli plugins show {name}
 ```
 

@@ -28,7 +28,7 @@ def plot(run_dir: Path = typer.Argument(..., help="a run directory holding metri
         raise UsageError(f"{run_dir / METRICS_FILE}: no metrics found")
     out = out or run_dir / "curves.png"
     write_curves(rows, out, title=run_dir.name)
-    console.print(f"wrote {out}")
+    console.print(f"wrote {out}", soft_wrap=True, markup=False, highlight=False)  # a long path unbroken
 
 
 def write_curves(rows: list[dict], out: Path, title: str = "") -> None:

@@ -35,7 +35,7 @@ class Plan:
     source: str  # named in error messages
     base_dir: Path  # relative data paths are also tried here
     checkpoint: Path | None = None  # resuming from it
-    resume_step: int = -1  # the 0-based step of that checkpoint
+    resume_step: int = 0  # the steps that checkpoint holds (the number of the last step it trained)
     start_over: bool = False  # a run directory used again from step 0 (its old metrics are dropped)
     completed: int | None = None  # the steps of the finished run in that directory (complete.json)
 
@@ -96,13 +96,13 @@ def run(config: Path = typer.Argument(None, help="run config (YAML); optional wi
 
     console.print(f"run directory: {run.path}", soft_wrap=True, markup=False)
     if plan.checkpoint is not None:
-        console.print(f"resumed from step {plan.resume_step + 1} (checkpoint {plan.checkpoint})", soft_wrap=True,
+        console.print(f"resumed after step {plan.resume_step} (checkpoint {plan.checkpoint})", soft_wrap=True,
                       markup=False)
     elif plan.start_over:
         console.print(f"no checkpoint in {run.path}: starting it over from step 1", soft_wrap=True, markup=False)
     mode = cfg.mode.create(plugins)
     total = mode.total_steps(cfg)
-    display = LiveDisplay(total, console, first_step=plan.resume_step + 1, columns=mode.columns)
+    display = LiveDisplay(total, console, first_step=plan.resume_step, columns=mode.columns)
     try:
         with display:
             start_training(cfg, plugins, run, resume=plan.checkpoint is not None or plan.start_over,
@@ -158,7 +158,7 @@ def plan_run(config: Path | None, run_dir: Path | None, resume: Path | None, res
     if done is not None:  # finished: nothing to do unless the overrides ask for more steps (checked in run)
         ckpt = run.latest_checkpoint()
         return Plan(run, run.read_config(), None, str(saved), base_dir, ckpt,
-                    run.checkpoint_step(ckpt) if ckpt is not None else -1, completed=done)
+                    run.checkpoint_step(ckpt) if ckpt is not None else 0, completed=done)
     if resume is not None or (saved.is_file() and run.latest_checkpoint() is not None):
         ckpt, step = run.resume_point()  # raises with the reason when there is nothing to resume
         return Plan(run, run.read_config(), None, str(saved), base_dir, ckpt, step)
@@ -203,8 +203,8 @@ def interrupted(run: Any, next_step: int, total: int, signalled: BaseException |
     err_console.print(f"{'terminated (SIGTERM)' if terminated else 'interrupted'} at step "
                       f"{min(next_step + 1, total)}/{total}", highlight=False)
     if ckpt is not None:
-        err_console.print(f"resume with: rl-cli run --resume {run.path}  (from step "
-                          f"{run.checkpoint_step(ckpt) + 1}, checkpoint {ckpt})", highlight=False, soft_wrap=True,
+        err_console.print(f"resume with: rl-cli run --resume {run.path}  (continues after step "
+                          f"{run.checkpoint_step(ckpt)}, checkpoint {ckpt})", highlight=False, soft_wrap=True,
                           markup=False)
     else:
         err_console.print(f"no checkpoint yet (checkpoint.interval); start it over with: "

@@ -96,7 +96,7 @@ class FullyAsyncRollout:
 
     :param rollout: ``rollout(group) -> group``, generated, rewarded (the loop's ``rollout_group``).
     :param engine: the run's :class:`~posttrain.core.rollout.preempt.PausableEngine`.
-    :param start: the first step of this run (after a resume: the checkpoint's step + 1); the engines
+    :param start: the first step of this run (after a resume: the steps its checkpoint holds); the engines
         then hold version ``start``.
     """
 

@@ -41,6 +41,8 @@ def to_batch(samples: list[Sample]) -> tuple[TrainBatch, torch.Tensor, torch.Ten
     _fill_spans(batch.response_mask, response, samples, "loss_mask")
     _fill_spans(rollout, response, samples, "rollout_log_probs")
     batch.routed_experts = routed_experts(samples, batch.tokens.shape[1])
+    if any(s.images for s in samples):
+        batch.images = [list(s.images or []) for s in samples]
     rewards = torch.tensor([float(s.reward) for s in samples])
     group_index = torch.tensor([s.group_index for s in samples], dtype=torch.long)
     return batch, rewards, group_index, rollout

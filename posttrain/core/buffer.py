@@ -104,7 +104,7 @@ class DataBuffer:
         for _ in range(self.n):
             group.append(Sample(prompt=_copy(row.prompt), label=_copy(row.label),
                                 metadata=_copy_metadata(row.metadata), group_index=gid,
-                                index=self.next_sample_index))
+                                index=self.next_sample_index, images=getattr(row, "images", None)))
             self.next_sample_index += 1
         return group
 
@@ -153,7 +153,8 @@ def _copy_metadata(metadata: Any) -> Any:
 def fresh_copy(sample: Sample) -> Sample:
     """The sample as the buffer first handed it out (prompt, label, metadata, ids), nothing generated."""
     return Sample(prompt=copy.deepcopy(sample.prompt), label=copy.deepcopy(sample.label),
-                  metadata=copy.deepcopy(sample.metadata), group_index=sample.group_index, index=sample.index)
+                  metadata=copy.deepcopy(sample.metadata), group_index=sample.group_index, index=sample.index,
+                  images=sample.images)
 
 
 def _sample_to_dict(s: Sample) -> dict[str, Any]:

@@ -131,7 +131,13 @@ class DataConfig:
                                                   "system message)")
     chat_template_kwargs: dict[str, Any] = option(default_factory=dict,
                                                   help="extra keyword arguments for apply_chat_template")
-    max_prompt_len: int | None = option(None, ge=1, help="drop prompts longer than this many tokens")
+    max_prompt_len: int | None = option(None, ge=1, help="drop prompts longer than this many tokens (a prompt's "
+                                                         "image tokens count)")
+    images_key: str | None = option(None, help="key holding a prompt's images (vision-language models): a path "
+                                               "relative to the data file, a base64 string (or data: URL), or a "
+                                               "list of them; the chat template places them")
+    max_pixels: int | None = option(None, ge=1, help="a row with an image of more pixels (width x height) is a bad "
+                                                     "row")
     on_bad_row: Literal["error", "skip"] = option("error", help="a malformed row stops the run, or is skipped "
                                                                 "and counted")
     shuffle: bool = option(True, help="shuffle each epoch with seed + epoch")
@@ -267,10 +273,11 @@ class TrainerConfig:
 
     global_batch_size: int = option(64, ge=1, help="samples per optimizer step")
     micro_batch_size: int = option(8, ge=1, help="samples per forward/backward pass")
-    max_tokens_per_micro_batch: int | None = option(
+    max_tokens_per_micro_batch: int | Literal["auto"] | None = option(
         None, ge=1, help="dynamic micro-batches: consecutive samples up to this many tokens per forward/backward "
                          "pass (log-prob and train passes; micro_batch_size then no longer caps the count); "
-                         "same loss and gradients as fixed micro-batches")
+                         "same loss and gradients as fixed micro-batches. auto: sized from the trainer device's "
+                         "memory and the model's shape (core.micro_batch_plan), printed at start-up")
     steps_per_rollout: int = option(1, ge=1, help="optimizer steps per rollout step")
     lr: float = option(1e-6, gt=0.0, help="peak learning rate (after warm-up)")
     kl_loss_coef: float = option(0.0, ge=0.0, help="weight of the KL(policy || reference) loss term")

@@ -11,11 +11,18 @@
       apply_chat_template: true           # rendered with the model's tokenizer, add_generation_prompt=True
       system_prompt: "Reason step by step."   # a system message before each prompt
       max_prompt_len: 1024                # longer prompts are dropped (the count is reported)
+      images_key: images                  # vision-language: paths (relative to this file) or base64, or a list
+      max_pixels: 1048576                 # a larger image is a bad row
       on_bad_row: error                   # or skip
 
 Every bad row is reported as ``file:line: what is wrong`` (``file:row N`` for parquet and saved HF
 datasets), all of them at once, before anything starts: :func:`load_prompts` raises
 :class:`DataError`; :func:`check_data` returns the messages for ``rl-cli run --dry-run``.
+
+Images (``images_key``, :mod:`posttrain.core.vision`): every one is opened and checked at load time (a missing
+file, an unreadable image, more than ``max_pixels`` pixels are bad rows); the prompt becomes chat messages with
+one ``{"type": "image"}`` item per image, which the chat template turns into the image placeholder, and
+``max_prompt_len`` counts the image tokens the placeholders expand to.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ class PromptRow:
     label: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
     source: str = ""
+    images: list[str] | None = None  # image references (core.vision): absolute paths or base64
 
 
 @dataclass
@@ -267,7 +275,26 @@ def prompt_length(prompt: str | list, tokenizer: Any, template_kwargs: dict[str,
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _collect(cfg: Any, tokenizer: Any, base_dir: str | Path) -> tuple[PromptDataset, list[str]]:
+def _add_images(row: PromptRow, record: dict[str, Any], cfg: Any, data_dir: Path) -> str | None:
+    """``row.images`` from ``record[cfg.images_key]`` (each opened and checked), and the prompt as chat
+    messages with an image item per image (:func:`posttrain.core.vision.with_image_slots`); the problem if any."""
+    from posttrain.core.vision import check_image, image_refs, with_image_slots
+
+    if record.get(cfg.images_key) is None:
+        return None  # a text-only prompt among image ones
+    refs, problem = image_refs(record[cfg.images_key], data_dir)
+    if problem:
+        return f"{cfg.images_key!r} {problem}"
+    for ref in refs:
+        problem = check_image(ref, cfg.max_pixels)[1]
+        if problem:
+            return problem
+    row.prompt, problem = with_image_slots(row.prompt, len(refs))
+    row.images = refs
+    return problem
+
+
+def _collect(cfg: Any, tokenizer: Any, base_dir: str | Path, vision: Any = None) -> tuple[PromptDataset, list[str]]:
     spec = cfg.path
     if not spec:
         return PromptDataset([], ""), ["data.path: no prompt data configured"]
@@ -296,6 +323,8 @@ def _collect(cfg: Any, tokenizer: Any, base_dir: str | Path) -> tuple[PromptData
         row = None
         if problem is None:
             row, problem = parse_row(record, cfg)
+        if problem is None and getattr(cfg, "images_key", None):
+            problem = _add_images(row, record, cfg, path.parent)
         if problem is None and getattr(cfg, "system_prompt", None):
             row.prompt = with_system_prompt(row.prompt, cfg.system_prompt)
         if problem is None and cfg.apply_chat_template:
@@ -307,8 +336,8 @@ def _collect(cfg: Any, tokenizer: Any, base_dir: str | Path) -> tuple[PromptData
             errors.append(f"{where}: {problem}")
             continue
         row.source = where
-        if cfg.max_prompt_len is not None and \
-                prompt_length(row.prompt, tokenizer, cfg.chat_template_kwargs) > cfg.max_prompt_len:
+        if cfg.max_prompt_len is not None and prompt_length(row.prompt, tokenizer, cfg.chat_template_kwargs) + (
+                vision.tokens_added(row.images) if vision is not None and row.images else 0) > cfg.max_prompt_len:
             filtered += 1
             continue
         rows.append(row)
@@ -322,14 +351,15 @@ def _collect(cfg: Any, tokenizer: Any, base_dir: str | Path) -> tuple[PromptData
     return dataset, errors
 
 
-def load_prompts(cfg: Any, tokenizer: Any = None, base_dir: str | Path = ".") -> PromptDataset:
+def load_prompts(cfg: Any, tokenizer: Any = None, base_dir: str | Path = ".", vision: Any = None) -> PromptDataset:
     """Load the prompt data described by a ``DataConfig``.
 
     :param tokenizer: the model's HF tokenizer; required for ``apply_chat_template`` and ``max_prompt_len``.
     :param base_dir: relative paths are also tried against this (the config file's folder).
+    :param vision: the model's :class:`~posttrain.core.vision.ImageInputs`: ``max_prompt_len`` counts image tokens.
     :raises DataError: every bad row as ``file:line: message`` (unless ``on_bad_row: skip``).
     """
-    dataset, errors = _collect(cfg, tokenizer, base_dir)
+    dataset, errors = _collect(cfg, tokenizer, base_dir, vision)
     if errors:
         raise DataError(errors)
     return dataset

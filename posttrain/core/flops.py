@@ -9,7 +9,8 @@ shared experts, see :func:`active_matmul_params`) and vocabulary ``V`` takes::
     attn   = 2 s^2 L a d                                                 # QK^T and AV (4 s^2 a d), causal half
 
 and a train step three times that (backward = 2 x forward), no recomputation counted (model FLOPs, not
-hardware FLOPs: Megatron's and NeMo's convention). Embedding lookups and norms are not counted.
+hardware FLOPs: Megatron's and NeMo's convention). Embedding lookups and norms are not counted; of a
+vision-language model (a ``text_config`` beside a ``vision_config``) only the language model is.
 
 Peaks are dense bf16 tensor-core TFLOP/s from the vendors' sheets, by device name; ``trainer.peak_tflops``
 overrides them. A CPU has no such table entry (its peak depends on the part, cores and vector units) and
@@ -37,6 +38,7 @@ def active_matmul_params(hf: dict[str, Any]) -> tuple[int, int]:
     A dense layer counts ``3 h intermediate_size``."""
     from posttrain.core.model_spec import moe_layer_flags, num_experts
 
+    hf = hf.get("text_config") or hf
     h, ffn, vocab = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
     heads = hf["num_attention_heads"]
     groups = hf.get("num_key_value_heads") or heads
@@ -58,6 +60,7 @@ def active_matmul_params(hf: dict[str, Any]) -> tuple[int, int]:
 def forward_flops(hf: dict[str, Any], lengths: list[int]) -> float:
     """Forward model FLOPs over samples of ``lengths`` tokens under HF config ``hf`` (module docstring):
     ``2 x`` :func:`active_matmul_params` per token plus the causal attention matmuls."""
+    hf = hf.get("text_config") or hf
     heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
     d = hf.get("head_dim") or hf["hidden_size"] // heads
     tokens, squares = sum(lengths), sum(s * s for s in lengths)

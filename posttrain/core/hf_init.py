@@ -27,7 +27,9 @@ from typing import Any
 
 # files of an HF checkpoint besides config.json and the weights, carried from the source checkpoint
 HF_EXTRA_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                  "vocab.json", "merges.txt", "chat_template.jinja")
+                  "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+                  # a vision-language model's image processor and processor
+                  "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 
 
 def config_json(spec: Any, hf: dict[str, Any], dtype: str) -> dict[str, Any]:

@@ -267,7 +267,7 @@ def posttrain_doctor_checks(run: RunConfig, plugins: Plugins) -> list[Finding]:
 def posttrain_on_step_end(step: int, metrics: dict) -> None:
     """Observe the loop: called after every training step, once its metrics are final.
 
-    :param step: the step just finished (0-based).
+    :param step: the step just finished, counted from 1 (its ``step`` in ``metrics.jsonl``).
     :param metrics: every metric of the step (``rollout/...``, ``train/...``, ``perf/...``), as written
         to ``metrics.jsonl``. Treat it as read-only.
 

@@ -138,7 +138,12 @@ def _load_setup(cfg: Any, plugins: Any, run: Any, roles: Roles, stack: AsyncExit
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(roles.init_dir)
-    dataset = load_prompts(cfg.data, tokenizer=tokenizer, base_dir=run.base_dir)
+    vision = None
+    if cfg.data.images_key:  # max_prompt_len counts image tokens
+        from posttrain.core.vision import ImageInputs
+
+        vision = ImageInputs.from_dir(roles.init_dir)
+    dataset = load_prompts(cfg.data, tokenizer=tokenizer, base_dir=run.base_dir, vision=vision)
     buffer = DataBuffer.from_config(cfg, dataset)
     rewards = RewardRunner.from_config(cfg, plugins)
     stack.push_async_callback(rewards.aclose)
@@ -183,16 +188,16 @@ def _resume(cfg: Any, run: Any, roles: Roles, setup: _Setup, resume: bool,
     position; metrics of later steps are dropped. A run killed before its first checkpoint starts over."""
     if not resume:
         return 0, {}
-    done, state = -1, {}
+    done, state = 0, {}
     if roles.checkpoint is not None:
         phase("resume")
         roles.trainer.load(str(roles.checkpoint / "trainer"))
         state = run.load_checkpoint(roles.checkpoint)
         setup.buffer.load_state_dict(state["buffer"])
-        done = state["step"]
+        done = state["steps"]
     setup.metrics_out.truncate_after(done)
     run.truncate_after(done)
-    return done + 1, state
+    return done, state  # the 0-based index of the next step is the number of steps done
 
 
 def _phase_timer(stack: AsyncExitStack) -> PhaseTimer:
@@ -205,13 +210,13 @@ def _phase_timer(stack: AsyncExitStack) -> PhaseTimer:
 
 def _end_step(parts: StepParts, setup: _Setup, run: Any, plugins: Any, on_step: Any, step: int,
               result: StepResult) -> bool:
-    """Step ``step``'s metrics, rollouts and hooks; the live view at ``logging.interval``; a checkpoint at
-    ``checkpoint.interval`` (after the metrics: a kill between them cannot lose the row on resume). Whether it
-    saved one."""
+    """The metrics, rollouts and hooks of the step of 0-based index ``step`` (written as step ``step + 1``, as
+    the console counts); the live view at ``logging.interval``; a checkpoint at ``checkpoint.interval`` (after
+    the metrics: a kill between them cannot lose the row on resume). Whether it saved one."""
     cfg, last = parts.cfg, result.metrics
-    setup.metrics_out.log(step, last)
-    run.log_rollouts(step, result.groups, batching.sample_log(result.samples))
-    plugins.pm.hook.posttrain_on_step_end(step=step, metrics=last)
+    setup.metrics_out.log(step + 1, last)
+    run.log_rollouts(step + 1, result.groups, batching.sample_log(result.samples))
+    plugins.pm.hook.posttrain_on_step_end(step=step + 1, metrics=last)
     final = step + 1 == cfg.rollout.num_rollouts
     if on_step is not None and ((step + 1) % cfg.logging.interval == 0 or final):
         on_step(step, last, result.samples)
@@ -222,7 +227,8 @@ def _end_step(parts: StepParts, setup: _Setup, run: Any, plugins: Any, on_step: 
 
 
 def _save_checkpoint(parts: StepParts, setup: _Setup, run: Any, step: int) -> None:
-    """The checkpoint after step ``step``: the trainer's state, the data position, the fully-async queue."""
+    """The checkpoint after the step of 0-based index ``step`` (``step_{step + 1}``): the trainer's state, the
+    data position, the fully-async queue."""
     cfg = parts.cfg
     feeder = parts.generation.feeder
     queued = {"fully_async": feeder.state_dict()} if feeder else {}  # same instant as the buffer's
@@ -230,4 +236,4 @@ def _save_checkpoint(parts: StepParts, setup: _Setup, run: Any, step: int) -> No
     with parts.memory.around_checkpoint():
         state = {"buffer": setup.buffer.state_dict(), "empty_steps": parts.empty_steps, "config": cfg.to_dict(),
                  **queued}
-        run.save_checkpoint(step, parts.trainer.save, state, cfg.checkpoint.keep)
+        run.save_checkpoint(step + 1, parts.trainer.save, state, cfg.checkpoint.keep)

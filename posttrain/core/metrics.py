@@ -1,7 +1,7 @@
 """Where a run's numbers go: ``RUN_DIR/metrics.jsonl`` (one JSON object per step), TensorBoard, W&B.
 
 Keys are ``section/name`` (``rollout/reward_mean``, ``train/loss``, ``perf/step_time``); every line
-also has ``step``. ``read_metrics(run_dir)`` reads them back (``rl-cli plot``, resume, tests).
+also has ``step``, counted from 1 as the console counts (TensorBoard's and W&B's step axis are the same number). ``read_metrics(run_dir)`` reads them back (``rl-cli plot``, resume, tests).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class MetricsWriter:
                                          dir=str(self.run_dir), name=self.run_dir.name)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        """Record ``metrics`` (numbers; non-finite values are written as null) for ``step``."""
+        """Record ``metrics`` (numbers; non-finite values are written as null) for step ``step`` (from 1)."""
         clean = {k: _number(v) for k, v in metrics.items()}
         self._file.write(json.dumps({"step": step, **clean}) + "\n")
         self._file.flush()  # in the OS's hands: a killed run loses no line (fsync waits for the disk: see sync)
@@ -57,10 +57,10 @@ class MetricsWriter:
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in clean.items() if v is not None}, step=step)
 
-    def truncate_after(self, step: int) -> None:
-        """Drop lines of steps after ``step`` (a resumed run re-does them; no step appears twice)."""
+    def truncate_after(self, steps: int) -> None:
+        """Drop lines of steps after the first ``steps`` (a resumed run re-does them; no step appears twice)."""
         self._file.close()
-        truncate_jsonl(self.run_dir / METRICS_FILE, step)
+        truncate_jsonl(self.run_dir / METRICS_FILE, steps)
         self._file = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")
 
     def sync(self) -> None:

@@ -202,7 +202,11 @@ def moe_layer_flags(hf: dict[str, Any]) -> list[bool]:
 def count_params(hf: dict[str, Any], cls: type | None = None, active: bool = False) -> int:
     """Parameter count of a decoder from its HF config (embeddings counted once when tied); MoE layers count
     their router, every routed expert (``active``: the ``num_experts_per_tok`` a token uses) and shared
-    experts. Multi-token-prediction layers and biases are not counted."""
+    experts. Multi-token-prediction layers and biases are not counted. A vision-language config (``text_config``
+    and ``vision_config``) counts its language model and its vision tower (:func:`vision_params`)."""
+    if hf.get("text_config") and hf.get("vision_config"):
+        text = {"tie_word_embeddings": hf.get("tie_word_embeddings"), **hf["text_config"]}
+        return count_params(text, cls, active) + vision_params(hf["vision_config"])
     h, layers, ffn, vocab = hf["hidden_size"], hf["num_hidden_layers"], hf["intermediate_size"], hf["vocab_size"]
     heads = hf["num_attention_heads"]
     groups = hf.get("num_key_value_heads", heads)
@@ -221,3 +225,16 @@ def count_params(hf: dict[str, Any], cls: type | None = None, active: bool = Fal
     mlps = sum(moe_mlp if m else 3 * h * ffn for m in moe)
     embed = vocab * h * (1 if hf.get("tie_word_embeddings") else 2)
     return layers * (attn + 2 * h) + mlps + embed + h
+
+
+def vision_params(vision: dict[str, Any]) -> int:
+    """Parameters of a Qwen2-VL-family vision tower from its ``vision_config``: the patch embedding
+    (``C x t x p^2 -> h``), ``depth`` blocks (attention ``4 h^2``, a gated MLP ``3 h f`` or a plain one ``2 h f``,
+    two norms) and the merger (``m^2 h -> m^2 h -> out``). Biases are not counted."""
+    h, depth = vision.get("hidden_size") or vision.get("embed_dim"), vision.get("depth", 0)
+    ffn = vision.get("intermediate_size") or int(h * vision.get("mlp_ratio", 4))
+    patch = vision.get("in_channels", 3) * vision.get("temporal_patch_size", 2) * vision.get("patch_size", 14) ** 2
+    merged = h * vision.get("spatial_merge_size", 2) ** 2
+    gated = 3 if "hidden_act" in vision and vision["hidden_act"] == "silu" else 2
+    out = vision.get("out_hidden_size") or vision.get("hidden_size")
+    return patch * h + depth * (4 * h * h + gated * h * ffn + 2 * h) + merged * merged + merged * out + h

@@ -7,10 +7,10 @@
       config.yaml          # resolved run config (what --resume reads back), secrets <redacted>
       secrets.yaml         # the redacted values (mode 0600), for --resume
       plugins.json         # every loaded plugin with its distribution and version
-      metrics.jsonl        # one JSON object per step
+      metrics.jsonl        # one JSON object per step, "step" counted from 1 (as the console counts)
       rollouts.jsonl       # per step: the prompts served (data order) and a few samples
       tensorboard/  logs/  # TensorBoard events; engine, router and trainer logs
-      checkpoints/step_000010/   # trainer state (Megatron dist-checkpointing) + state.json
+      checkpoints/step_000010/   # after 10 steps: trainer state (Megatron dist-checkpointing) + state.json
       checkpoints/latest         # name of the newest complete checkpoint
       hf-init/             # what the engines start from: config.json and the tokenizer (core.hf_init), the initial
                            # weights too with checkpoint.hf_init_weights; appears whole (written as hf-init.partial)
@@ -22,6 +22,10 @@ A checkpoint is written into ``checkpoints/.tmp-step_N``, synced to the disk and
 never corrupts the last good checkpoint, and a write that fails (a full disk) removes its part. Its
 ``state.json`` keeps the config (redacted) and the model's tensor shapes, so a resume with another
 model is refused and config changes since the checkpoint are named.
+
+Steps are counted from 1 everywhere a user meets them: step ``N`` is the N-th step, its ``metrics.jsonl`` and
+``rollouts.jsonl`` rows carry ``"step": N``, and the checkpoint written after it is ``step_N`` (its ``state.json``
+holds ``"steps": N``, the steps it has trained).
 
 One process writes a run directory: :meth:`RunDirectory.lock` takes an exclusive ``flock`` on ``.lock``
 (released by the kernel when the process dies, however it dies); a second writer stops with exit code 2,
@@ -117,17 +121,17 @@ class RunDirectory:
         return secrets.merge(config, yaml.safe_load(kept.read_text()) or {}) if kept.is_file() else config
 
     def log_rollouts(self, step: int, groups: list[list[Any]], examples: list[dict[str, Any]]) -> None:
-        """The prompts of a step's groups, in order, and a few samples (``rollouts.jsonl``)."""
+        """The prompts of step ``step``'s groups (counted from 1), in order, and a few samples (``rollouts.jsonl``)."""
         row = {"step": step, "prompts": [g[0].prompt for g in groups if g], "examples": examples}
         with open(self.path / "rollouts.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(row, default=str) + "\n")
 
-    def truncate_after(self, step: int) -> None:
-        """A resumed run re-does the steps after its checkpoint: drop what they logged before."""
+    def truncate_after(self, steps: int) -> None:
+        """A resumed run re-does the steps after the first ``steps``: drop what they logged before."""
         from posttrain.core.metrics import truncate_jsonl
 
         if (self.path / "rollouts.jsonl").exists():
-            truncate_jsonl(self.path / "rollouts.jsonl", step)
+            truncate_jsonl(self.path / "rollouts.jsonl", steps)
 
     # ---------------------------------------------------------------- checkpoints
     def latest_checkpoint(self) -> Path | None:
@@ -138,15 +142,16 @@ class RunDirectory:
         return path if (path / "state.json").is_file() else None
 
     def checkpoint_step(self, path: Path) -> int:
-        """The 0-based step a checkpoint was written after (read without restoring anything)."""
-        return int(json.loads((path / "state.json").read_text())["step"])
+        """The steps a checkpoint holds: the number of the step it was written after (read without restoring
+        anything)."""
+        return steps_of(json.loads((path / "state.json").read_text()))
 
     def checkpoints_by_step(self) -> dict[int, Path]:
-        """Every complete checkpoint by the number of steps it holds (``step_000009`` holds 10 steps)."""
+        """Every complete checkpoint by the number of steps it holds (``step_000010`` holds 10 steps)."""
         found = {}
         for path in sorted(self.checkpoints.glob("step_*")):
             if (path / "state.json").is_file():
-                found[self.checkpoint_step(path) + 1] = path
+                found[self.checkpoint_step(path)] = path
         return found
 
     def checkpoint_after(self, steps: int | None = None) -> Path:
@@ -195,9 +200,10 @@ class RunDirectory:
         raise UsageError(f"--resume {self.path}: nothing to resume, no checkpoint there: {why}. Start it "
                          f"over in place with `rl-cli run --resume-or-start {self.path}`, or start a new run")
 
-    def save_checkpoint(self, step: int, save_trainer: Any, state: dict[str, Any], keep: int) -> Path:
-        """``save_trainer(dir)`` writes the trainer's part; ``state`` (JSON-able) holds the rest."""
-        name = f"step_{step:06d}"
+    def save_checkpoint(self, steps: int, save_trainer: Any, state: dict[str, Any], keep: int) -> Path:
+        """The checkpoint after ``steps`` steps (``step_{steps:06d}``): ``save_trainer(dir)`` writes the trainer's
+        part; ``state`` (JSON-able) holds the rest."""
+        name = f"step_{steps:06d}"
         tmp = self.checkpoints / f".tmp-{name}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
@@ -206,7 +212,7 @@ class RunDirectory:
             if "config" in state:
                 state = {**state, "config": secrets.redact(state["config"])}
             init = self.path / "hf-init"
-            (tmp / "state.json").write_text(json.dumps({"step": step, **state, "model_shapes": hf_shapes(init),
+            (tmp / "state.json").write_text(json.dumps({"steps": steps, **state, "model_shapes": hf_shapes(init),
                                                         "model_config": hf_config_of(init), "rng": _rng_state()}))
             fsync_tree(tmp)  # on the disk before anything names it: a crash leaves `latest` on a whole checkpoint
         except BaseException as exc:
@@ -250,9 +256,16 @@ class RunDirectory:
         return changes
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        """A checkpoint's ``state.json`` (``"steps"``: the steps it holds), restoring the RNGs it saved."""
         state = json.loads((path / "state.json").read_text())
         _set_rng_state(state.pop("rng"))
-        return state
+        return {**state, "steps": steps_of(state)}
+
+
+def steps_of(state: dict[str, Any]) -> int:
+    """The steps a checkpoint's ``state.json`` holds: ``"steps"``, or ``"step"`` + 1 in checkpoints written when
+    the 0-based index of the last step was stored."""
+    return int(state["steps"]) if "steps" in state else int(state["step"]) + 1
 
 
 def hf_config_of(model_dir: str | Path) -> dict[str, Any]:

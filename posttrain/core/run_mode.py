@@ -60,7 +60,8 @@ class RunMode(Component):
 
     async def run(self, cfg: Any, plugins: Any, run: Any, resume: bool = False, on_step: Any = None,
                   on_phase: Any = None) -> dict[str, float]:
-        """Run ``cfg`` in ``run`` (a RunDirectory); ``on_step(step, metrics, samples)`` after each logged
-        step, ``on_phase(name)`` at each start-up phase; with ``resume``, continue from the run's latest
+        """Run ``cfg`` in ``run`` (a RunDirectory); ``on_step(index, metrics, samples)`` after each logged
+        step, with the step's 0-based index (the display shows step ``index + 1``, the number metrics.jsonl and
+        checkpoints carry), ``on_phase(name)`` at each start-up phase; with ``resume``, continue from the run's latest
         checkpoint. Returns the last metrics."""
         raise NotImplementedError

@@ -116,7 +116,8 @@ def coerce(value: Any, tp: Any, path: str, context: Any = None) -> tuple[Any, li
 
 
 def _coerce_union(value: Any, args: tuple, path: str, context: Any) -> tuple[Any, list[str]]:
-    """The first member of the union that takes ``value``; else the first member's errors."""
+    """The first member of the union that takes ``value``; else the first member's errors, or for a string a
+    ``Literal`` member's (``int | Literal["auto"]`` given ``"autp"``: not one of 'auto', did you mean)."""
     if value is None and type(None) in args:
         return None, []
     first: list[str] = []
@@ -124,6 +125,8 @@ def _coerce_union(value: Any, args: tuple, path: str, context: Any) -> tuple[Any
         out, errs = coerce(value, arg, path, context)
         if not errs:
             return out, []
+        if isinstance(value, str) and typing.get_origin(arg) is Literal:
+            return None, errs
         first = first or errs
     return None, first
 

@@ -107,6 +107,8 @@ def start_roles(cfg: Any, plugins: Any, executor: Any, run: Any, stack: AsyncExi
         stack.callback(teacher_role.close)
     phase("model", "the engines start beside it" if order.engines_first else "")
     trainer = executor.trainer(run.logs)  # one rank in this process, or a group of ranks
+    if cfg.trainer.max_tokens_per_micro_batch == "auto":  # the number the trainer's memory plan chose
+        phase("plan", trainer.micro_batch_plan())
     written = run.fresh_dir("hf-init.staged") if order.staged else init_dir
     if order.init is InitCheckpoint.FILES_AFTER_TRAINER:
         phase("model_files")

@@ -37,6 +37,9 @@ class TrainBatch:
         of the token they drew, so the trainer scores ``log_softmax(z / T)`` too (and the entropy of that
         distribution): the policy-gradient ratio is against the distribution that sampled. ``T`` of 0
         (greedy) or 1 leaves the logits as they are.
+    :ivar images: ``B`` lists of image references (:mod:`posttrain.core.vision`; ``[]`` for a text-only sample),
+        in the order of each sample's image tokens, or None when no sample has images. Not a tensor: a
+        vision-language trainer turns a micro-batch's into pixels.
     """
 
     tokens: torch.Tensor
@@ -49,6 +52,7 @@ class TrainBatch:
     returns: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
     routed_experts: torch.Tensor | None = None
+    images: list[list[str]] | None = None
     temperature: float = 1.0
 
     @property
@@ -81,11 +85,11 @@ class TrainBatch:
         """Samples ``start:end``, trimmed to their longest length."""
         width = int(self.lengths[start:end].max())
         kw = {}
-        for f in _tensor_fields(self):
+        for f in _per_sample_fields(self):
             v = getattr(self, f.name)
             if v is None:
                 kw[f.name] = None
-            elif f.name == "lengths":
+            elif f.name in ("lengths", "images"):
                 kw[f.name] = v[start:end]
             else:
                 kw[f.name] = v[start:end, :width]
@@ -98,14 +102,18 @@ class TrainBatch:
         rows = torch.as_tensor(index, dtype=torch.long)
         width = int(self.lengths[rows].max())
         kw = {}
-        for f in _tensor_fields(self):
+        for f in _per_sample_fields(self):
             v = getattr(self, f.name)
-            kw[f.name] = None if v is None else v[rows] if f.name == "lengths" else v[rows, :width]
+            kw[f.name] = (None if v is None else v[rows] if f.name == "lengths" else [v[i] for i in index]
+                          if f.name == "images" else v[rows, :width])
         return replace(self, **kw)
 
     def to(self, device: Any) -> "TrainBatch":
-        return replace(self, **{f.name: (getattr(self, f.name).to(device) if getattr(self, f.name) is not None
-                                         else None) for f in _tensor_fields(self)})
+        kw = {}
+        for f in _per_sample_fields(self):
+            v = getattr(self, f.name)
+            kw[f.name] = v.to(device) if v is not None and f.name != "images" else v
+        return replace(self, **kw)
 
 
 @dataclass
@@ -148,8 +156,8 @@ def pack(tokens: torch.Tensor, lengths: torch.Tensor) -> Packed:
     return Packed(ids.unsqueeze(0), positions.unsqueeze(0), targets, cu, max(sizes), cu_host)
 
 
-def _tensor_fields(batch: TrainBatch) -> list:
-    """The batch's per-sample tensor fields (everything but ``temperature``)."""
+def _per_sample_fields(batch: TrainBatch) -> list:
+    """The batch's per-sample fields (every field but ``temperature``, which holds for the whole batch)."""
     return [f for f in fields(batch) if f.name != "temperature"]
 
 

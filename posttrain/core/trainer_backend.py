@@ -75,6 +75,12 @@ class TrainerBackend(Component):
     class Config:
         pass
 
+    def logits_chunk_tokens(self) -> int | None:
+        """Tokens per chunk of the log-softmax over the vocabulary, where the backend computes it in chunks
+        (``trainer.max_tokens_per_micro_batch: auto`` then plans one chunk's fp32 logits, not a pass's).
+        Default: None, no chunks."""
+        return None
+
     def check_config(self, run: Any, plugins: Any) -> list[str]:
         """Problems with this backend for ``run`` (a validated RunConfig), as ``key: reason`` lines
         reported with every other config error before anything starts. Default: none."""

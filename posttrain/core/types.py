@@ -41,7 +41,9 @@ class Sample:
     ``meta_info.routed_experts``. ``weight_version``: the engine's weight version when the response ended;
     ``weight_versions``: the version that generated each response token (``response_length`` ints; a
     partial rollout continued across a weight push spans several; tokens inserted by the environment get
-    their turn's), None when the generator did not record them.
+    their turn's), None when the generator did not record them. ``images``: the prompt's image references
+    (:mod:`posttrain.core.vision`: absolute paths or base64), in the order of the image tokens; the engines get
+    them as ``image_data`` and the trainer computes its log-probs on the same pixels.
     """
 
     prompt: str | list[dict[str, Any]]
@@ -62,6 +64,7 @@ class Sample:
     weight_versions: list[int] | None = None
     finish_reason: str | None = None
     error: str | None = None
+    images: list[str] | None = None
 
     @property
     def prompt_length(self) -> int:

@@ -75,3 +75,51 @@ def make_tiny_checkpoint(out_dir: str | Path, family: str = "qwen3", seed: int =
     model.save_pretrained(str(out), safe_serialization=True)
     make_tokenizer(out)
     return out
+
+
+def tiny_vlm_config(**overrides: Any):
+    """A small Qwen2.5-VL config: the tiny text shape (2 layers, hidden 64, GQA 4/2, vocab 128, multimodal
+    rotary sections 2/3/3 of the 8 rotary pairs) and a 2-block vision tower of width 32 (14-pixel patches,
+    2 x 2 merged, so a 56 x 56 image is 4 image tokens). Image and vision token ids are the vision tokenizer's."""
+    import transformers
+
+    from posttrain.core.char_tokenizer import CHARS, SPECIAL_TOKENS, VISION_TOKENS
+
+    ids = {t: len(SPECIAL_TOKENS) + len(CHARS) + i for i, t in enumerate(VISION_TOKENS)}
+    text = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    text.update(overrides.pop("text_config", {}))
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
+                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                  fullatt_block_indexes=[1], tokens_per_second=2)
+    vision.update(overrides.pop("vision_config", {}))
+    return transformers.Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], **{"tie_word_embeddings": False, **overrides})
+
+
+def make_tiny_vlm_checkpoint(out_dir: str | Path, seed: int = 0, max_pixels: int = 112 * 112, dtype: str = "float32",
+                             device: str = "cpu", **overrides: Any) -> Path:
+    """Write a randomly initialized tiny Qwen2.5-VL (:func:`tiny_vlm_config`; ``overrides`` reshape it, e.g.
+    ``text_config={...}, vision_config={...}`` for a full-size shape, drawn on ``device`` in ``dtype``), the
+    character tokenizer with the vision tokens and chat template, and Qwen2-VL's image processor
+    (``preprocessor_config.json``: 14-pixel patches, merge 2, images resized to between 56 x 56 and
+    ``max_pixels`` pixels) to ``out_dir``."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForImageTextToText.from_config(tiny_vlm_config(**overrides), dtype=getattr(torch, dtype))
+    model.save_pretrained(str(out), safe_serialization=True)
+    del model
+    make_tokenizer(out, vision=True)
+    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=max_pixels, patch_size=14, temporal_patch_size=2,
+                             merge_size=2).save_pretrained(str(out))
+    return out

@@ -78,7 +78,7 @@ def test_colocated_with_the_trainer_offloaded_generates_beside_less_of_it(tmp_pa
     held = [(p["perf/gpu_peak_gib_generate"], r["perf/gpu_peak_gib_generate"], r["perf/trainer_reserved_gib"])
             for p, r in zip(plain, rows)]
     assert all(p - r > 0.5 * one["perf/trainer_offloaded_gib"] for (p, r, _), one in zip(held, rows)), held
-    assert (tmp_path / "run" / "checkpoints" / "step_000001").is_dir()
+    assert (tmp_path / "run" / "checkpoints" / "step_000002").is_dir()
 
 
 @two_gpus

@@ -65,7 +65,7 @@ def test_two_steps_of_any_architecture(tmp_path, model_type):
     reached the engine), the reference stays put, and the weight push's bytes are logged."""
     ckpt = make_checkpoint(tmp_path / model_type, model_type)
     run, rows = two_steps(tmp_path, ckpt)
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["train_rollout_logprob_abs_diff"] < 1e-3, r["train_rollout_logprob_abs_diff"]
     assert rows[0]["train/ref_policy_logprob_abs_diff"] == 0.0 < rows[1]["train/ref_policy_logprob_abs_diff"]
@@ -84,5 +84,5 @@ def test_the_other_weight_sync_modes(tmp_path, mode):
     tensor (rollout.check_weights), and its log-probs equal the trainer's."""
     ckpt = make_checkpoint(tmp_path / "ckpt", "mistral")
     _, rows = two_steps(tmp_path, ckpt, f"rollout.weight_sync={mode}", "rollout.check_weights=true")
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [1, 2]
     assert all(r["train_rollout_logprob_abs_diff"] < 1e-3 and r["perf/weight_push_bytes"] > 0 for r in rows)

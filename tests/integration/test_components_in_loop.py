@@ -77,7 +77,7 @@ def _config(engine_url, **sections):
 
 
 def _check(rows):
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
         for key in ("train/loss", "train/grad_norm", "train/kl", "train/entropy", "rollout/reward_mean"):
             assert math.isfinite(row[key]), (key, row[key])
@@ -205,8 +205,8 @@ def test_an_offloaded_trainer_is_on_the_device_only_while_the_engines_kv_cache_i
     # a step's metrics are on disk before its checkpoint: a kill between them cannot lose the row on resume
     assert [e for e in events if e.startswith("save")] == ["save 1", "save 2"], events
     assert all(r["perf/trainer_offloaded_gib"] > 0 for r in rows)
-    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")) == ["step_000000",
-                                                                                         "step_000001"]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")) == ["step_000001",
+                                                                                         "step_000002"]
 
     events.clear()  # resumed from its last checkpoint: the load and the first push, then the final export
     state.update(kv_away=False, trainer_away=False)

@@ -39,7 +39,7 @@ def test_empty_steps_lock_resume_model_check_and_resume_overrides(tmp_path, writ
     out = rl_cli(QUICKSTART, "--smoke", "--run-dir", run, *SMALL, *args, "checkpoint.interval=1")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     rows = jsonl(run / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [1, 2]
     assert [r["rollout/empty_steps"] for r in rows] == [1.0, 2.0] and all(r["rollout/samples"] == 0 for r in rows)
     assert all(r["reward/failed"] == 32 for r in rows)
     assert "no trainable sample" in out.stderr
@@ -61,5 +61,5 @@ def test_empty_steps_lock_resume_model_check_and_resume_overrides(tmp_path, writ
     assert second.returncode == 2 and f"in use by another process (PID {resumed.pid})" in second.stderr
     stdout, stderr = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, stdout[-2000:] + stderr[-3000:]
-    assert "config changed since step_000001: rollout.num_rollouts: 2 -> 3" in stderr
-    assert [r["step"] for r in jsonl(run / "metrics.jsonl")] == [0, 1, 2]
+    assert "config changed since step_000002: rollout.num_rollouts: 2 -> 3" in stderr
+    assert [r["step"] for r in jsonl(run / "metrics.jsonl")] == [1, 2, 3]

@@ -27,7 +27,7 @@ def test_moonlight_example_runs_three_steps_on_a_tiny_deepseek_v3(tmp_path):
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-4000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:  # the engine's MLA and routing, replayed in the trainer, give the trainer's log-probs
         assert r["train_rollout_logprob_abs_diff"] < 1e-4, r
         assert r["train/moe_aux_loss"] > 0 and r["rollout/samples"] == 8

@@ -75,7 +75,7 @@ def test_the_engines_start_before_the_trainer_and_load_the_fresh_checkpoint(tmp_
     assert any(init.glob("*.safetensors")) == init_weights
     assert not (run.path / "hf-init.partial").exists()
     rows = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0] and math.isfinite(rows[0]["train/loss"])
+    assert [r["step"] for r in rows] == [1] and math.isfinite(rows[0]["train/loss"])
     assert rows[0]["train_rollout_logprob_abs_diff"] < 1e-3  # the engines serve the trainer's weights
     # the engine's log says how long each part of its start took, the wait for the checkpoint first
     logs = "".join(p.read_text() for p in run.path.rglob("engine*.log"))

@@ -80,4 +80,4 @@ def test_models_export_writes_any_steps_checkpoint(run, tmp_path):
     assert not same(tensors(first), tensors(latest)) and not same(tensors(first), tensors(run / "hf-init"))
     missing = rl_cli("models", "export", run, "--step", 7, tmp_path / "none")
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
-    assert "--step 7: no checkpoint after 7 steps" in missing.stderr and "1 (step_000000), 2 (step_000001)" in missing.stderr
+    assert "--step 7: no checkpoint after 7 steps" in missing.stderr and "1 (step_000001), 2 (step_000002)" in missing.stderr

@@ -28,7 +28,7 @@ def test_max_staleness_0_gives_the_samples_and_losses_of_sync_mode(tmp_path):
         runs[name] = (jsonl(run / "metrics.jsonl"), jsonl(run / "rollouts.jsonl"))
     (sync_rows, sync_rollouts), (rows, rollouts) = runs["sync"], runs["fully"]
     assert rollouts == sync_rollouts  # the prompts of every step and the sampled responses
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     for a, b in zip(rows, sync_rows):
         assert a["rollout/reward_mean"] == b["rollout/reward_mean"]
         assert a["train/loss"] == pytest.approx(b["train/loss"], abs=1e-6)
@@ -66,12 +66,12 @@ def test_kill_9_then_resume_trains_every_prompt_once_per_epoch(tmp_path, write):
     out = rl_cli("--resume", run)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     rows = jsonl(run / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(6))
+    assert [r["step"] for r in rows] == list(range(1, 7))
     assert all(r["rollout/staleness_max"] <= 2 for r in rows)
     # eval at its interval, on the weights the step just pushed, while the producer kept generating
     evals = [(r["step"], r["eval/held/weight_version"]) for r in rows if "eval/held/weight_version" in r]
-    assert evals == [(2, 3), (5, 6)]
+    assert evals == [(3, 3), (6, 6)]  # step N evaluates the weights it pushed, version N
     served = [r["step"] for r in jsonl(run / "rollouts.jsonl")]
-    assert served == list(range(6))
+    assert served == list(range(1, 7))
     trained = Counter(p for r in jsonl(run / "rollouts.jsonl") for p in r["prompts"])
     assert trained == {json.loads(line)["prompt"]: 2 for line in data.read_text().splitlines()}

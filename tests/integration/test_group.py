@@ -36,7 +36,7 @@ def one_rank(tmp_path_factory):
 
 def assert_same_steps(run, reference):
     rows, ref = jsonl(run / "metrics.jsonl"), jsonl(reference / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [r["step"] for r in ref] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [r["step"] for r in ref] == [1, 2, 3]
     assert jsonl(run / "rollouts.jsonl") == jsonl(reference / "rollouts.jsonl"), "other samples were drawn"
     for got, want in zip(rows, ref):
         assert got["rollout/reward_mean"] == want["rollout/reward_mean"]
@@ -86,7 +86,7 @@ def test_resume_across_layouts_after_a_killed_rank(tmp_path, one_rank):
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     latest = run / "checkpoints" / "latest"
     deadline = time.monotonic() + 300
-    while not (latest.exists() and latest.read_text() == "step_000001") and time.monotonic() < deadline:
+    while not (latest.exists() and latest.read_text() == "step_000002") and time.monotonic() < deadline:
         assert proc.poll() is None, proc.stderr.read()[-3000:]
         time.sleep(0.05)
     victim = _rank_process(run, 1)

@@ -80,7 +80,7 @@ def test_smoke_run_writes_the_run_directory(tmp_path):
     out = rl_cli(QUICKSTART, "--smoke", "--run-dir", run, *SMALL, "trainer.log_kl=true")  # with the reference pass
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     rows = jsonl(run / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [1, 2]
     assert KEYS <= set(rows[-1]), KEYS - set(rows[-1])
     assert rows[-1]["train_rollout_logprob_abs_diff"] < 1e-3, "engine and trainer must agree on log-probs"
     assert rows[-1]["rollout/samples"] == 32
@@ -115,7 +115,7 @@ def test_kill_9_then_resume_loses_and_repeats_no_step(tmp_path):
 
     out = rl_cli("--resume", run)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert [r["step"] for r in jsonl(run / "metrics.jsonl")] == list(range(16))
+    assert [r["step"] for r in jsonl(run / "metrics.jsonl")] == list(range(1, 17))
     served = [r["prompts"] for r in jsonl(run / "rollouts.jsonl")]
     assert served == [r["prompts"] for r in jsonl(reference / "rollouts.jsonl")], "data order changed"
     # the quickstart seeds its sampling: the resumed run draws the same responses and trains the same way
@@ -155,7 +155,7 @@ def test_ray_executor_runs_the_same_loop(tmp_path):
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
         runs[executor] = (jsonl(run / "metrics.jsonl"), jsonl(run / "rollouts.jsonl"))
     (ray_rows, ray_rollouts), (local_rows, local_rollouts) = runs["ray"], runs["local"]
-    assert [r["step"] for r in ray_rows] == [0, 1] and ray_rows[-1]["train_rollout_logprob_abs_diff"] < 1e-3
+    assert [r["step"] for r in ray_rows] == [1, 2] and ray_rows[-1]["train_rollout_logprob_abs_diff"] < 1e-3
     assert all(r["perf/trainer_offloaded_gib"] > 0 for r in ray_rows)
     assert ray_rollouts == local_rollouts  # prompts and sampled responses
     for a, b in zip(ray_rows, local_rows):
@@ -224,7 +224,7 @@ def test_killed_engine_is_restarted_and_the_run_continues(tmp_path):
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output[-3000:]
     rows = jsonl(run / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(8))
+    assert [r["step"] for r in rows] == list(range(1, 9))
     assert sum(r["perf/engine_restarts"] for r in rows) == 1
     assert all(r["rollout/samples"] == 32 for r in rows)
     assert max(r["perf/step_time"] for r in rows) < 60, "a request waited on the dead engine"
@@ -242,7 +242,7 @@ def test_async_mode_trains_one_step_off_policy(tmp_path):
     out = rl_cli(QUICKSTART, "--run-dir", run, *SMALL, "rollout.num_rollouts=3", "rollout.mode=async")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     rows = jsonl(run / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     # step N+1 was generated while step N trained, with the weights from before step N
     assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
 
@@ -261,7 +261,7 @@ def test_colocated_run_releases_engine_memory_and_syncs_by_tensor(tmp_path):
                      "rollout.weight_sync=tensor", *extra)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
         runs[name] = rows = jsonl(run / "metrics.jsonl")
-        assert [r["step"] for r in rows] == [0, 1, 2]
+        assert [r["step"] for r in rows] == [1, 2, 3]
         assert all("perf/time_release" in r for r in rows)
         # the pushed weights reached the engine: what it sampled with agrees with the trainer at every step
         assert max(r["train_rollout_logprob_abs_diff"] for r in rows) < 1e-3
@@ -271,8 +271,8 @@ def test_colocated_run_releases_engine_memory_and_syncs_by_tensor(tmp_path):
     assert [r["rollout/reward_mean"] for r in offloaded] == [r["rollout/reward_mean"] for r in plain]
     assert all(r["perf/trainer_offloaded_gib"] > 0 and "perf/time_onload" in r for r in offloaded)
     assert not any("perf/trainer_offloaded_gib" in r or "perf/time_onload" in r for r in plain)
-    assert sorted(p.name for p in (tmp_path / "offloaded" / "checkpoints").glob("step_*")) == ["step_000001",
-                                                                                          "step_000002"]
+    assert sorted(p.name for p in (tmp_path / "offloaded" / "checkpoints").glob("step_*")) == ["step_000002",
+                                                                                          "step_000003"]
     assert (tmp_path / "offloaded" / "hf-final" / "config.json").exists()
 
 

@@ -20,8 +20,8 @@ from posttrain import hookimpl
 
 @hookimpl
 def posttrain_on_step_end(step, metrics):
-    """After step 1, fill the run's disk but for 64 KiB: that step's checkpoint cannot be written."""
-    if step == 1:
+    """After step 2, fill the run's disk but for 64 KiB: that step's checkpoint cannot be written."""
+    if step == 2:
         with open(os.environ["FILL_PATH"], "wb") as f:
             free = os.statvfs(os.path.dirname(os.environ["FILL_PATH"]))
             f.write(b"0" * max(0, free.f_bavail * free.f_frsize - 64 * 1024))
@@ -65,10 +65,10 @@ echo $? > {out}/ro.rc
     errors = [line for line in full_err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in full_err, full_err[-3000:]
     assert f"error: storage: no space left on the device at {disk}/run/checkpoints" in errors[0]
-    # the step-1 checkpoint's part was removed; `latest` still names the step-0 checkpoint, which resumes
-    assert read("after-failure.ls").split() == ["latest", "step_000000"] and read("latest") == "step_000000"
+    # the step-2 checkpoint's part was removed; `latest` still names the step-1 checkpoint, which resumes
+    assert read("after-failure.ls").split() == ["latest", "step_000001"] and read("latest") == "step_000001"
     assert read("resume.rc").strip() == "0", read("resume.err")[-3000:]
-    assert "resumed from step 1 (checkpoint" in read("resume.out") and "step_000000)" in read("resume.out")
+    assert "resumed after step 1 (checkpoint" in read("resume.out") and "step_000001)" in read("resume.out")
     assert curve(jsonl(out / "metrics.jsonl")) == whole_curve
     ro_err = read("ro.err")
     assert read("ro.rc").strip() == "1" and "Traceback" not in ro_err, ro_err[-3000:]
@@ -81,11 +81,11 @@ from posttrain import hookimpl
 
 @hookimpl
 def posttrain_on_step_end(step, metrics):
-    """Once: the signal 0.1 s after step 1 ends, while step 2 runs (its end waits for it: steps are fast)."""
-    if step == 1 and not os.path.exists(os.environ["STOP_MARK"]):
+    """Once: the signal 0.1 s after step 2 ends, while step 3 runs (its end waits for it: steps are fast)."""
+    if step == 2 and not os.path.exists(os.environ["STOP_MARK"]):
         open(os.environ["STOP_MARK"], "w").close()
         threading.Timer(0.1, os.kill, (os.getpid(), int(os.environ["STOP_SIGNAL"]))).start()
-    elif step == 2 and os.path.exists(os.environ["STOP_MARK"]) and not os.path.exists(os.environ["STOP_MARK"] + ".2"):
+    elif step == 3 and os.path.exists(os.environ["STOP_MARK"]) and not os.path.exists(os.environ["STOP_MARK"] + ".2"):
         open(os.environ["STOP_MARK"] + ".2", "w").close()
         time.sleep(2.0)  # the signal lands here at the latest, inside the step
 '''
@@ -111,7 +111,7 @@ def test_ctrl_c_and_sigterm_save_the_step_in_flight_and_resume_exactly(tmp_path,
     assert "stopping at the end of this step, with a checkpoint" in first.stderr and "Traceback" not in first.stderr
     assert f"resume with: rl-cli run --resume {run}" in first.stderr
     stopped_after = len(jsonl(run / "metrics.jsonl"))
-    assert stopped_after == 3 and (run / "checkpoints" / "latest").read_text() == f"step_{stopped_after - 1:06d}"
+    assert stopped_after == 3 and (run / "checkpoints" / "latest").read_text() == f"step_{stopped_after:06d}"
     resumed = rl_cli("--resume", run, env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert curve(jsonl(run / "metrics.jsonl")) == whole_curve  # no step lost, none trained twice

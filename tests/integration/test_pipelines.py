@@ -25,9 +25,9 @@ def _run(script: str, runs: Path) -> subprocess.CompletedProcess:
 def test_sft_then_rl_chains_through_the_hf_export(tmp_path):
     out = _run("sft-then-rl", tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert [r["step"] for r in jsonl(tmp_path / "sft" / "metrics.jsonl")] == [0, 1]
+    assert [r["step"] for r in jsonl(tmp_path / "sft" / "metrics.jsonl")] == [1, 2]
     rl = jsonl(tmp_path / "rl" / "metrics.jsonl")
-    assert [r["step"] for r in rl] == [0, 1] and rl[0]["train_rollout_logprob_abs_diff"] < 1e-3
+    assert [r["step"] for r in rl] == [1, 2] and rl[0]["train_rollout_logprob_abs_diff"] < 1e-3
     config = (tmp_path / "rl" / "config.yaml").read_text()
     assert f"path: {tmp_path / 'sft' / 'hf-final'}" in config  # the RL stage started from the SFT weights
     line = json.loads(out.stdout.strip().splitlines()[-1])
@@ -38,7 +38,7 @@ def test_distill_scores_every_sample_with_the_teacher_fleet(tmp_path):
     out = _run("distill", tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     student = jsonl(tmp_path / "student" / "metrics.jsonl")
-    assert [r["step"] for r in student] == [0, 1]
+    assert [r["step"] for r in student] == [1, 2]
     # the teacher (the quickstart after 2 steps) and the fresh student disagree: a nonzero reverse KL
     assert all(r["estimator/reverse_kl"] != 0 and r["estimator/teacher_log_prob"] < 0 for r in student)
     assert (tmp_path / "student" / "logs" / "teacher" / "engine-0.log").exists()

@@ -37,7 +37,7 @@ def run(config, run_dir, *overrides):
 def test_gsm8k_recipe_runs_with_its_chat_template_eval_and_math_reward(tiny, tmp_path):
     rows = run(ROOT / "examples" / "gsm8k" / "config.yaml", tmp_path / "run", f"model.path={tiny['qwen2']}",
                "trainer.global_batch_size=4", "eval.interval=1", "eval.datasets.0.limit=2")
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [1, 2]
     assert all("eval/gsm8k_test/reward_mean" in r and "rollout/reward_mean" in r for r in rows)
     served = json.loads((tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()[0])["prompts"][0]
     # the chat template and the system prompt reached the engine's prompt
@@ -52,7 +52,7 @@ def test_dapo_recipe_runs_with_dynamic_sampling_and_the_overlong_penalty(tiny, t
                "trainer.global_batch_size=2", "trainer.steps_per_rollout=2", "data.over_sampling_batch_size=4",
                "trainer.micro_batch_size=2", "rewards.1.max_len=16", "rewards.1.buffer=15",
                "rollout.stop=[a,e,o,t,n,s]", "eval.interval=0")
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [1, 2]
     assert all(r["rollout/samples"] == 4 and r["dynamic_sampling/kept"] == 2 for r in rows), rows  # full batches
     # dynamic sampling ran (which groups come back first, and so whether one was dropped, varies run to run)
     assert all(r["dynamic_sampling/sampled"] >= r["dynamic_sampling/kept"] for r in rows), rows

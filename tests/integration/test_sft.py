@@ -38,7 +38,7 @@ def test_sft_learns_the_quickstart_task_without_engines(tmp_path):
                  f"eval.datasets=[{{name: train, path: {ROOT / 'examples' / 'sft-then-rl' / 'sft.jsonl'}}}]")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     rows = jsonl(run / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(80))
+    assert [r["step"] for r in rows] == list(range(1, 81))
     assert not list((run / "logs").glob("engine-*")) and not (run / "logs" / "router.log").exists()
     assert rows[0]["train/loss"] > 3.0 and rows[-1]["train/loss"] < 0.2  # from ~ln(128) to the labels
     assert rows[39]["eval/train/loss"] > rows[79]["eval/train/loss"]
@@ -58,11 +58,11 @@ def test_resumed_sft_repeats_the_uninterrupted_run(tmp_path):
     assert rl_cli(*args, "mode.max_steps=5", "--run-dir", whole).returncode == 0
     part = tmp_path / "part"
     assert rl_cli(*args, "mode.max_steps=3", "--run-dir", part).returncode == 0  # checkpoints after steps 2, 3
-    (part / "checkpoints" / "latest").write_text("step_000001")  # as if killed during step 3
+    (part / "checkpoints" / "latest").write_text("step_000002")  # as if killed during step 3
     out = rl_cli(SFT, "--resume", part, "mode.max_steps=5")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     resumed, uninterrupted = jsonl(part / "metrics.jsonl"), jsonl(whole / "metrics.jsonl")
-    assert [r["step"] for r in resumed] == list(range(5))
+    assert [r["step"] for r in resumed] == list(range(1, 6))
     for a, b in zip(resumed, uninterrupted):
         assert a["train/loss"] == pytest.approx(b["train/loss"], abs=1e-6)
         assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-5)

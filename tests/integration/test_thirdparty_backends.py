@@ -35,7 +35,7 @@ def run_quickstart(tmp_path, site, *overrides):
     out = rl_cli("run", QUICKSTART, "--run-dir", run, *SMALL, "trainer.log_kl=true", *overrides, env=env_with(site))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         # the engine serves exactly the weights the trainer has: each step's push reached it
         assert r["train_rollout_logprob_abs_diff"] < 1e-3, r["train_rollout_logprob_abs_diff"]
@@ -90,7 +90,7 @@ def test_torch_simple_trainer_with_the_local_engine(tmp_path, site):
 def test_both_third_party_backends_and_a_checkpoint(tmp_path, site):
     run, rows = run_quickstart(tmp_path, site, *HF_ENGINE, *TORCH_TRAINER, "checkpoint.interval=3")
     assert selected(run) == ("hf_generate", "torch_simple")
-    assert (run / "checkpoints" / "step_000002" / "trainer" / "policy" / "trainer.pt").is_file()
+    assert (run / "checkpoints" / "step_000003" / "trainer" / "policy" / "trainer.pt").is_file()
     assert all(r["train/grad_norm"] > 0 for r in rows)
 
 

@@ -3,11 +3,11 @@ with one line and a stall report that names the hung thing.
 
 The hangs, each planted at a fixed point of the run by the ``drill`` plugin below (no guessed moments):
 
-- weight push: step 0's reward SIGSTOPs the engine (after the step's only group generated), so the push after
-  step 0's training meets it;
-- engine: after step 0 (``posttrain_on_step_end``) the engine is SIGSTOPped, so step 1's /generate hangs;
+- weight push: step 1's reward SIGSTOPs the engine (after the step's only group generated), so the push after
+  step 1's training meets it;
+- engine: after step 1 (``posttrain_on_step_end``) the engine is SIGSTOPped, so step 2's /generate hangs;
 - reward: the reward sleeps forever (a sync reward in the driver: it blocks the event loop itself);
-- trainer rank: after step 0, rank 1 of a 2-rank trainer group is SIGSTOPped, so rank 0 waits in a collective.
+- trainer rank: after step 1, rank 1 of a 2-rank trainer group is SIGSTOPped, so rank 0 waits in a collective.
 """
 
 import os
@@ -62,9 +62,9 @@ def posttrain_register_rewards(registry):
 
 @hookimpl
 def posttrain_on_step_end(step, metrics):
-    if step == 0 and KIND == "engine":
+    if step == 1 and KIND == "engine":
         stop("engine serve")
-    if step == 0 and KIND == "trainer_rank":
+    if step == 1 and KIND == "trainer_rank":
         stop("trainer-rank1.log")
 '''
 

@@ -41,6 +41,7 @@ class TrainerRole:
             cfg.trainer = dataclasses.replace(cfg.trainer, deterministic=cfg.rollout.seed_sampling)
         self.backend = cfg.trainer.backend.create(plugins)
         self.engine_backend = cfg.rollout.engine.create(plugins)
+        self.plan_line = self._plan_micro_batches(needs_of(estimator).critic)
         self.policy = self.backend.build(self.spec, cfg, role="actor", seed=cfg.seed)
         self.critic = (self.backend.build(self.spec, cfg, role="critic", seed=cfg.seed)
                        if needs_of(estimator).critic else None)
@@ -52,6 +53,23 @@ class TrainerRole:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.replica = getattr(self.policy, "dp_rank", 0)  # data-parallel replica: replicas hold the same weights
         self.offloaded = False  # the models' state in host memory (offload), until a call needs it (onload)
+
+    def _plan_micro_batches(self, critic: bool) -> str | None:
+        """``trainer.max_tokens_per_micro_batch: auto`` becomes the memory plan's number before the backend builds
+        (``core.micro_batch_plan``); the plan's line, else None."""
+        import dataclasses
+
+        if self.cfg.trainer.max_tokens_per_micro_batch != "auto":
+            return None
+        from posttrain.core.micro_batch_plan import plan_for
+
+        plan = plan_for(self.cfg, self.spec.hf_config(), self.backend.logits_chunk_tokens(), critic)
+        self.cfg.trainer = dataclasses.replace(self.cfg.trainer, max_tokens_per_micro_batch=plan.tokens)
+        return plan.line()
+
+    def micro_batch_plan(self) -> str | None:
+        """The start-up line of ``trainer.max_tokens_per_micro_batch: auto`` (None when the key is not auto)."""
+        return self.plan_line
 
     # ---------------------------------------------------------------- forward passes
     def _pass(self, what: str):

@@ -66,6 +66,11 @@ class TrainerGroup:
     def onload(self) -> None:
         self.ranks.call("onload")
 
+    def micro_batch_plan(self) -> str | None:
+        """Rank 0's plan of ``trainer.max_tokens_per_micro_batch: auto`` (every rank plans from its device's total
+        memory, so ranks on the same kind of GPU agree)."""
+        return self.ranks.call("micro_batch_plan", only=[0])
+
     def memory_stats(self) -> dict[str, float]:
         """The busiest rank's figures (max over ranks, per key)."""
         out: dict[str, float] = {}

@@ -34,7 +34,7 @@ from posttrain.core.rollout.client import EngineClient, EngineRequestError
 from posttrain.core.types import row_seed
 
 _ROW_KEYS = ("input_ids", "sampling_params")  # what a merged request takes from each part, row by row
-_ALONE_KEYS = ("text", "rid")  # a part carrying these is sent as it is
+_ALONE_KEYS = ("text", "rid", "image_data")  # a part carrying these is sent as it is (image_data: per row, not merged)
 
 
 @dataclass

@@ -36,6 +36,46 @@ async def engine_tokenizer(engine) -> Any:
     return _TOKENIZERS[path]
 
 
+_IMAGES: dict[str, Any] = {}
+
+
+async def engine_images(engine) -> Any:
+    """The engine's model's :class:`~posttrain.core.vision.ImageInputs` (image processor and image token), read
+    from its ``tokenizer_path`` once per process (a vision-language checkpoint's files)."""
+    await engine_tokenizer(engine)
+    path = _PATHS[getattr(engine, "base_url", None) or str(id(engine))]
+    if path not in _IMAGES:
+        import asyncio
+
+        from posttrain.core.vision import ImageInputs
+
+        _IMAGES[path] = await asyncio.to_thread(ImageInputs.from_dir, path)
+    return _IMAGES[path]
+
+
+async def with_images(group: list[Sample], prompts: list[list[int]], engine) -> tuple[list[list[int]], list | None]:
+    """``(prompt ids, image_data)`` of ``group``: each prompt's image tokens expanded to the count its images take
+    (once per distinct prompt and images; :meth:`ImageInputs.expand`), and the per-prompt lists of image references
+    SGLang's ``image_data`` takes; ``(prompts, None)`` for a group without images."""
+    if not any(s.images for s in group):
+        return prompts, None
+    import asyncio
+
+    vision = await engine_images(engine)
+
+    def expand() -> list[list[int]]:
+        done: dict[tuple, list[int]] = {}
+        out = []
+        for s, ids in zip(group, prompts):
+            key = (tuple(ids), tuple(s.images or ()))
+            if key not in done:  # counted from the images' sizes: no pixels here
+                done[key] = vision.expand(ids, s.images, pixels=False)[0] if s.images else list(ids)
+            out.append(list(done[key]))
+        return out
+
+    return await asyncio.to_thread(expand), [list(s.images or []) for s in group]
+
+
 def prompt_ids(sample: Sample, tokenizer: Any, chat_template: bool = True) -> list[int]:
     """Token ids of the prompt: chat messages go through the chat template (with the generation prompt),
     a string is tokenized as it is (``data.apply_chat_template``, the one switch, rendered it at load time

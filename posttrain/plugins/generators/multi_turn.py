@@ -18,7 +18,9 @@ class MultiTurn(Component):
     each tool runs with ``tool_timeout_s`` and a failure becomes error text for the model; the results,
     wrapped by ``tool_response_template``, are tokenized and appended with ``loss_mask`` 0 and log-prob 0.
     So ``loss_mask`` is 1 exactly on tokens the model generated. The total response is bounded by
-    ``max_new_tokens``; hitting it marks the sample ``truncated``. Tools come from the run's ``tools``
+    ``max_new_tokens``; hitting it marks the sample ``truncated``. A sample's prompt ``images`` go with every
+    turn's ``/generate`` as ``image_data`` (its image tokens expanded once; tools add no images). Tools come from
+    the run's ``tools``
     registry (``posttrain_register_tools``, handed over by :meth:`bind`, so ``--plugin`` files and ``-p``
     apply); ``tools: []`` offers every registered tool. Unknown tool or parser names are config errors
     (:meth:`check`), reported before anything starts.
@@ -71,12 +73,13 @@ class MultiTurn(Component):
     async def rollout(self, sample, engine, sampling, tokenizer):
         from posttrain.core.rollout.client import tokens_and_logprobs, weight_version_int
         from posttrain.core.rollout.preempt import token_weight_versions
-        from posttrain.core.rollout.samples import fill, finish_type, prompt_ids
+        from posttrain.core.rollout.samples import fill, finish_type, prompt_ids, with_images
         from posttrain.core.rollout.tools import PARSERS, run_tool
 
         parser = PARSERS[self.config.parser]
         tools = self.tools()
-        prompt = prompt_ids(sample, tokenizer)
+        prompt = (await with_images([sample], [prompt_ids(sample, tokenizer)], engine))[0][0]
+        images = {"image_data": sample.images} if sample.images else {}
         ids: list[int] = []
         mask: list[int] = []
         lps: list[float] = []
@@ -94,7 +97,7 @@ class MultiTurn(Component):
                 break
             seed = sampling.sampling_seed(sample, turn)
             seeded = {} if seed is None else {"sampling_seed": seed}
-            out = await engine.generate(input_ids=prompt + ids, **sampling.request_fields(),
+            out = await engine.generate(input_ids=prompt + ids, **sampling.request_fields(), **images,
                                         sampling_params={**params, **seeded, "max_new_tokens": budget})
             new_ids, new_lps = tokens_and_logprobs(out)
             ids += new_ids

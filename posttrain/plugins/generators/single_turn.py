@@ -17,7 +17,8 @@ class SingleTurn(Component):
     (``log_softmax(logits / T)`` of each sampled token, from ``meta_info.output_token_logprobs``),
     ``loss_mask`` (all ones: every response token is the model's), ``status`` (``truncated`` when
     ``max_new_tokens`` is hit, ``aborted`` when the engine aborted it) and ``weight_version``.
-    Chat-message prompts go through the tokenizer's chat template.
+    Chat-message prompts go through the tokenizer's chat template. A sample with ``images`` has its image
+    tokens expanded (:func:`~posttrain.core.rollout.samples.with_images`) and sends them as ``image_data``.
     """
 
     name = "single_turn"
@@ -30,7 +31,7 @@ class SingleTurn(Component):
 
     async def __call__(self, group, engine, sampling):
         from posttrain.core.rollout.client import tokens_and_logprobs, weight_version_int
-        from posttrain.core.rollout.samples import engine_tokenizer, fill, finish_type, prompt_ids
+        from posttrain.core.rollout.samples import engine_tokenizer, fill, finish_type, prompt_ids, with_images
 
         tokenizer = await engine_tokenizer(engine)
 
@@ -48,16 +49,18 @@ class SingleTurn(Component):
                 seen[sample.prompt] = prompt_ids(sample, tokenizer)
             return list(seen[sample.prompt])
 
-        prompts = [ids(s) for s in group]
+        prompts, images = await with_images(group, [ids(s) for s in group], engine)
         params = sampling.for_group(group) if self.config.batch_group and len(group) > 1 else None
         if params is not None:  # None: seeded on engines that cannot seed a batch by row
-            outs = await engine.request("POST", "/generate", {"input_ids": prompts, "return_logprob": True,
-                                                              "sampling_params": params, **sampling.request_fields()})
+            body = {"input_ids": prompts, "return_logprob": True, "sampling_params": params,
+                    **sampling.request_fields(), **({"image_data": images} if images else {})}
+            outs = await engine.request("POST", "/generate", body)
             return [store(s, p, o) for s, p, o in zip(group, prompts, outs)]
 
         async def one(sample, prompt):
+            extra = {"image_data": sample.images} if sample.images else {}
             out = await engine.generate(input_ids=prompt, sampling_params=sampling.for_sample(sample),
-                                        return_logprob=True, **sampling.request_fields())
+                                        return_logprob=True, **sampling.request_fields(), **extra)
             return store(sample, prompt, out)
 
         return list(await asyncio.gather(*[one(s, p) for s, p in zip(group, prompts)]))

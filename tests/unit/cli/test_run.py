@@ -40,17 +40,18 @@ def calls(monkeypatch):
     return seen
 
 
-def make_run_dir(path, checkpoint_step=None, interval=0):
-    """A run directory as `rl-cli run` leaves it: config.yaml, metrics, and optionally a checkpoint."""
+def make_run_dir(path, checkpoint_steps=None, interval=0):
+    """A run directory as `rl-cli run` leaves it: config.yaml, metrics, and optionally the checkpoint written
+    after ``checkpoint_steps`` steps."""
     cfg = load_config(QUICKSTART).to_dict()
     cfg["checkpoint"]["interval"] = interval
     path.mkdir(parents=True)
     (path / "config.yaml").write_text(yaml.safe_dump(cfg))
-    (path / "metrics.jsonl").write_text(json.dumps({"step": 0, "rollout/reward_mean": 0.1}) + "\n")
-    if checkpoint_step is not None:
-        ckpt = path / "checkpoints" / f"step_{checkpoint_step:06d}"
+    (path / "metrics.jsonl").write_text(json.dumps({"step": 1, "rollout/reward_mean": 0.1}) + "\n")
+    if checkpoint_steps is not None:
+        ckpt = path / "checkpoints" / f"step_{checkpoint_steps:06d}"
         ckpt.mkdir(parents=True)
-        (ckpt / "state.json").write_text(json.dumps({"step": checkpoint_step}))
+        (ckpt / "state.json").write_text(json.dumps({"steps": checkpoint_steps}))
         (path / "checkpoints" / "latest").write_text(ckpt.name)
     return path
 
@@ -69,10 +70,10 @@ def test_resume_without_checkpoint_exits_2_with_the_reason(tmp_path, monkeypatch
 
 
 def test_resume_says_which_step_and_checkpoint(tmp_path, monkeypatch, capsys, calls):
-    run = make_run_dir(tmp_path / "r", checkpoint_step=4, interval=5)
+    run = make_run_dir(tmp_path / "r", checkpoint_steps=5, interval=5)
     code, out, err = rl_cli(monkeypatch, capsys, "run", "--resume", run, "rollout.num_rollouts=7")
     assert code == 0, err
-    assert f"resumed from step 5 (checkpoint {run / 'checkpoints' / 'step_000004'})" in out
+    assert f"resumed after step 5 (checkpoint {run / 'checkpoints' / 'step_000005'})" in out
     assert len(calls) == 1 and calls[0]["resume"] is True
     assert calls[0]["cfg"].rollout.num_rollouts == 7  # an override, not taken for the CONFIG argument
 
@@ -82,25 +83,25 @@ def test_resume_or_start_starts_over_without_a_checkpoint(tmp_path, monkeypatch,
     code, out, err = rl_cli(monkeypatch, capsys, "run", "--resume-or-start", run)
     assert code == 0, err
     assert "starting it over from step 1" in out
-    assert calls[0]["resume"] is True  # the loop then drops the old metrics (no checkpoint: from step 0)
+    assert calls[0]["resume"] is True  # the loop then drops the old metrics (no checkpoint: from step 1)
 
     fresh = tmp_path / "new"  # a scheduler's first launch: no directory yet
     code, out, err = rl_cli(monkeypatch, capsys, "run", QUICKSTART, "--resume-or-start", fresh)
     assert code == 0, err
     assert calls[1]["resume"] is False and (fresh / "config.yaml").is_file()
 
-    resumable = make_run_dir(tmp_path / "r3", checkpoint_step=2, interval=1)
+    resumable = make_run_dir(tmp_path / "r3", checkpoint_steps=3, interval=1)
     code, out, _ = rl_cli(monkeypatch, capsys, "run", QUICKSTART, "--resume-or-start", resumable)
-    assert code == 0 and "resumed from step 3" in out
+    assert code == 0 and "resumed after step 3" in out
 
 
 def test_ctrl_c_prints_how_to_resume_and_exits_130(tmp_path, monkeypatch, capsys):
     def interrupted_after_a_checkpoint(cfg, plugins, run, **kwargs):
         kwargs["on_phase"]("train")
         kwargs["on_step"](0, {"rollout/reward_mean": 0.5})
-        ckpt = run.checkpoints / "step_000000"
+        ckpt = run.checkpoints / "step_000001"
         ckpt.mkdir(parents=True)
-        (ckpt / "state.json").write_text(json.dumps({"step": 0}))
+        (ckpt / "state.json").write_text(json.dumps({"steps": 1}))
         (run.checkpoints / "latest").write_text(ckpt.name)
         raise KeyboardInterrupt
 
@@ -109,7 +110,7 @@ def test_ctrl_c_prints_how_to_resume_and_exits_130(tmp_path, monkeypatch, capsys
     code, out, err = rl_cli(monkeypatch, capsys, "run", QUICKSTART, "--run-dir", run)
     assert code == 130
     assert "interrupted at step 2/150" in err
-    assert f"resume with: rl-cli run --resume {run}  (from step 1" in err and "Traceback" not in err
+    assert f"resume with: rl-cli run --resume {run}  (continues after step 1, checkpoint {run / 'checkpoints' / 'step_000001'})" in err and "Traceback" not in err
 
 
 def test_ctrl_c_before_any_checkpoint_says_so(tmp_path, monkeypatch, capsys):
@@ -132,9 +133,9 @@ def test_sigterm_stops_the_run_as_ctrl_c_does_with_exit_code_143(tmp_path, monke
 
     def terminated_after_a_checkpoint(cfg, plugins, run, **kwargs):
         kwargs["on_step"](0, {"rollout/reward_mean": 0.5})
-        ckpt = run.checkpoints / "step_000000"
+        ckpt = run.checkpoints / "step_000001"
         ckpt.mkdir(parents=True)
-        (ckpt / "state.json").write_text(json.dumps({"step": 0}))
+        (ckpt / "state.json").write_text(json.dumps({"steps": 1}))
         (run.checkpoints / "latest").write_text(ckpt.name)
         os.kill(os.getpid(), signal.SIGTERM)  # what Slurm and Kubernetes send
         raise AssertionError("SIGTERM did not stop the run")
@@ -144,7 +145,7 @@ def test_sigterm_stops_the_run_as_ctrl_c_does_with_exit_code_143(tmp_path, monke
     run = tmp_path / "r"
     code, out, err = rl_cli(monkeypatch, capsys, "run", QUICKSTART, "--run-dir", run)
     assert code == 143 and "terminated (SIGTERM) at step 2/150" in err
-    assert f"resume with: rl-cli run --resume {run}  (from step 1" in err and "Traceback" not in err
+    assert f"resume with: rl-cli run --resume {run}  (continues after step 1, checkpoint {run / 'checkpoints' / 'step_000001'})" in err and "Traceback" not in err
     assert signal.getsignal(signal.SIGTERM) is before  # the CLI leaves the process's handler as it found it
 
 
@@ -183,7 +184,7 @@ def test_a_finished_run_is_complete_for_resume_and_never_retrained_by_resume_or_
 
 
 def test_a_finished_run_with_a_checkpoint_goes_on_when_asked_for_more_steps(tmp_path, monkeypatch, capsys, calls):
-    run = make_run_dir(tmp_path / "r", checkpoint_step=149, interval=50)
+    run = make_run_dir(tmp_path / "r", checkpoint_steps=150, interval=50)
     (run / "complete.json").write_text(json.dumps({"steps": 150}))
     code, out, err = rl_cli(monkeypatch, capsys, "run", "--resume", run, "rollout.num_rollouts=160")
     assert code == 0 and len(calls) == 1 and calls[0]["resume"] is True, out + err

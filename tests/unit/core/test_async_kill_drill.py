@@ -49,11 +49,11 @@ async def run(path: str, seed: int) -> None:
     run = RunDirectory(path)
     run.path.mkdir(parents=True, exist_ok=True)
     buf = DataBuffer(PROMPTS, 1, seed=0, epochs=EPOCHS)
-    ckpt, state, done = run.latest_checkpoint(), {}, -1
+    ckpt, state, done = run.latest_checkpoint(), {}, 0  # steps done
     if ckpt is not None:
         state = run.load_checkpoint(ckpt)
         buf.load_state_dict(state["buffer"])
-        done = state["step"]
+        done = state["steps"]
     run.truncate_after(done)
     box = {}
 
@@ -65,17 +65,17 @@ async def run(path: str, seed: int) -> None:
             s.weight_version, s.weight_versions = box["f"].version, [v0]
         return group
 
-    feeder = box["f"] = FullyAsyncRollout(buf, rollout, NoEngines(), BATCH, max_staleness=2, start=done + 1)
+    feeder = box["f"] = FullyAsyncRollout(buf, rollout, NoEngines(), BATCH, max_staleness=2, start=done)
     feeder.load_state_dict(state.get("fully_async", {}))
     feeder.start()
-    for step in range(done + 1, STEPS):
+    for step in range(done, STEPS):  # 0-based indices; logged from 1
         groups, metrics = await feeder.next_batch(step)
         assert metrics["rollout/staleness_max"] <= 2
-        run.log_rollouts(step, groups, [])
+        run.log_rollouts(step + 1, groups, [])
         await asyncio.sleep(rng.uniform(0.02, 0.08))  # the train step; generation goes on meanwhile
         await feeder.push(lambda: time.sleep(0.005), step + 1)
-        run.save_checkpoint(step, lambda d: Path(d).mkdir(), {"buffer": buf.state_dict(),
-                                                              "fully_async": feeder.state_dict()}, keep=2)
+        run.save_checkpoint(step + 1, lambda d: Path(d).mkdir(), {"buffer": buf.state_dict(),
+                                                                  "fully_async": feeder.state_dict()}, keep=2)
     await feeder.close()
 
 
@@ -109,7 +109,7 @@ def test_ten_kills_at_random_moments_lose_and_repeat_nothing(tmp_path):
     out = subprocess.run([*cmd, "99"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = rollouts(path)
-    assert [r["step"] for r in rows] == list(range(STEPS))  # no step repeated or skipped
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # no step repeated or skipped
     assert Counter(p for r in rows for p in r["prompts"]) == {p.prompt: EPOCHS for p in PROMPTS}
     assert sum(n > 0 for n in resumed_with) >= 5  # resumes did carry queued or in-flight groups
 

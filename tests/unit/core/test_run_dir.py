@@ -153,3 +153,30 @@ def test_dry_run_prints_secrets_redacted():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "Authorization: <redacted>" in out.stdout and "sk-1" not in out.stdout + out.stderr
+
+
+def test_steps_are_counted_from_one_in_checkpoints_and_logs(tmp_path):
+    """Step N (the console's "step N/T") is ``"step": N`` in rollouts.jsonl and ``step_00000N`` after it;
+    ``state.json`` holds the steps done; a resume after N steps keeps the rows of steps 1..N."""
+    run = RunDirectory.create(tmp_path / "r", "x")
+    for n in (1, 2, 3):
+        run.log_rollouts(n, [], [])
+        run.save_checkpoint(n, lambda d: os.makedirs(d), {"buffer": {}}, keep=2)
+    assert sorted(p.name for p in run.checkpoints.glob("step_*")) == ["step_000002", "step_000003"]
+    latest = run.latest_checkpoint()
+    assert latest.name == "step_000003" and json.loads((latest / "state.json").read_text())["steps"] == 3
+    assert run.checkpoint_step(latest) == 3 and run.load_checkpoint(latest)["steps"] == 3
+    assert run.checkpoints_by_step() == {2: run.checkpoints / "step_000002", 3: latest}
+    assert run.checkpoint_after(2).name == "step_000002"
+    run.truncate_after(2)
+    assert [json.loads(line)["step"] for line in (run.path / "rollouts.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_a_checkpoint_from_before_one_based_steps_reads_as_the_steps_it_holds(tmp_path):
+    """``state.json`` of older checkpoints stored the 0-based index of their last step (``"step": 9`` after
+    10 steps): read as 10 steps, so their resume neither repeats nor skips a step."""
+    run = RunDirectory(tmp_path / "r")
+    old = run.checkpoints / "step_000009"
+    old.mkdir(parents=True)
+    (old / "state.json").write_text(json.dumps({"step": 9, "buffer": {}, "rng": None}))
+    assert run.checkpoint_step(old) == 10 and run.checkpoints_by_step() == {10: old}

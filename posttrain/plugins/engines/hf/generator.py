@@ -14,6 +14,12 @@ A row ends on a stop token (``stop_token_ids``, or EOS unless ``ignore_eos``; ke
 id), a stop string (``stop``; trimmed from ``text`` unless ``no_stop_trim``), ``max_new_tokens``, the
 context length, or an abort. Weights are replaced only between batches (:meth:`HFGenerator.load_weights`:
 every name and shape checked before the first copy).
+
+Vision-language checkpoints (a ``vision_config``; built with ``AutoModelForImageTextToText``): a row's
+``images`` (references, :mod:`posttrain.core.vision`) become ``pixel_values`` and ``image_grid_thw`` for the
+prefill (the image processor runs in the decode thread), in row order, and its prompt holds the expanded image
+tokens; every row's positions are the model's
+multimodal ones (``[3, B, P]`` from ``get_rope_index`` over the real tokens), each decode step the last + 1.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class Row:
     logprobs: list[float] = field(default_factory=list)
     finish: dict[str, Any] | None = None
     text_end: int | None = None  # where a matched stop string starts in the decoded text (trimmed there)
+    images: list[str] | None = None  # image references (vision-language), their tokens expanded in ``prompt``
 
 
 class HFGenerator:
@@ -54,10 +61,14 @@ class HFGenerator:
         """``dtype``: ``auto`` is the checkpoint's ``torch_dtype`` on a GPU and float32 on the CPU;
         ``from_config``: build the model from ``config.json`` alone (random weights; every weight comes
         from the first update)."""
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+        from posttrain.core.vision import ImageInputs, is_vision_config
 
         self.model_dir, self.device = str(Path(model_dir).resolve()), torch.device(device)
         config = AutoConfig.from_pretrained(self.model_dir)
+        self.vision = ImageInputs.from_dir(self.model_dir) if is_vision_config(config) else None
+        auto = AutoModelForImageTextToText if self.vision is not None else AutoModelForCausalLM
         if dtype == "auto":
             named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
             self.dtype = torch.float32 if self.device.type == "cpu" else (
@@ -65,21 +76,25 @@ class HFGenerator:
         else:
             self.dtype = DTYPES[dtype]
         if from_config:
-            self.model = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
+            self.model = auto.from_config(config, dtype=self.dtype)
         else:
-            self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
+            self.model = auto.from_pretrained(self.model_dir, dtype=self.dtype)
         self.model.to(self.device).eval()
         self.config = self.model.config
         # the KV cache's argument and output field: ``cache`` in newer transformers, ``past_key_values`` before
-        self.cache_key = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        params = inspect.signature(self.model.forward).parameters
+        self.cache_key = "cache" if "cache" in params else "past_key_values"
+        # only the last position's logits: a prefill's [B, P, V] would dwarf the model at a 150k vocabulary
+        self.last_logits = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self.tied = bool(getattr(self.config, "tie_word_embeddings", False))
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        eos = self.config.eos_token_id
+        text = self.config.get_text_config()
+        eos = getattr(text, "eos_token_id", None)
         self.eos = set([eos] if isinstance(eos, int) else (eos or []))
         if self.tokenizer.eos_token_id is not None:
             self.eos.add(self.tokenizer.eos_token_id)
-        self.vocab_size = int(self.config.vocab_size)
-        limit = int(getattr(self.config, "max_position_embeddings", 0) or 4096)
+        self.vocab_size = int(text.vocab_size)
+        limit = int(getattr(text, "max_position_embeddings", 0) or 4096)
         self.context_length = min(context_length, limit) if context_length else limit
         self.weight_version = "0"
         self.lock = threading.Lock()  # one batch or one weight update at a time
@@ -92,13 +107,14 @@ class HFGenerator:
         """Decode ``rows`` together until every one has finished."""
         with self.lock:
             ids, mask = self._left_padded(rows)
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            positions, extra = self._prefill_inputs(rows, ids, mask)
             cache = None
             for r in rows:
                 self._finished(r)
             while any(r.finish is None for r in rows):
                 out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                                 **{self.cache_key: cache})
+                                 **{self.cache_key: cache}, **extra, **self.last_logits)
+                extra = {}
                 cache = getattr(out, self.cache_key)
                 live = [i for i, r in enumerate(rows) if r.finish is None]
                 logits = out.logits[live, -1].float()
@@ -112,7 +128,20 @@ class HFGenerator:
                     self._finished(rows[i])
                 ids = step[:, None].to(self.device)
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-                positions = positions[:, -1:] + 1
+                positions = positions[..., -1:] + 1
+
+    def _prefill_inputs(self, rows: list[Row], ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """``(position_ids, extra forward kwargs)`` of the prefill: ``[B, P]`` counts of real tokens - 1, or for
+        a vision-language model its ``[3, B, P]`` multimodal positions and the rows' pixels."""
+        if self.vision is None:
+            return (mask.cumsum(-1) - 1).clamp(min=0), {}
+        from posttrain.core.vision import rope_positions
+
+        refs = [ref for r in rows for ref in r.images or []]
+        pixels, grid = self.vision.pixels(refs) if refs else (None, None)
+        grid = grid.to(self.device) if refs else None
+        extra = {"pixel_values": pixels.to(self.device, self.dtype), "image_grid_thw": grid} if refs else {}
+        return rope_positions(self.model, ids, grid, self.vision.image_token_id, mask), extra
 
     def _left_padded(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids [B, P], attention_mask [B, P])``: prompts right-aligned, so every row's next token

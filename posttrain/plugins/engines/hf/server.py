@@ -39,7 +39,7 @@ from posttrain.plugins.engines.hf.generator import HFGenerator, Row
 from posttrain.plugins.engines.hf.weights import BODY_LIMIT, WeightEndpoints, read_body
 from posttrain.plugins.engines.local.bodies import BadRequest
 
-GENERATE_KEYS = {"text", "input_ids", "sampling_params", "return_logprob", "rid", "stream"}
+GENERATE_KEYS = {"text", "input_ids", "sampling_params", "return_logprob", "rid", "stream", "image_data"}
 OFF_VALUES = (None, False, 0, -1, "", [], {})  # other GenerateReqInput fields are accepted when off
 DEFAULT_OK = {"log_metrics": True}
 
@@ -131,12 +131,43 @@ class Server:
             raise BadRequest("return_logprob: expected true or false")
         rid = body.get("rid")
         rids = rid if isinstance(rid, list) else [rid] * len(prompts)
+        images = self._image_data(body.get("image_data"), batched, len(prompts))
         rows = []
-        for prompt, p, r in zip(prompts, params, rids):
+        for prompt, p, r, im in zip(prompts, params, rids, images):
             self.count += 1
-            rows.append(Row(self._prompt(prompt if text is not None else None, prompt if ids is not None else None),
-                            p, str(r or f"hf-{self.count}")))
+            row = Row(self._prompt(prompt if text is not None else None, prompt if ids is not None else None),
+                      p, str(r or f"hf-{self.count}"))
+            if im:
+                self._add_images(row, im)
+            rows.append(row)
         return rows, batched, return_logprob
+
+    def _image_data(self, data: Any, batched: bool, n: int) -> list[list[str]]:
+        """SGLang's ``image_data`` as one list of image references per prompt: a batch takes one entry per prompt
+        (a reference or a list), a single prompt a reference or a list."""
+        if data in OFF_VALUES:
+            return [[] for _ in range(n)]
+        if self.gen.vision is None:
+            raise BadRequest(f"image_data: {self.gen.config.model_type} is not a vision-language model")
+        entries = data if batched else [data]
+        if not isinstance(entries, list) or len(entries) != n:
+            raise BadRequest(f"image_data: expected one entry per prompt ({n})")
+        out = [e if isinstance(e, list) else [] if e is None else [e] for e in entries]
+        if not all(isinstance(ref, str) for refs in out for ref in refs):
+            raise BadRequest("image_data: expected image references (file paths, URLs or base64 strings)")
+        return out
+
+    def _add_images(self, row: Row, images: list[str]) -> None:
+        """The row's prompt with its image tokens expanded (counted from the images' sizes; the pixels come in the
+        decode thread) and its images; a 400 names an image that cannot be read or a prompt that does not fit."""
+        try:
+            row.prompt = self.gen.vision.expand(row.prompt, images, pixels=False)[0]
+        except (OSError, ValueError) as exc:
+            raise BadRequest(f"image_data: {exc}") from None
+        if len(row.prompt) >= self.gen.context_length:
+            raise BadRequest(f"the prompt has {len(row.prompt)} tokens with its images; the context length is "
+                             f"{self.gen.context_length}")
+        row.images = list(images)
 
     def _answer(self, r: Row, return_logprob: bool) -> dict[str, Any]:
         meta = {"id": r.rid, "finish_reason": r.finish, "prompt_tokens": len(r.prompt),

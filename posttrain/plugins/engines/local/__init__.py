@@ -57,6 +57,9 @@ class LocalEngine(EngineBackend):
         if arch and arch not in SERVED_ARCHITECTURES:
             errors.append(f"rollout.engine: the local engine cannot serve {arch} (model {run.model.name!r}); it "
                           f"serves {', '.join(SERVED_ARCHITECTURES)}. Use rollout.engine.name: sglang")
+        if _vision_language(run, plugins):
+            errors.append("rollout.engine: the local engine serves text models only, not a vision-language model or "
+                          "images (data.images_key); use rollout.engine.name: hf (or sglang)")
         return errors
 
     def on_gpu(self, resources: Any) -> bool:
@@ -98,6 +101,20 @@ class LocalEngine(EngineBackend):
             wait_for_model=MODEL_WAIT_S if slot.model_pending else None,
             load_format="dummy" if slot.weights_from_push else None,
             warm_sampling=json.dumps(slot.sampling) if warm else None), env)
+
+
+def _vision_language(run: Any, plugins: Any) -> bool:
+    """Whether the run has images (``data.images_key``) or its model's config describes a vision tower."""
+    if getattr(getattr(run, "data", None), "images_key", None):
+        return True
+    if not run.model:
+        return False
+    from posttrain.core.vision import is_vision_config
+
+    try:
+        return is_vision_config(run.model.create(plugins).hf_config())
+    except Exception:  # noqa: BLE001 - an unreadable model config is the model section's error
+        return False
 
 
 def config_flags(config: Any) -> list[str]:

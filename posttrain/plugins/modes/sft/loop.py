@@ -82,15 +82,15 @@ async def train_sft(cfg: Any, plugins: Any, run: Any, mode: Any, resume: bool = 
         stack.callback(metrics_out.close)
         start = 0
         if resume:  # trainer state and step; the batches are a function of the step
-            done = -1
+            done = 0  # steps done: the 0-based index of the next one
             if (ckpt := run.latest_checkpoint()) is not None:
                 trainer.load(str(ckpt / "trainer"))
                 state = run.load_checkpoint(ckpt)
                 if state.get("samples") != len(train_set):
                     raise UsageError(f"--resume {run.path}: the data has {len(train_set)} samples now, "
                                      f"{state.get('samples')} when the checkpoint was written")
-                done = state["step"]
-            start = done + 1
+                done = state["steps"]
+            start = done
             metrics_out.truncate_after(done)
         for step in range(start, total):
             t0 = time.perf_counter()
@@ -105,12 +105,12 @@ async def train_sft(cfg: Any, plugins: Any, run: Any, mode: Any, resume: bool = 
             if evals and cfg.eval.interval and ((step + 1) % cfg.eval.interval == 0 or final):
                 for name, data in evals.items():
                     last[f"eval/{name}/loss"] = await asyncio.to_thread(eval_loss, trainer, loss_fn, data, size)
-            metrics_out.log(step, last)
-            plugins.pm.hook.posttrain_on_step_end(step=step, metrics=last)
+            metrics_out.log(step + 1, last)  # steps are counted from 1 where a user meets them
+            plugins.pm.hook.posttrain_on_step_end(step=step + 1, metrics=last)
             if on_step is not None and ((step + 1) % cfg.logging.interval == 0 or final):
                 on_step(step, last, [])
             if cfg.checkpoint.interval and ((step + 1) % cfg.checkpoint.interval == 0 or final):
-                run.save_checkpoint(step, trainer.save, {"samples": len(train_set), "epoch": epoch},
+                run.save_checkpoint(step + 1, trainer.save, {"samples": len(train_set), "epoch": epoch},
                                     cfg.checkpoint.keep)
         trainer.save_hf(str(run.path / "hf-final"))
     return last

@@ -5,7 +5,8 @@ Modules (none imported here: this entry module stays light):
 
 - ``model``: ``FSDP2Model`` (build, shard, log-probs, the train step, the reference, HF export);
 - ``parallel``: the process group, each rank's share, micro-batch counts agreed by every rank;
-- ``checkpoint``: resume through torch.distributed.checkpoint (any data-parallel size), ``save_hf``.
+- ``checkpoint``: resume through torch.distributed.checkpoint (any data-parallel size), ``save_hf``;
+- ``vision``: vision-language models (``AutoModelForImageTextToText``): the tower, freezing it, pixel inputs.
 
 Select it with ``trainer: {backend: {name: fsdp2}}``; the algorithm's keys (lr, batch sizes, KL, entropy,
 clipping, Adam) stay in ``trainer``. It builds the spec's HF architecture from its ``config.json``
@@ -41,6 +42,8 @@ class FSDP2Backend(TrainerBackend):
                        "drawn with std / sqrt(2 x layers), as Megatron draws them; false: transformers' own init")
         cpu_offload: bool = option(False, help="GPU: parameters, gradients and optimizer state in host memory "
                                                "(FSDP2's CPUOffloadPolicy; the optimizer steps on the CPU)")
+        freeze_vision: bool = option(True, help="vision-language models: the vision tower does not train (AdamW "
+                                                "holds the language model's parameters only)")
 
     def check_config(self, run: Any, plugins: Any) -> list[str]:
         errors = []

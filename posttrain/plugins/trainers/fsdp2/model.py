@@ -47,16 +47,20 @@ SUMMED = set(SUMMED_METRICS.values())
 
 def build_hf_model(spec: Any, seed: int, scaled_output_init: bool = True) -> torch.nn.Module:
     """The spec's HF model in float32: its checkpoint, or a random init from ``spec.hf_config()`` (transformers'
-    own, then :func:`scale_residual_outputs` with ``scaled_output_init``)."""
+    own, then :func:`scale_residual_outputs` with ``scaled_output_init``); ``AutoModelForImageTextToText`` for a
+    vision-language config (a ``vision_config``), else ``AutoModelForCausalLM``."""
     import transformers
 
-    if spec.config.path:
-        return transformers.AutoModelForCausalLM.from_pretrained(spec.config.path, dtype=torch.float32)
+    from posttrain.core.vision import is_vision_config
+
     hf = spec.hf_config()
+    auto = transformers.AutoModelForImageTextToText if is_vision_config(hf) else transformers.AutoModelForCausalLM
+    if spec.config.path:
+        return auto.from_pretrained(spec.config.path, dtype=torch.float32)
     kwargs = {k: v for k, v in hf.items() if k not in ("model_type", "architectures", "torch_dtype", "dtype")}
     config = transformers.AutoConfig.for_model(hf["model_type"], **kwargs)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = auto.from_config(config, dtype=torch.float32)
     if scaled_output_init:
         scale_residual_outputs(model)
     return model
@@ -99,6 +103,7 @@ class FSDP2Model:
         self.dtype = DTYPES[spec.config.dtype]  # of what leaves: export_hf, save_hf
         model = build_hf_model(spec, seed, backend.scaled_output_init)
         model.config.use_cache = False
+        self.pixels = self._vision(model, spec)
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         self.architecture = type(model).__name__  # before fully_shard renames the class (FSDP<name>)
         if backend.activation_checkpointing:
@@ -110,7 +115,8 @@ class FSDP2Model:
             model = lora.wrap(model, self.lora)
         self.model = shard(model.to(self.device), self._param_dtype(), DTYPES[backend.reduce_dtype],
                            cpu_offload=backend.cpu_offload and self.device.type == "cuda")
-        # what trains: every weight, or (LoRA) the adapters only; the optimizer, clipping, snapshots take these
+        # what trains: every weight but a frozen vision tower's, or (LoRA) the adapters only; the optimizer,
+        # clipping and snapshots take these
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         c = config
         self.optimizer = torch.optim.AdamW(self.trainable, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2),
@@ -120,6 +126,21 @@ class FSDP2Model:
         if config.uses_reference:  # no KL term and no log_kl: no copy to keep
             self.snapshot("ref")
 
+    def _vision(self, model: torch.nn.Module, spec: Any) -> Any:
+        """A vision-language model's :class:`~.vision.PixelInputs` (its tower frozen with ``freeze_vision``), or
+        None for a text model."""
+        from posttrain.plugins.trainers.fsdp2 import vision
+
+        if vision.vision_tower(model) is None:
+            return None
+        if not spec.config.path:
+            raise ValueError("a vision-language model needs model.path: its image processor comes from the checkpoint")
+        if self.backend.freeze_vision:
+            vision.freeze_vision(model)
+        pixels = vision.PixelInputs(spec.config.path, self._param_dtype())
+        pixels.attach(model)
+        return pixels
+
     def _param_dtype(self) -> torch.dtype:
         name = self.backend.param_dtype
         return self.dtype if name == "auto" else DTYPES[name]
@@ -127,7 +148,8 @@ class FSDP2Model:
     # ------------------------------------------------------------------ forward
     def _forward(self, mb: TrainBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(log_probs [b, T], entropy [b, T] | None)`` of micro-batch ``mb`` (on the device), with autograd."""
-        logits = self.model(input_ids=mb.tokens, use_cache=False).logits[:, :-1].float()  # [b, T-1, V]
+        ids, extra = (mb.tokens, {}) if self.pixels is None else self.pixels.prepare(self.model, mb.tokens, mb.images)
+        logits = self.model(input_ids=ids, use_cache=False, **extra).logits[:, :-1].float()  # [b, T-1, V]
         if mb.logit_scale != 1.0:  # the rollout's temperature: log_softmax(z / T)
             logits = logits * mb.logit_scale
         target = logits.gather(-1, mb.tokens[:, 1:, None]).squeeze(-1)

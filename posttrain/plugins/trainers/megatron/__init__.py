@@ -46,6 +46,9 @@ class MegatronBackend(TrainerBackend):
     # named, with their values, when a pass runs out of GPU memory (core.out_of_memory)
     memory_keys = ("trainer.backend.log_probs_chunk_size", "trainer.backend.log_probs_recompute", "trainer.backend.tp")
 
+    def logits_chunk_tokens(self) -> int | None:
+        return self.config.log_probs_chunk_size
+
     @property
     def needs_routed_experts(self) -> bool:
         return self.config.routing_replay
@@ -69,6 +72,9 @@ class MegatronBackend(TrainerBackend):
             mapped = sorted(n for n, s in plugins.models.items() if _megatron_mapped(s))
             errors.append(f"trainer.backend: model {run.model.name!r} has no Megatron mapping; megatron trains "
                           f"{', '.join(mapped)} (trainer.backend.name: fsdp2 trains any HF model)")
+        if getattr(getattr(run, "data", None), "images_key", None):
+            errors.append("trainer.backend: megatron trains text models only; images (data.images_key) need "
+                          "trainer.backend.name: fsdp2")
         moe = spec is not None and hasattr(spec, "num_experts")
         errors += [f"trainer.backend.{key}: model {run.model.name!r} has no experts" for key, on in
                    (("ep", self.config.ep > 1), ("routing_replay", self.config.routing_replay)) if on and not moe]

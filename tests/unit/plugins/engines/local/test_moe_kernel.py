@@ -162,7 +162,12 @@ def test_moe_kernels_match_transformers_in_bf16_on_cuda(tokens):
     with torch.no_grad():
         logits, w_ref, ids_ref = block.gate(x)
         w, ids = moe_kernel.route_topk(logits, 8, True)
-        assert (ids == ids_ref).float().mean() > 0.99  # ties between bf16 logits may order apart
+        # the same experts with the same weights; the order within a token's top-8 may differ
+        order, order_ref = ids.sort(-1), ids_ref.sort(-1)
+        same = (order.values == order_ref.values).all(-1)
+        assert same.float().mean() > 0.99  # ties between bf16 logits may pick apart
+        w_sorted, w_ref_sorted = w.gather(-1, order.indices), w_ref.to(w.dtype).gather(-1, order_ref.indices)
+        assert torch.allclose(w_sorted[same].float(), w_ref_sorted[same].float(), rtol=1e-2, atol=1e-3)
         y = moe_kernel.fused_experts(x, ids_ref, w_ref, block.experts.gate_up_proj, block.experts.down_proj)
         ref = block.experts(x, ids_ref, w_ref)
     assert float((y.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
