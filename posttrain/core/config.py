@@ -23,6 +23,7 @@ from typing import Any, Literal
 from posttrain.core.config_source import apply_overrides, moved_keys, read_yaml, resolve_files
 from posttrain.core.errors import ConfigError
 from posttrain.core.interfaces import needs_of
+from posttrain.core.lora import LoraConfig
 from posttrain.core.registry import KINDS
 from posttrain.core.rewards import RewardRunnerConfig
 from posttrain.core.watchdog import WatchdogConfig
@@ -308,6 +309,7 @@ class TrainerConfig:
                                                     "attention backward); None: on with rollout.seed_sampling")
     backend: Any = component("trainers", default=True, help="the trainer backend and its options: "
                              "{name: megatron, tp: 2}; see `rl-cli plugins list --kind trainer`")
+    lora: LoraConfig = field(default_factory=LoraConfig)  # low-rank adapters instead of full fine-tuning
 
     @property
     def uses_reference(self) -> bool:

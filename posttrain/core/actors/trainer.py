@@ -46,6 +46,7 @@ class TrainerRole:
         self.critic = (self.backend.build(self.spec, cfg, role="critic", seed=cfg.seed)
                        if needs_of(estimator).critic else None)
         self.sender = None
+        self.full_push_due = True  # the next push sends every weight (a model with adapters sends them only after)
         self.api_key: str | None = None
         import torch.distributed as dist
 
@@ -170,6 +171,7 @@ class TrainerRole:
         from posttrain.core.rollout.weight_sync import WeightSender
 
         self.api_key = api_key or self.api_key
+        self.full_push_due = True  # new or restarted engines: they need the base weights again
         if self.rank != 0:  # one sender: global rank 0 (the other ranks help gather the shards)
             return
         if self.sender is not None:
@@ -212,14 +214,23 @@ class TrainerRole:
                 self.sender.update_from_disk(disk_dir, version=version)
                 sent = sum(f.stat().st_size for f in Path(disk_dir).glob("*.safetensors"))
         elif mode == "tensor":  # every bucket sets the same version (idempotent)
-            sent = self._each_bucket(self.policy.export_hf(bucket),
+            sent = self._each_bucket(self._update_buckets(bucket),
                                      lambda named: self.sender.update_from_tensors(named, version=version))
         else:
-            sent = self._each_bucket(self.policy.export_hf(bucket),
+            sent = self._each_bucket(self._update_buckets(bucket),
                                      lambda named: self.sender.send([named], version=version))
+        self.full_push_due = False
         if self.cfg.rollout.check_weights:
             self.check_weights(version)
         return time.perf_counter() - start, sent
+
+    def _update_buckets(self, bucket: int) -> Any:
+        """The push's buckets: ``export_update(bucket, full)`` of a model that has it, to engines that merge adapters
+        (LoRA: the base weights and adapters on a first push, then adapters only; :mod:`posttrain.core.lora`), else
+        ``export_hf`` (the merged weights)."""
+        if hasattr(self.policy, "export_update") and getattr(self.engine_backend, "merges_adapters", False):
+            return self.policy.export_update(bucket, self.full_push_due)
+        return self.policy.export_hf(bucket)
 
     def check_weights(self, version: int) -> None:
         """``rollout.check_weights``: every engine must hold what was just pushed; raises

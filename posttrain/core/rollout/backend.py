@@ -94,6 +94,8 @@ class EngineBackend(Component):
     - ``seeds_batch_rows``: a batched request with one ``sampling_params.sampling_seed`` seeds row ``j``
       with ``seed + j`` (posttrain's local engine does; SGLang does not, so seeded groups are sent one
       request per sample there).
+    - ``merges_adapters``: its servers take LoRA adapter pairs in a weight push and merge them into the weights
+      (``posttrain.core.lora.AdapterMerge``); a LoRA run then pushes adapters only. Otherwise merged weights.
     - ``flat_weight_buckets``: its servers take ``load_format: "flattened_bucket"`` on
       ``/update_weights_from_distributed`` (a bucket as one broadcast; ``weight_sync.flat_layout``).
     - ``waits_for_checkpoint``: its servers may be launched before their checkpoint exists
@@ -113,6 +115,7 @@ class EngineBackend(Component):
     exact_mode = False  # rollout.exact: its servers compute with core.exact's arithmetic (EngineSlot.exact)
     seeds_batch_rows = False
     flat_weight_buckets = False
+    merges_adapters = False
     waits_for_checkpoint = False
     starts_without_weights = False
 

@@ -31,6 +31,7 @@ class HFEngine(EngineBackend):
     name = "hf"
     seeds_batch_rows = True
     flat_weight_buckets = True
+    merges_adapters = True  # LoRA pushes: adapter pairs merged from each weight's kept base
     starts_without_weights = True  # --load-format dummy: built from config.json, every weight from the first push
 
     @dataclass

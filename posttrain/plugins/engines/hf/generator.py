@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from posttrain.core.lora import AdapterMerge
 from posttrain.plugins.engines.local.sampling import RequestSampling, sample_tokens
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -97,6 +98,7 @@ class HFGenerator:
         self.context_length = min(context_length, limit) if context_length else limit
         self.weight_version = "0"
         self.lock = threading.Lock()  # one batch or one weight update at a time
+        self.adapters = AdapterMerge()  # LoRA pushes: each adapted weight's base, merged again at every push
         self.aborted: set[str] = set()  # rids to end at the next step ("" ends every row)
 
     # ------------------------------------------------------------------ decoding
@@ -190,8 +192,11 @@ class HFGenerator:
     def load_weights(self, named: dict[str, torch.Tensor], require_all: bool = False) -> int:
         """Copy ``named`` (HF names -> tensors, cast to the model's dtype) into the model; all or nothing:
         unknown names, wrong shapes or (``require_all``) missing tensors raise ``ValueError`` before any
-        copy. A tied output layer may come under either name. Returns the tensors copied."""
+        copy. A tied output layer may come under either name. Returns the tensors copied. LoRA adapter pairs are
+        merged into their weight from its kept base first (:class:`~posttrain.core.lora.AdapterMerge`)."""
         own = self.own_tensors()
+        with self.lock:
+            named = self.adapters.resolve(named, own.get)
         unknown = sorted(set(named) - set(own))
         if unknown:
             raise ValueError(f"unknown tensor(s) {', '.join(unknown[:3])}{' ...' if len(unknown) > 3 else ''}")
@@ -222,3 +227,4 @@ class HFGenerator:
         with self.lock:
             self.model.to(device)
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
+

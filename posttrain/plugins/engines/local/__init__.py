@@ -44,6 +44,7 @@ class LocalEngine(EngineBackend):
     is_default = True  # a run config without rollout.engine runs this
     seeds_batch_rows = True
     flat_weight_buckets = True
+    merges_adapters = True  # LoRA pushes: adapter pairs merged from each weight's kept base
     waits_for_checkpoint = True  # rl-cli engine serve --wait-for-model: imports torch and transformers meanwhile
     starts_without_weights = True  # rl-cli engine serve --load-format dummy: the model built from config.json
     exact_mode = True  # rollout.exact: exact_mode.py, with the megatron trainer's arithmetic

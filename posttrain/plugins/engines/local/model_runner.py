@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.core.exact import log_softmax as exact_log_softmax
+from posttrain.core.lora import AdapterMerge
 from posttrain.plugins.engines.local import compiling, graphs
 from posttrain.plugins.engines.local.attention import checked_launch, step_attention
 from posttrain.plugins.engines.local.cache_write import write_prompt_kv, write_prompt_kv_reference
@@ -258,6 +259,7 @@ class ModelRunner:
         # a model built from its config: the tensors no update has written yet (one name list per tensor)
         self._unwritten = self.required_weights() if from_config else []
         self.weight_updates = 0  # load_weights calls that changed the model
+        self.adapters = AdapterMerge()  # LoRA pushes: each adapted weight's base, merged again at every push
         self.num_layers = len(self.layers)
         attn = self.layers[0].self_attn
         # head_dim 0: MLA, whose latent cache replaces the empty one (mla.py)
@@ -366,8 +368,10 @@ class ModelRunner:
         directory). Checkpoint names of MoE experts (``mlp.experts.<e>.{gate,up,down}_proj.weight``, what
         trainers export and hub checkpoints hold) land in transformers' stacked expert tensors (see
         :func:`_weight_view`); coverage then counts the stacked tensors as covered. Returns the number
-        of tensors copied."""
+        of tensors copied. LoRA adapter pairs (``<module>.lora_A.weight``, ``.lora_B.weight``) are merged into
+        their weight from its kept base first (:class:`~posttrain.core.lora.AdapterMerge`)."""
         params = self.named_weights()
+        named = self.adapters.resolve(named, lambda name: _weight_view(params, name))
         targets = {n: _weight_view(params, n) for n in named}
         problems = _load_problems(named, targets, params, self.required_weights() if require_all else None)
         if problems:

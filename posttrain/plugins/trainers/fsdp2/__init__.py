@@ -56,6 +56,9 @@ class FSDP2Backend(TrainerBackend):
         if self.config.cpu_offload and not run.resources.trainer_gpus_per_node:
             errors.append("trainer.backend.cpu_offload: offloads GPU memory; this trainer runs on the CPU "
                           "(resources.trainer_gpus_per_node is 0)")
+        from posttrain.core.lora import tied_head_error
+
+        errors += tied_head_error(run.trainer.lora, run.model.create(plugins) if run.model is not None else None)
         if run.trainer.global_batch_size < run.resources.trainer_world_size:
             errors.append(f"trainer.global_batch_size: {run.trainer.global_batch_size} samples cannot be split over "
                           f"{run.resources.trainer_world_size} data-parallel ranks")

@@ -108,11 +108,18 @@ class FSDP2Model:
         self.architecture = type(model).__name__  # before fully_shard renames the class (FSDP<name>)
         if backend.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.lora = config.lora if config.lora.enabled else None
+        if self.lora is not None:  # peft adapters; the base weights frozen
+            from posttrain.plugins.trainers.fsdp2 import lora
+
+            model = lora.wrap(model, self.lora)
         self.model = shard(model.to(self.device), self._param_dtype(), DTYPES[backend.reduce_dtype],
                            cpu_offload=backend.cpu_offload and self.device.type == "cuda")
+        # what trains: every weight but a frozen vision tower's, or (LoRA) the adapters only; the optimizer,
+        # clipping and snapshots take these
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         c = config
-        trained = [p for p in self.model.parameters() if p.requires_grad]  # a frozen vision tower: not here
-        self.optimizer = torch.optim.AdamW(trained, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2),
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2),
                                            eps=c.adam_eps, weight_decay=c.weight_decay)
         self.step = 0
         self._snapshots: dict[str, list[torch.Tensor]] = {}
@@ -176,9 +183,10 @@ class FSDP2Model:
 
     # ------------------------------------------------------------------ reference weights
     def snapshot(self, tag: str) -> None:
-        """Keep a copy of this rank's shards of the current weights under ``tag`` (``"ref"``: at build)."""
+        """Keep a copy of this rank's shards of the current trainable weights under ``tag`` (``"ref"``: at build;
+        with LoRA the adapters only, as the frozen base never changes)."""
         self.model.reshard()  # the root stays unsharded after a forward: its parameters as shards again
-        self._snapshots[tag] = [p.detach().clone() for p in self.model.parameters()]
+        self._snapshots[tag] = [p.detach().clone() for p in self.trainable]
 
     @contextmanager
     def _weights(self, tag: str | None):
@@ -188,7 +196,7 @@ class FSDP2Model:
         if tag not in self._snapshots:
             raise KeyError(f"no weights snapshot {tag!r}; have: {', '.join(self._snapshots) or 'none'}")
         self.model.reshard()
-        shards = [_local(p) for p in self.model.parameters()]  # views of FSDP's sharded storage
+        shards = [_local(p) for p in self.trainable]  # views of FSDP's sharded storage
         current = [t.detach().clone() for t in shards]
         with torch.no_grad():
             for t, ref in zip(shards, self._snapshots[tag]):
@@ -227,7 +235,7 @@ class FSDP2Model:
             totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + float(v) * (1.0 if k in SUMMED else len(mb) / len(part))
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip if c.grad_clip else float("inf"))
+        norm = torch.nn.utils.clip_grad_norm_(self.trainable, c.grad_clip if c.grad_clip else float("inf"))
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         self.optimizer.step()
         self.step += 1
@@ -255,22 +263,45 @@ class FSDP2Model:
         return total, out
 
     # ------------------------------------------------------------------ weights out
-    def _full_named(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(hf_name, full tensor in the export dtype)``, every rank gathering each in turn (a collective)."""
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        if hasattr(t, "full_tensor"):  # a DTensor shard (on the host under cpu_offload)
+            t = (t if t.device == self.device else t.to(self.device)).full_tensor()
+        return t.detach()
+
+    def _full_named(self, view: str = "merged", scaling: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, full tensor in the export dtype)``, every rank gathering each in turn (a collective).
+        With LoRA, ``view`` picks merged weights, base weights + adapters, or adapters only
+        (:func:`posttrain.plugins.trainers.fsdp2.lora.hf_tensors`; ``scaling`` defaults to alpha / r)."""
         self.model.reshard()
-        for name, t in self.model.state_dict().items():
+        named: Iterator[tuple[str, torch.Tensor]] = iter(self.model.state_dict().items())
+        if self.lora is None:
+            named = ((name, self._gather(t)) for name, t in named)
+        else:
+            from posttrain.plugins.trainers.fsdp2.lora import hf_tensors
+
+            scale = self.lora.scaling if scaling is None else scaling
+            named = hf_tensors(named, view, scale, self._gather)
+        for name, t in named:
             if self.tied and name == "lm_head.weight":  # the embedding carries a tied output layer
                 continue
-            if hasattr(t, "full_tensor"):  # a DTensor shard (on the host under cpu_offload)
-                t = (t if t.device == self.device else t.to(self.device)).full_tensor()
-            yield name, t.detach().to(self.dtype)
+            yield name, t.to(self.dtype)
 
     def export_hf(self, bucket_bytes: int = 1 << 30) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Buckets ``[(hf_name, tensor)]`` of at most ``bucket_bytes`` (a larger tensor alone), in the
-        spec's dtype, on every rank (call it on every rank: each tensor is gathered from all)."""
+        spec's dtype, on every rank (call it on every rank: each tensor is gathered from all). With LoRA the
+        merged weights ``W + (alpha / r) B @ A``."""
         from posttrain.core.rollout.weight_sync import tensor_buckets
 
         yield from tensor_buckets(self._full_named(), bucket_bytes)
+
+    def export_update(self, bucket_bytes: int = 1 << 30, full: bool = True,
+                      ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The weight push's buckets: :meth:`export_hf` without LoRA; with it, the base weights and the adapter
+        pairs when ``full`` (a first push), else the adapter pairs only (:mod:`posttrain.core.lora`)."""
+        from posttrain.core.rollout.weight_sync import tensor_buckets
+
+        view = "merged" if self.lora is None else ("base" if full else "adapters")
+        yield from tensor_buckets(self._full_named(view), bucket_bytes)
 
     def save_hf(self, out_dir: str | Path) -> Path:
         """An HF checkpoint (config.json + safetensors, the spec's dtype) written by rank 0; a collective."""

@@ -113,7 +113,7 @@ class MegatronBackend(TrainerBackend):
         elif c.cp > 1:
             errors.append("trainer.backend.cp: context parallelism needs Transformer Engine's attention and "
                           "CP-split batches, which this trainer does not do yet; use tp and pp")
-        return errors
+        return errors + _lora_errors(run, c, plugins)
 
     def build(self, spec: Any, run: Any, role: str = "actor", seed: int = 0) -> Any:
         from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
@@ -169,3 +169,19 @@ def _megatron_mapped(spec: Any) -> bool:
 @hookimpl
 def posttrain_register_trainers(registry):
     registry.add(MegatronBackend)
+
+
+def _lora_errors(run: Any, c: Any, plugins: Any) -> list[str]:
+    """``trainer.lora`` with this backend: adapters on one pipeline stage set and without sequence parallelism."""
+    from posttrain.core.lora import tied_head_error
+
+    lora = run.trainer.lora
+    if not lora.enabled:
+        return []
+    errors = tied_head_error(lora, run.model.create(plugins) if run.model is not None else None)
+    if c.pp > 1:
+        errors.append(f"trainer.lora: LoRA on the megatron backend runs with pp=1 (have trainer.backend.pp {c.pp})")
+    if c.megatron.get("sequence_parallel"):
+        errors.append("trainer.lora: LoRA on the megatron backend runs without trainer.backend.megatron."
+                      "sequence_parallel")
+    return errors

@@ -24,7 +24,7 @@ def sharded_state(self: Any, is_loading: bool) -> dict[str, Any]:
     from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
                                                             optim_state_to_sharding_state)
 
-    model_sd = self.gpt.sharded_state_dict(prefix="model.")
+    model_sd = model_state(self)
     state: dict[str, Any] = {"model": model_sd, "step": self.step}
     if self.value_head is not None:
         state["value_head"] = {k: v.detach().cpu() for k, v in self.value_head.state_dict().items()}
@@ -67,6 +67,14 @@ def sharded_state(self: Any, is_loading: bool) -> dict[str, Any]:
     return state
 
 
+def model_state(self: Any) -> dict[str, Any]:
+    """The model's sharded tensors; with LoRA its adapters only (the frozen base comes from the spec at build)."""
+    state = self.gpt.sharded_state_dict(prefix="model.")
+    if self.lora_modules:
+        state = {k: v for k, v in state.items() if ".lora_" in k}
+    return state
+
+
 def torch_adams(self: Any) -> list[torch.optim.Optimizer]:
     """The torch Adam(W) instances inside Megatron's (chained) optimizer."""
     chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
@@ -87,7 +95,7 @@ def check_same_model(self: Any, ckpt_dir: str | Path) -> None:
 
     saved = {k: tuple(v.global_shape) for k, v in load_tensors_metadata(str(ckpt_dir)).items()
              if k.startswith("model.") and isinstance(v, ShardedTensor)}
-    mine = self.gpt.sharded_state_dict(prefix="model.")
+    mine = model_state(self)
     apply_factories(mine)  # fused weights (SwiGLU's fc1) become the tensors that are saved
     tensors = [v for v in nested_values(mine) if isinstance(v, ShardedTensor)]
     want = {v.key: tuple(v.global_shape) for v in tensors}
@@ -154,7 +162,8 @@ def load(self: Any, ckpt_dir: str | Path) -> None:
     model_sd = {k.removeprefix("model."): v for k, v in loaded["model"].items()}
     # not strict only for TE's _extra_state entries; check_same_model compared every tensor already
     result = self.gpt.load_state_dict(model_sd, strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")
+               and (".lora_" in k or not self.lora_modules)]
     if missing:
         raise UsageError(f"{ckpt_dir}: checkpoint lacks {missing[:3]} (written by another model spec?)")
     self.step = int(loaded["step"])

@@ -207,7 +207,8 @@ def megatron_params(model: Any) -> dict[str, torch.Tensor]:
     """This rank's trainable parameters by *global* Megatron name, wrappers such as DDP's ``module.``
     prefix stripped: ``decoder.layers.<global layer>`` (with PP a stage numbers its layers from 0) and
     ``mlp.experts.local_experts.<global expert>`` (with EP a rank numbers its experts from 0). MoE
-    routers' ``expert_bias`` buffers are included (loaded and exported like weights, never trained)."""
+    routers' ``expert_bias`` buffers are included (loaded and exported like weights, never trained); LoRA adapters
+    are not (:mod:`~posttrain.plugins.trainers.megatron.lora`)."""
     inner = model
     while hasattr(inner, "module") and not hasattr(inner, "decoder"):
         inner = inner.module
@@ -219,6 +220,8 @@ def megatron_params(model: Any) -> dict[str, torch.Tensor]:
     named += [(n, b) for n, b in inner.named_buffers() if n.endswith("router.expert_bias")]
     out = {}
     for name, param in named:
+        if ".lora_" in name:  # LoRA adapters (megatron.lora): not the model's HF-mapped weights
+            continue
         if name.startswith("decoder.layers."):
             _, _, index, rest = name.split(".", 3)
             name = f"decoder.layers.{offsets[index]}.{rest}"
@@ -364,16 +367,18 @@ def iter_hf(model: Any, spec: Any, hf: dict[str, Any]) -> Iterator[tuple[str, to
 
 
 def save_hf(model: Any, spec: Any, hf: dict[str, Any], out_dir: str | Path, *, dtype: str | None = None,
-            source_dir: str | Path | None = None, shard_bytes: int = 5 << 30) -> Path | None:
+            source_dir: str | Path | None = None, shard_bytes: int = 5 << 30,
+            tensors: Iterator[tuple[str, torch.Tensor]] | None = None) -> Path | None:
     """Write an HF checkpoint (``config.json`` + safetensors shards + index) from rank 0; tokenizer files
-    are copied from ``source_dir`` when given. Collective over TP; returns the path on rank 0."""
+    are copied from ``source_dir`` when given. Collective over TP; returns the path on rank 0. ``tensors``: the
+    ``(hf_name, tensor)`` to write instead of :func:`iter_hf`'s (LoRA's merged weights)."""
     from safetensors.torch import save_file
 
     is_writer = not dist.is_initialized() or dist.get_rank() == 0
     out = Path(out_dir)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name, tensor in iter_hf(model, spec, hf):
+    for name, tensor in (iter_hf(model, spec, hf) if tensors is None else tensors):
         if not is_writer:
             continue
         nbytes = tensor.numel() * tensor.element_size()

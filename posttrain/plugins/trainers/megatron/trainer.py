@@ -99,6 +99,11 @@ class MegatronTrainer:
                                  seed=seed, exact=exact)
         if has_ckpt:
             M.load_hf(self.model, spec, self.hf, spec.config.path)
+        self.lora_modules: dict[str, Any] = {}  # LoRA: adapted linears by Megatron name; the rest is frozen
+        if self.config.lora.enabled and role == "actor":
+            from posttrain.plugins.trainers.megatron import lora
+
+            self.lora_modules = lora.add_adapters(self.model, self.config.lora, seed)
         self.moe = MoERuntime(self.model, self.backend.routing_replay, self._packed, self.device)
         config = self.gpt.config
         self._dedup = (self.backend.dedup_inputs and not self._packed and not self.moe.routers
@@ -116,9 +121,17 @@ class MegatronTrainer:
         self.step = 0
         self._build_optimizer(overrides)
         self._offload = offload.TrainerOffload(self, self.device)
-        self._snapshots = Snapshots(lambda: M.megatron_params(self.model), self.device, self.backend.ref_offload)
+        self._snapshots = Snapshots(self._snapshot_params, self.device, self.backend.ref_offload)
         if role == "actor" and self.config.uses_reference:  # no KL term and no log_kl: no copy to keep
             self.snapshot("ref")
+
+    def _snapshot_params(self) -> dict[str, torch.Tensor]:
+        """What a snapshot copies: every weight, or (LoRA) the adapters, the only weights that change."""
+        if self.lora_modules:
+            from posttrain.plugins.trainers.megatron.lora import adapter_params
+
+            return adapter_params(self.lora_modules)
+        return M.megatron_params(self.model)
 
     # ------------------------------------------------------------------ optimizer
     def _params(self) -> list[torch.nn.Parameter]:
@@ -186,8 +199,11 @@ class MegatronTrainer:
 
     def _output_weight(self) -> torch.Tensor:
         gpt = self.gpt
-        return gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights \
-            else gpt.output_layer.weight
+        if gpt.share_embeddings_and_output_weights:
+            return gpt.shared_embedding_or_output_weight()
+        from posttrain.plugins.trainers.megatron.lora import output_weight
+
+        return output_weight(gpt.output_layer, gpt.output_layer.weight)
 
     def _hidden(self, mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """``(hidden [N, H], targets [N], unpack)``: one row per packed micro-batch, or padded rows."""
@@ -456,10 +472,31 @@ class MegatronTrainer:
         self._offload.start_out()
         from posttrain.core.rollout.weight_sync import tensor_buckets
 
+        if self.lora_modules:  # the merged weights W + s B @ A
+            from posttrain.plugins.trainers.megatron.lora import hf_tensors
+
+            return tensor_buckets(hf_tensors(self, "merged"), bucket_bytes)
         return tensor_buckets(M.iter_hf(self.model, self.spec, self.hf), bucket_bytes)
 
+    def export_update(self, bucket_bytes: int = 1 << 30, full: bool = True,
+                      ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The weight push's buckets: :meth:`export_hf` without LoRA; with it the base weights and the adapter
+        pairs when ``full`` (a first push), else the pairs only (:mod:`posttrain.core.lora`)."""
+        if not self.lora_modules:
+            return self.export_hf(bucket_bytes)
+        self._offload.start_out()
+        from posttrain.core.rollout.weight_sync import tensor_buckets
+        from posttrain.plugins.trainers.megatron.lora import hf_tensors
+
+        return tensor_buckets(hf_tensors(self, "base" if full else "adapters"), bucket_bytes)
+
     def save_hf(self, out_dir: str | Path) -> Path | None:
-        """An HF checkpoint of the current weights (written by rank 0; tokenizer copied from the spec's path)."""
+        """An HF checkpoint of the current weights (written by rank 0; tokenizer copied from the spec's path);
+        with LoRA the merged weights, and ``adapter/`` in peft's format."""
+        if self.lora_modules:
+            from posttrain.plugins.trainers.megatron.lora import save_hf
+
+            return save_hf(self, out_dir)
         return M.save_hf(self.model, self.spec, self.hf, out_dir, source_dir=self.spec.config.path)
 
     # ------------------------------------------------------------------ checkpoints (dist-checkpointing)
