@@ -33,7 +33,7 @@ def test_five_exact_steps_match_every_token(model, tmp_path):
                           "--run-dir", run, *SMALL, *extra], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(5))
+    assert [r["step"] for r in rows] == list(range(1, 6))  # steps count from 1
     for r in rows:
         assert r["rollout/response_len_mean"] == 16.0
         assert r["train_rollout_logprob_tokens"] == 8 * 16

@@ -1,6 +1,6 @@
 """The vision-language example end to end through ``rl-cli``: a bad image is one line at ``--dry-run``; two steps
-of examples/vlm/config.yaml (fsdp2 + hf engine, images as image_data) with the engine's log-probs equal to the
-trainer's, a checkpoint that resumes, and an ``hf-final/`` with the image processor."""
+of examples/vlm/config.yaml (fsdp2 + hf engine, images as image_data; one, then a resume for the second) with
+the engine's log-probs equal to the trainer's, a checkpoint that resumes, and an ``hf-final/`` with the image processor."""
 
 from __future__ import annotations
 
@@ -43,18 +43,18 @@ def test_a_bad_image_is_one_line_at_dry_run(task):
     assert f"{bad}:2: image not found: {out / 'data' / 'images' / 'none.png'}" in result.stderr + result.stdout
 
 
-def test_two_steps_resume_and_export(task, tmp_path):
+def test_a_step_then_a_resumed_step_and_export(task, tmp_path):
     paths, _ = task
     run = tmp_path / "run"
-    first = rl_cli("run", str(CONFIG), "--run-dir", str(run), *paths, *SMALL, "rollout.num_rollouts=2")
+    first = rl_cli("run", str(CONFIG), "--run-dir", str(run), *paths, *SMALL, "rollout.num_rollouts=1")
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
-    again = rl_cli("run", "--resume", str(run), "rollout.num_rollouts=3")
+    again = rl_cli("run", "--resume", str(run), "rollout.num_rollouts=2")
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [1, 2]  # steps count from 1
     assert all(r["train_rollout_logprob_abs_diff_max"] < 1e-5 for r in rows), [r["train_rollout_logprob_abs_diff_max"]
                                                                               for r in rows]
-    assert rows[0]["train/ref_policy_logprob_abs_diff"] == 0.0 < rows[2]["train/ref_policy_logprob_abs_diff"]
+    assert rows[0]["train/ref_policy_logprob_abs_diff"] == 0.0 < rows[1]["train/ref_policy_logprob_abs_diff"]
     final = run / "hf-final"
     assert json.loads((final / "config.json").read_text())["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
     assert (final / "preprocessor_config.json").is_file() and (final / "chat_template.jinja").is_file()

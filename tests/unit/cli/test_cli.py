@@ -60,7 +60,7 @@ def test_example_package_passes_its_contract_tests(example_site):
 def test_our_parametrized_unit_tests_pass_with_a_third_party_plugin_installed(example_site):
     """The tests over every registered component use posttrain's own plugins: an installed package (the
     example's `signed` estimator and `keyword` reward) neither adds cases nor breaks exact-message checks."""
-    tests = [str(ROOT / "tests" / "unit" / "algorithms" / f) for f in ("test_estimators.py", "test_losses.py")]
+    tests = [str(ROOT / "tests" / "unit" / path) for path in ("plugins/estimators/test_estimators.py", "core/test_losses.py")]
     args = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *tests, "-k",
             "wrong_shapes or non_finite or name_the_tensor"]
     listed = subprocess.run([*args, "--collect-only", "-q"], capture_output=True, text=True,

@@ -57,7 +57,7 @@ MISTAKES = {
     "label key": (dict(data={"label_key": "answer"}),
                   "data.label_key: no key 'answer' in the first 5 rows of prompts.jsonl (they have: prompt, label)"),
     "metadata key": (dict(data={"metadata_key": "meta"}), "data.metadata_key: no key 'meta' in the first 5 rows"),
-    "no generator": (dict(drop=("generator",)), "generator: required to train; choose one of: multi_turn, single_turn"),
+    "no generator": (dict(drop=("generator",)), "generator: required to train; choose one of: multi_turn, openai_agent, single_turn"),
     "no loss": (dict(drop=("loss",)), "loss: required to train"),
     "hub id": (dict(model={"path": "Qwen/Qwen3-0.6B"}),
                "model.path: no such directory: Qwen/Qwen3-0.6B. If it is a Hugging Face hub id, download it first "
