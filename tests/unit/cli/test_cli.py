@@ -205,8 +205,8 @@ def test_cli_imports_nothing_heavy():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["estimator", "loss", "correction", "reward", "generator", "filter", "model",
-                                  "engine", "trainer"])
+@pytest.mark.parametrize("kind", ["estimator", "loss", "correction", "generator", "filter", "model", "engine",
+                                  "trainer"])  # reward: tests/unit/cli/test_new.py installs it offline and checks it
 def test_new_plugin_passes_its_own_tests(tmp_path, pip_target, kind):
     pkg = tmp_path / f"my-{kind}"
     out = rl_cli("new", "plugin", pkg, "--kind", kind, "--name", f"my_{kind}")
