@@ -137,15 +137,16 @@ class EngineFleet:
 
     def _wait_ready(self, i: int, attempts: int = 3) -> None:
         """Wait for engine ``i``. Its port came from ``free_port`` seconds before the engine binds it, and
-        another process (a parallel run, an xdist worker) may take it in between: the engine then exits
-        and the port is held by someone else. Such an engine starts again on a fresh port, up to
+        another process (a parallel run, an xdist worker, a client's ephemeral port) may take it in between:
+        the engine then exits "address already in use", whether or not the port is still held when we look.
+        Such an engine starts again on a fresh port, up to
         ``attempts`` times; any other exit, or no answer in time, is a RunFailed naming its log."""
         for attempt in range(attempts):
             s = self.servers[i]
             try:
                 return s.wait_ready()
             except RuntimeError as exc:  # the process exited before it answered
-                if attempt + 1 == attempts or port_free(s.base_url):
+                if attempt + 1 == attempts or (port_free(s.base_url) and not _bind_failed(s)):
                     raise self._failed(i, s, exc) from exc
             except TimeoutError as exc:
                 raise self._failed(i, s, exc) from exc
@@ -261,3 +262,11 @@ class EngineFleet:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def _bind_failed(server: ManagedServer) -> bool:
+    """Whether ``server``'s log ends with its bind failing ("address already in use")."""
+    path = server.log_path
+    if path is None or not Path(path).exists():
+        return False
+    return "address already in use" in Path(path).read_text(errors="replace")[-4000:].lower()

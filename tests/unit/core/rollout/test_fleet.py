@@ -126,3 +126,20 @@ def test_an_engine_that_exits_while_starting_is_one_line_naming_its_log_and_its_
     assert text.endswith(f"its log: {tmp_path / 'engine-0.log'}: error: {missing}: not a HF checkpoint directory "
                          "(no config.json)"), text
     assert all(s.proc is None for s in fleet.servers)
+
+
+def test_a_bind_failure_is_read_from_the_engines_log_even_once_the_port_is_free_again(tmp_path):
+    """A port held only for a moment (another process's probe, a client's ephemeral port) is free again when
+    the fleet looks; the engine's log still says why it exited, and that alone earns the fresh port."""
+    from types import SimpleNamespace
+
+    from posttrain.core.rollout.fleet import _bind_failed
+
+    log = tmp_path / "engine-0.log"
+    log.write_text("loading\nOSError: [Errno 98] error while attempting to bind on address ('127.0.0.1', 34497): "
+                   "address already in use\n")
+    assert _bind_failed(SimpleNamespace(log_path=log))
+    log.write_text("error: no config.json\n")
+    assert not _bind_failed(SimpleNamespace(log_path=log))
+    assert not _bind_failed(SimpleNamespace(log_path=tmp_path / "none.log"))
+    assert not _bind_failed(SimpleNamespace(log_path=None))
