@@ -33,6 +33,7 @@ _TEXTS = [(re.compile(p, re.IGNORECASE), code) for p, code in (
 # PyTorch's stream writer after a short write: a full disk, when the disk being written is (nearly) full
 _SHORT_WRITE = re.compile(r"unexpected pos \d+ vs \d+|file write failed|failed writing file", re.IGNORECASE)
 _NEARLY_FULL_BYTES = 64 * 2**20
+_SOURCE = re.compile(r"\.py(:\d+)*:?$")  # `/x/torch.py:799:` in a wrapped error's text: code, not the disk
 _QUOTED_PATH = re.compile(r"'(/[^']+)'|\"(/[^\"]+)\"|(?:file|writing) (/\S+)")
 
 
@@ -103,11 +104,20 @@ def storage_failure(exc: BaseException, writing: str | None = None) -> str | Non
         text = str(e)
         for pattern, code in _TEXTS:
             if pattern.search(text):
-                found = _QUOTED_PATH.search(text)
-                return _line(code, next((g for g in found.groups() if g), None) if found else writing)
+                return _line(code, _path_in(text, writing))
     if writing and any(_SHORT_WRITE.search(str(e)) for e in _chain(exc)) and _nearly_full(writing):
         return _line(errno.ENOSPC, writing)
     return None
+
+
+def _path_in(text: str, writing: str | None) -> str | None:
+    """The path an error text names: the first quoted path that is not Python source (a wrapped error's
+    text may quote the file of the code that raised it), else ``writing``."""
+    for found in _QUOTED_PATH.finditer(text):
+        path = next(g for g in found.groups() if g)
+        if not _SOURCE.search(path):
+            return path
+    return writing
 
 
 def _nearly_full(path: str) -> bool:

@@ -87,3 +87,15 @@ def test_disk_failures_read_as_one_line_naming_what_and_where(exc, what):
                                  OSError(errno.ENOENT, "No such file or directory"), OSError(errno.EINVAL, "x", "/a")])
 def test_other_failures_are_not_called_disk_failures(exc):
     assert storage.storage_failure(exc) is None
+
+
+def test_a_wrapped_error_names_the_path_being_written_not_the_code_that_raised():
+    """Megatron's checkpoint writer wraps an ENOSPC in text that quotes its own source line first."""
+    from posttrain.core.storage import storage_failure
+
+    exc = RuntimeError("in file /venv/site-packages/megatron/core/dist_checkpointing/strategies/torch.py:799: "
+                       "OSError: [Errno 28] No space left on device")
+    line = storage_failure(exc, "/runs/r/checkpoints/step_000002")
+    quoted = storage_failure(RuntimeError("'/venv/megatron/core/x.py' raised: No space left on device"), "/runs/r")
+    assert quoted.startswith("storage: no space left on the device at /runs/r"), quoted
+    assert line.startswith("storage: no space left on the device at /runs/r/checkpoints"), line
