@@ -3,29 +3,14 @@ adapters train, the pushed pairs merge in the local engine to the exported weigh
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from posttrain.core.lora import LORA_A, LORA_B
 
-HERE = Path(__file__).parent
+from tests.unit.plugins.trainers.megatron.train_helpers import torchrun
 
-
-def _torchrun(nproc: int, *args: str) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                           "--master_port", str(port), str(HERE / "lora_worker.py"), *args],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +21,7 @@ def runs(tmp_path_factory):
     hf = make_tiny_checkpoint(tmp / "hf", "qwen3")
     out = {}
     for tp in (1, 2):
-        _torchrun(tp, str(hf), str(tmp / f"tp{tp}.pt"), str(tmp / f"ckpt{tp}"))
+        torchrun("lora_worker.py", str(hf), str(tmp / f"tp{tp}.pt"), str(tmp / f"ckpt{tp}"), timeout=300, nproc=tp)
         out[tp] = torch.load(tmp / f"tp{tp}.pt", weights_only=False)
         out[tp]["hf_final"] = tmp / f"ckpt{tp}-hf"
     out["hf"] = hf

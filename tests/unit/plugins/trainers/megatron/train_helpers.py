@@ -112,9 +112,9 @@ def trainer_configs(**kw):
             "backend": MegatronBackend.Config(**{k: v for k, v in kw.items() if k in own})}
 
 
-def torchrun(script: str, *args: str, timeout: float = 240) -> None:
-    """``SCRIPT args`` (a worker script in this folder) under ``torchrun --nproc_per_node 2`` (Gloo on CPU); asserts it
-    exits 0."""
+def torchrun(script: str, *args: str, timeout: float = 240, nproc: int = 2) -> None:
+    """``SCRIPT args`` (a worker script in this folder) under ``torchrun --nproc_per_node NPROC`` (Gloo on CPU); asserts
+    it exits 0."""
     import os
     import socket
     import subprocess
@@ -127,7 +127,7 @@ def torchrun(script: str, *args: str, timeout: float = 240) -> None:
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                            "--master_port", str(port), str(here / script), *args],
                           env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
