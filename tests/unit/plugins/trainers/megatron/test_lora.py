@@ -3,14 +3,12 @@ adapters train, the pushed pairs merge in the local engine to the exported weigh
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from posttrain.core.lora import LORA_A, LORA_B
 
 from tests.unit.plugins.trainers.megatron.train_helpers import torchrun
-
 
 
 @pytest.fixture(scope="module")
