@@ -24,6 +24,11 @@ process of its own, one JSON line each (``experts`` in the line)::
 
     python bench/train.py --spec qwen3_moe --preset qwen3-30B-A3B --layers 8 --micro-batch 4 --seq-len 2048 \
         --device cuda --fused-adam --experts both
+``--backend fsdp2`` times the ``fsdp2`` trainer (HF transformers under torch FSDP2, one rank; the
+Megatron levers below don't apply) and ``--lora-rank R`` trains rank-``R`` adapters (``trainer.lora``)::
+
+    python bench/train.py --backend fsdp2 --preset qwen3-1.7B --seq-len 2048 --micro-batch 4 --grad-accum 8 --device cuda
+
 Options ``--megatron key=value`` set TransformerConfig/DDP/optimizer fields (e.g.
 ``bias_activation_fusion=true`` for the fused SwiGLU, ``recompute_granularity=selective``).
 Levers with their own flags: ``--compile``, ``--sdpa-gqa``, ``--fused-adam`` (torch's fused AdamW inside
@@ -89,6 +94,9 @@ def main() -> None:
     parser.add_argument("--megatron", action="append", default=[], help="key=value (repeatable)")
     parser.add_argument("--exact", choices=["off", "on", "both"], default="off",
                         help="rollout.exact's trainer (core.exact); both: default then exact, one process each")
+    parser.add_argument("--backend", choices=["megatron", "fsdp2"], default="megatron",
+                        help="trainer backend (fsdp2: HF transformers under torch FSDP2; Megatron's levers don't apply)")
+    parser.add_argument("--lora-rank", type=int, default=0, help="trainer.lora.rank (0: full fine-tuning)")
     parser.add_argument("--experts", choices=["grouped", "sequential", "both"], default=None,
                         help="MoE expert layer (default: the spec's, grouped); both: one process each")
     args = parser.parse_args()
@@ -112,6 +120,7 @@ def main() -> None:
     import yaml
 
     from posttrain.core.config import TrainerConfig
+    from posttrain.core.lora import LoraConfig
     from posttrain.core.model_spec import count_params
     from posttrain.core.plugins import load_plugins
     from posttrain.core.train_batch import TrainBatch
@@ -130,11 +139,18 @@ def main() -> None:
     if args.device == "cuda":
         megatron.setdefault("bias_activation_fusion", True)  # jit-fused SwiGLU (no TE needed)
     batch_size = args.micro_batch * args.grad_accum
-    config = TrainerConfig(lr=1e-6, micro_batch_size=args.micro_batch, global_batch_size=batch_size)
-    backend = MegatronBackend.Config(tp=args.tp, attention=args.attention, log_probs_chunk_size=args.chunk,
-                                     sequence_packing=not args.no_packing, megatron=megatron, compile=args.compile,
-                                     fused_adam=args.fused_adam, log_probs_recompute=not args.keep_logits)
-    trainer = MegatronTrainer(spec, config, backend=backend, exact=args.exact == "on")
+    config = TrainerConfig(lr=1e-6, micro_batch_size=args.micro_batch, global_batch_size=batch_size,
+                           lora=LoraConfig(rank=args.lora_rank, alpha=2.0 * max(args.lora_rank, 1)))
+    if args.backend == "fsdp2":
+        from posttrain.plugins.trainers.fsdp2 import FSDP2Backend
+        from posttrain.plugins.trainers.fsdp2.model import FSDP2Model
+
+        trainer = FSDP2Model(spec, config, backend=FSDP2Backend.Config(), seed=0, max_response_len=args.seq_len)
+    else:
+        backend = MegatronBackend.Config(tp=args.tp, attention=args.attention, log_probs_chunk_size=args.chunk,
+                                         sequence_packing=not args.no_packing, megatron=megatron, compile=args.compile,
+                                         fused_adam=args.fused_adam, log_probs_recompute=not args.keep_logits)
+        trainer = MegatronTrainer(spec, config, backend=backend, exact=args.exact == "on")
     hf = spec.hf_config()
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, hf["vocab_size"], (batch_size, args.seq_len), generator=g)
@@ -162,14 +178,14 @@ def main() -> None:
     flops = model_flops_per_token(hf, args.seq_len) * tokens_per_step / args.tp
     active_matmul, total_matmul = active_matmul_params(hf)
     result = {
-        "bench": "train_step", "spec": args.spec, "preset": args.preset, "layers": hf["num_hidden_layers"],
+        "bench": "train_step", "backend": args.backend, "lora_rank": args.lora_rank, "spec": args.spec, "preset": args.preset, "layers": hf["num_hidden_layers"],
         "device": args.device,
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "dtype": dtype, "tp": args.tp,
         "micro_batch": args.micro_batch, "grad_accum": args.grad_accum, "seq_len": args.seq_len,
         "attention": args.attention, "compile": args.compile, "sdpa_gqa": args.sdpa_gqa,
-        "fused_adam": args.fused_adam, "keep_logits": args.keep_logits, "packing": not args.no_packing,
+        "fused_adam": args.fused_adam, "keep_logits": args.keep_logits, "packing": not args.no_packing if args.backend == "megatron" else None,
         "exact": args.exact == "on",
-        "megatron": megatron, "experts": _experts_kind(trainer.gpt),
+        "megatron": megatron, "experts": _experts_kind(trainer.gpt) if args.backend == "megatron" else None,
         "step_s": round(seconds, 4), "tokens_per_s": round(tokens_per_step / seconds, 1),
         "model_tflops_per_s": round(flops / seconds / 1e12, 3),  # MoE: on active parameters
         "model_flops_per_token": model_flops_per_token(hf, args.seq_len),

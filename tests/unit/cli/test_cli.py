@@ -204,19 +204,29 @@ def test_cli_imports_nothing_heavy():
     assert "HEAVY []" in out.stdout, out.stdout[-500:] + out.stderr
 
 
+SCAFFOLD_KINDS = ["estimator", "loss", "correction", "generator", "filter", "model", "engine", "trainer"]
+# reward: tests/unit/cli/test_new.py installs that scaffold offline and runs its check
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["estimator", "loss", "correction", "generator", "filter", "model", "engine",
-                                  "trainer"])  # reward: tests/unit/cli/test_new.py installs it offline and checks it
-def test_new_plugin_passes_its_own_tests(tmp_path, pip_target, kind):
-    pkg = tmp_path / f"my-{kind}"
-    out = rl_cli("new", "plugin", pkg, "--kind", kind, "--name", f"my_{kind}")
-    assert out.returncode == 0, out.stderr
-    site = pip_target(pkg)
+def test_new_plugin_passes_its_own_tests(tmp_path):
+    # every kind's scaffold, installed together (one pip call), listed, and its own tests run (one pytest)
+    pkgs = [tmp_path / f"my-{kind}" for kind in SCAFFOLD_KINDS]
+    for kind, pkg in zip(SCAFFOLD_KINDS, pkgs):
+        out = rl_cli("new", "plugin", pkg, "--kind", kind, "--name", f"my_{kind}")
+        assert out.returncode == 0, out.stderr
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
+                    str(site), *map(str, pkgs)], check=True, capture_output=True)
     listed = {r["name"]: r for r in json.loads(rl_cli("plugins", "list", "--json", env=env_with(site)).stdout)}
-    assert listed[f"my_{kind}"]["distribution"] == f"posttrain-my-{kind}"
-    test = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(pkg / "tests")],
-                          capture_output=True, text=True, env=env_with(site), cwd=pkg)
-    assert test.returncode == 0, test.stdout + test.stderr
+    assert {k: listed[f"my_{k}"]["distribution"] for k in SCAFFOLD_KINDS} == {
+        k: f"posttrain-my-{k}" for k in SCAFFOLD_KINDS}
+    test = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--import-mode=importlib",
+                           "--rootdir", str(tmp_path), *(str(pkg / "tests") for pkg in pkgs)],
+                          capture_output=True, text=True, env=env_with(site), cwd=tmp_path)
+    assert test.returncode == 0, test.stdout[-3000:] + test.stderr[-2000:]
+    passed = {line.split("/")[0] for line in test.stdout.splitlines() if " PASSED" in line}
+    assert passed == {pkg.name for pkg in pkgs}, test.stdout[-3000:]
 
 
 def test_new_plugin_rejects_bad_input(tmp_path):
