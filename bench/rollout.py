@@ -527,19 +527,15 @@ def bench_variant(model, prompts: list[list[int]], args, name: str, opts: dict, 
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     context = args.prompt_len + args.new_tokens + 1
     position = args.prompt_len + args.new_tokens // 2  # the run's mean context, for the profile
-    tuning = {k: v for k, v in opts.items()
-              if k not in (*ENGINE_OPTIONS, "switch_interval", "sample_launch", "moe_kernel")}
-    if "moe_kernel" in opts:  # the model is shared by the variants: tag or untag its MoE blocks each time
-        from posttrain.plugins.engines.local.moe_kernel import set_moe_kernel
-
-        out["moe_kernel_blocks"] = set_moe_kernel(model, opts["moe_kernel"])
+    tuning = {k: v for k, v in opts.items() if k not in (*ENGINE_OPTIONS, "switch_interval", "sample_launch")}
     tuning.setdefault("float_logits", not args.device.startswith("cuda"))  # as the engine server runs it
     runner = ModelRunner(None, device=args.device, dtype=dtype, max_slots=args.prompts, context_length=context,
                          tuning=RunnerTuning(**tuning), model=model)
     engine = BatchEngine(runner, tokenizer=None, eos_token_ids=[], **{k: opts.get(k) for k in ENGINE_OPTIONS})
     out.update(overlap=engine.overlap, fused_groups=runner.fused_groups, prefill_tokens=engine.prefill_tokens,
                fused_sampling=engine.fused_sampling,
-               sample_in_step=engine.sample_in_step, rope_in_attention=runner.rope_in_attention)
+               sample_in_step=engine.sample_in_step, rope_in_attention=runner.rope_in_attention,
+               moe_kernel_blocks=runner.moe_kernel_blocks)
     try:
         from torch._dynamo.utils import counters
 

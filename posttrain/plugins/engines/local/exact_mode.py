@@ -34,7 +34,7 @@ class ExactSiLU(torch.nn.Module):
 def exact_tuning(tuning):
     """``tuning`` (a ``RunnerTuning``) with the levers exact mode cannot keep turned off."""
     return replace(tuning, compile=False, cuda_graphs=False, fuse_projections=False, rope_in_attention=False,
-                   decode_attention="sdpa")
+                   decode_attention="sdpa", moe_kernel=False)
 
 
 def adopt(runner) -> None:

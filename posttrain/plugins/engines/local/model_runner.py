@@ -201,6 +201,9 @@ class RunnerTuning:
       applies Qwen3's per-head Q/K norms and the rotary as it loads them (``decode_kernel.Rope``: one kernel and
       a round trip of ``q`` and ``k`` fewer per layer). None: on where it can be on a GPU; True: on, also on the
       CPU (through the attention's reference), or a ValueError naming what refuses it; False: off.
+    - ``moe_kernel``: on CUDA, a MoE model's routing and routed experts through ``moe_kernel`` (fused softmax
+      top-k, two grouped expert GEMMs with the SwiGLU between: no per-expert launches, inside the CUDA graphs);
+      False: transformers' own experts. Off the GPU, and in exact mode, the model's own.
     """
 
     decode_attention: str = "auto"
@@ -212,6 +215,7 @@ class RunnerTuning:
     attention_launch: dict | None = None
     rope_in_attention: bool | None = None
     exact: bool = False
+    moe_kernel: bool = True
 
     def resolved(self, device: torch.device) -> RunnerTuning:
         """This tuning checked (a ValueError naming the field) with ``decode_attention: auto`` resolved for
@@ -284,6 +288,9 @@ class ModelRunner:
         self.prefill_kv_kernel = self.device.type == "cuda" and triton_available()
         self.float_logits, self.compile, self.compile_mode = tuning.float_logits, tuning.compile, tuning.compile_mode
         self.rope_in_attention = self._rope_in_attention(tuning.rope_in_attention)
+        from posttrain.plugins.engines.local.moe_kernel import set_moe_kernel
+
+        self.moe_kernel_blocks = set_moe_kernel(self.model, tuning.moe_kernel and self.device.type == "cuda")
         self._build_step()
         self.exact = tuning.exact
         if self.exact:

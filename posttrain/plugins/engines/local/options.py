@@ -34,6 +34,9 @@ class EngineOptions:
     fused_sampling: bool = option(
         True, help="GPU: draw uniform batches (all greedy, or one temperature without top-p/top-k/min-p or seeds) "
                    "with a one-pass Triton kernel (an inverse-CDF draw: the same distribution as multinomial, other draws)")
+    moe_kernel: bool = option(
+        True, help="GPU: a MoE model's routing and experts through fused Triton kernels (fused top-k, grouped expert "
+                   "GEMMs inside the CUDA graphs); off: transformers' per-expert loop")
     warm_up: bool = option(
         True, help="GPU: before it answers, the engine generates two tokens with the run's sampling, so the decode "
                    "step's compiles and CUDA graphs are ready for the first rollout (disaggregated: while the trainer "

@@ -107,7 +107,8 @@ def runner_tuning(config: EngineOptions) -> RunnerTuning:
 
     return RunnerTuning(decode_attention=config.decode_attention, compile=config.compile,
                         compile_mode=config.compile_mode, cuda_graphs=config.cuda_graphs,
-                        float_logits=not config.device.startswith("cuda"), exact=config.exact)
+                        float_logits=not config.device.startswith("cuda"), exact=config.exact,
+                        moe_kernel=config.moe_kernel)
 
 
 class EngineServer:
@@ -176,7 +177,8 @@ class EngineServer:
             "tp_size": 1, "dp_size": 1, "cuda_graphs": self.runner.cuda_graphs,
             "stable_memory": self.memory.stable, "overlap": self.engine.overlap,
             "prefill_tokens": self.engine.prefill_tokens, "fused_sampling": cfg.fused_sampling,
-            "decode_attention": self.runner.decode_attention, "compile": cfg.compile, "compile_mode": cfg.compile_mode,
+            "decode_attention": self.runner.decode_attention, "moe_kernel_blocks": self.runner.moe_kernel_blocks,
+            "compile": cfg.compile, "compile_mode": cfg.compile_mode,
             "skip_tokenizer_init": False, "load_format": "dummy" if from_config else "auto",
             "warm_sampling": warm_sampling,
         }
