@@ -126,7 +126,7 @@ def save(self: Any, ckpt_dir: str | Path) -> None:
         dist.barrier()
     forks_die_with_parent()  # the torch_dist writer forks workers: they must not outlive a killed run
     _writer_queue_dies_with_us()
-    with _quiet_sharded_tensor():
+    with quiet_sharded_tensor():
         dist_checkpointing.save(sharded_state(self, is_loading=False), str(path))
 
 
@@ -157,7 +157,7 @@ def load(self: Any, ckpt_dir: str | Path) -> None:
     if not Path(ckpt_dir).is_dir():
         raise UsageError(f"{ckpt_dir}: no such checkpoint directory")
     check_same_model(self, ckpt_dir)
-    with _quiet_sharded_tensor():
+    with quiet_sharded_tensor():
         loaded = dist_checkpointing.load(sharded_state(self, is_loading=True), str(ckpt_dir))
     model_sd = {k.removeprefix("model."): v for k, v in loaded["model"].items()}
     # not strict only for TE's _extra_state entries; check_same_model compared every tensor already
@@ -192,10 +192,12 @@ def load(self: Any, ckpt_dir: str | Path) -> None:
 
 
 @contextlib.contextmanager
-def _quiet_sharded_tensor():
-    """Megatron's torch_dist format goes through ShardedTensor, which PyTorch warns is deprecated on every save
-    and load (a FutureWarning each): a user's resume printed them as if something were wrong. Only that warning
-    is silenced, only here."""
+def quiet_sharded_tensor():
+    """Megatron's torch_dist format goes through ShardedTensor and ``torch.distributed.checkpoint``'s
+    ``load_state_dict``, which PyTorch warns are deprecated on every save and load (a FutureWarning each): a
+    user's resume or export printed them as if something were wrong. Only those warnings are silenced, only
+    here."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
+        warnings.filterwarnings("ignore", message="`load_state_dict` is deprecated", category=FutureWarning)
         yield

@@ -122,8 +122,11 @@ def megatron_dir_to_hf(spec: Any, megatron_dir: str | Path, out_dir: str | Path,
     """Write an HF checkpoint from a dist-checkpoint written by :func:`hf_to_megatron_dir` (or ``save``)."""
     from megatron.core import dist_checkpointing
 
+    from posttrain.plugins.trainers.megatron.checkpoint import quiet_sharded_tensor
+
     model = M.build_gpt(spec, hf, dtype=spec.config.dtype, attention="sdpa", init_weights=False)
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict(prefix="model.")}, str(megatron_dir))
+    with quiet_sharded_tensor():
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict(prefix="model.")}, str(megatron_dir))
     state = {k.removeprefix("model."): v for k, v in loaded["model"].items()}
     result = model.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
