@@ -53,7 +53,8 @@ def builtins() -> Any:
 
 def run_config(backend: Any, **trainer: Any) -> Any:
     """The contract's RunConfig with ``backend`` as ``trainer.backend`` (``trainer`` keys override)."""
-    from posttrain.core.config import Selection, load_config
+    from posttrain.core.config import load_config
+    from posttrain.core.selection import Selection
 
     data = {**RUN, "trainer": {**RUN["trainer"], **trainer}}
     run = load_config(None, data=data, plugins=builtins())

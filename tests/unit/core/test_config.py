@@ -61,7 +61,8 @@ def test_overriding_a_component_name_drops_the_files_keys_for_the_old_one():
 
 def test_auto_weight_sync_falls_back_to_a_mode_the_engine_backend_has(plugins):
 
-    from posttrain.core.config import RolloutConfig, Selection
+    from posttrain.core.config import RolloutConfig
+    from posttrain.core.selection import Selection
     from posttrain.core.rollout.backend import EngineBackend
 
     class DiskOnly(EngineBackend):

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from posttrain.core.config import Selection
+from posttrain.core.selection import Selection
 from posttrain.core.errors import UsageError
 from posttrain.core.plugins import load_plugins
 from posttrain.core.rewards import RewardError, RewardRunner

@@ -6,7 +6,7 @@ import socket
 import pytest
 from aiohttp import web
 
-from posttrain.core.config import Selection
+from posttrain.core.selection import Selection
 from posttrain.core.plugins import load_plugins
 from posttrain.core.rewards import RewardError, RewardRunner
 from posttrain.core.types import Sample, SampleStatus

@@ -16,7 +16,7 @@ def setup(tmp_path_factory):
     """``(checkpoint dir, image references, engine, trainer backend, run config, plugins)``, shared."""
     from PIL import Image
 
-    from posttrain.core.config import Selection
+    from posttrain.core.selection import Selection
     from posttrain.core.plugins import load_plugins
     from posttrain.plugins.engines.hf.generator import HFGenerator
     from posttrain.testing.contracts.trainer import run_config
