@@ -24,7 +24,6 @@ multimodal ones (``[3, B, P]`` from ``get_rope_index`` over the real tokens), ea
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import threading
 from dataclasses import dataclass, field
@@ -214,13 +213,11 @@ class HFGenerator:
         return len(named)
 
     def weight_checksums(self) -> dict[str, str]:
-        """SHA-256 of every tensor's bytes as held (``core.rollout.weight_check``'s digest)."""
-        out = {}
+        """SHA-256 of every tensor's bytes as held (``core.rollout.weight_check.tensor_digests``)."""
+        from posttrain.core.rollout.weight_check import tensor_digests
+
         with self.lock:
-            for name, t in self.own_tensors().items():
-                data = t.detach().to("cpu", copy=True).reshape(-1).view(torch.uint8)
-                out[name] = hashlib.sha256(data.numpy().tobytes()).hexdigest()
-        return out
+            return tensor_digests(self.own_tensors())
 
     def move(self, device: str | torch.device) -> int:
         """The weights to ``device`` (``/release_memory_occupation`` on a GPU: to host memory); bytes moved."""

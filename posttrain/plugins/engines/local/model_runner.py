@@ -399,14 +399,11 @@ class ModelRunner:
         return [names[0] for names in self._unwritten]
 
     def weight_checksums(self) -> dict[str, str]:
-        """SHA-256 of every tensor's bytes as the engine holds them (its dtype, row-major), by HF name."""
-        import hashlib
+        """SHA-256 of every tensor's bytes as the engine holds them (its dtype, row-major), by HF name, stacked
+        MoE experts also by their per-expert checkpoint names (``core.rollout.weight_check.tensor_digests``)."""
+        from posttrain.core.rollout.weight_check import tensor_digests
 
-        out = {}
-        for name, t in self.named_weights().items():
-            data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
-            out[name] = hashlib.sha256(data.numpy().tobytes()).hexdigest()
-        return out
+        return tensor_digests(self.named_weights())
 
     def reset_graphs(self) -> None:
         """Drop the captured graphs (after weights or the KV cache moved to new storage); later captures

@@ -87,6 +87,14 @@ def test_checkpoint_expert_names_load_into_stacked_experts(moe_ckpts):
     ids = torch.tensor([[3, 9, 27, 81, 4]])
     with torch.no_grad():
         assert torch.equal(r.model(ids).logits, hf_model(path)(ids).logits)
+    # rollout.check_weights: the engine's checksums name the per-expert tensors the trainer pushed
+    from posttrain.core.rollout.weight_check import first_mismatch
+
+    report = {"checksums": r.weight_checksums(), "dtype": "float32"}
+    assert first_mismatch([sorted(named.items())], report) is None
+    name = "model.layers.1.mlp.experts.3.gate_proj.weight"
+    assert first_mismatch([[(name, named[name] + 1e-3)]], report) == \
+        f"tensor {name}: its float32 bytes differ from what was pushed"
     with pytest.raises(ValueError, match="unknown weight name 'model.layers.1.mlp.experts.8.up_proj.weight'"):
         r.load_weights({"model.layers.1.mlp.experts.8.up_proj.weight": named[
             "model.layers.1.mlp.experts.7.up_proj.weight"]})  # 8 experts: no expert 8
