@@ -25,10 +25,10 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the config check imports this module before the driver imports torch
+    import torch
 
 ATTENTION = "posttrain_varlen"
 # layer kinds (config ``layer_types``, ``layers_block_type``, ``block_types``) that are attention and nothing else
@@ -39,16 +39,12 @@ _said: set[str] = set()
 
 
 def cannot_pack(hf: dict[str, Any]) -> str | None:
-    """Why the model of HF config ``hf`` cannot pack samples into one row, or None when it can."""
+    """Why the model of HF config ``hf`` cannot pack samples into one row, or None when it can. Reads the config
+    and the text of transformers' modeling file: the config check runs before the driver imports torch."""
     from posttrain.core.vision import is_vision_config
 
     if is_vision_config(hf):
         return "a vision-language model (its positions come from the image grid; pixel inputs run padded)"
-    cls = causal_lm_class(hf)
-    if cls is None:
-        return f"transformers has no causal LM for model_type {hf.get('model_type')!r}"
-    if not getattr(cls, "_supports_attention_backend", False):
-        return f"{cls.__name__} does not hand its attention the sample offsets (no attention-backend support)"
     kinds = {str(k) for key in LAYER_KEYS for k in (hf.get(key) or ())} - ATTENTION_LAYERS
     if kinds:
         return f"its {', '.join(sorted(kinds))} layers mix tokens outside attention, across sample boundaries"
@@ -56,18 +52,38 @@ def cannot_pack(hf: dict[str, Any]) -> str | None:
         return "attention logit soft-capping (attn_logit_softcapping), which the varlen kernel lacks"
     if hf.get("attention_dropout"):
         return "attention dropout (attention_dropout), which the varlen kernel lacks"
-    if "s_aux=" in inspect.getsource(sys.modules[cls.__module__]):  # its attention takes sink logits (gpt-oss)
+    model_type = hf.get("model_type", "")
+    source = modeling_source(model_type)
+    if source is None:
+        return f"transformers has no modeling code for model_type {model_type!r}"
+    if "_supports_attention_backend = True" not in source:  # its attention calls get no forward kwargs
+        return f"transformers' {model_type} does not hand its attention the sample offsets (no attention backends)"
+    if "s_aux=" in source:  # its attention takes sink logits (gpt-oss)
         return "attention sinks, which the varlen kernel lacks"
     return None
 
 
-def causal_lm_class(hf: dict[str, Any]) -> type | None:
-    """transformers' ``...ForCausalLM`` class of ``hf``'s ``model_type``, or None."""
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+@functools.cache
+def modeling_source(model_type: str) -> str | None:
+    """The text of transformers' ``modeling_*.py`` for ``model_type`` (found without importing transformers: the
+    file beside the ``configuration_*.py`` that declares ``model_type = "..."``), or None."""
+    import importlib.util
+    import re
+    from pathlib import Path
 
-    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(hf.get("model_type", ""))
-    return getattr(transformers, name, None) if name else None
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or not spec.submodule_search_locations or not model_type:
+        return None
+    models = Path(next(iter(spec.submodule_search_locations))) / "models"
+    direct = models / model_type / f"modeling_{model_type}.py"
+    if direct.is_file():
+        return direct.read_text()
+    declares = re.compile(rf'model_type\s*=\s*"{re.escape(model_type)}"')
+    for config in sorted(models.glob("*/configuration_*.py")):
+        modeling = config.with_name(config.name.replace("configuration_", "modeling_", 1))
+        if modeling.is_file() and declares.search(config.read_text()):
+            return modeling.read_text()
+    return None
 
 
 def resolve(setting: bool | str, hf: dict[str, Any], key: str = "trainer.backend.sequence_packing") -> bool:
@@ -109,6 +125,8 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                      **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: ``query [1, Hq, N, D]``, ``key``/``value [1, Hkv, N, D(v)]``
     of a packed row -> ``([1, N, Hq, Dv], None)``, causal within each sample of ``kwargs["cu_seq_lens_q"]``."""
+    import torch
+
     if softcap is not None or s_aux is not None or dropout:
         raise RuntimeError(f"{ATTENTION}: attention soft-capping, sinks and dropout are not supported; "
                            "set trainer.backend.sequence_packing: false")
@@ -139,6 +157,8 @@ def _flash(kernel: tuple[Any, frozenset[str]], query: torch.Tensor, key: torch.T
            cu: torch.Tensor, max_len: int, scale: float | None, window: int | None) -> torch.Tensor:
     """torch's varlen flash attention over the row (``[N, H, D]`` layout); a value head narrower than the query's
     (multi-head latent attention) is zero-padded for the kernel and cut back."""
+    import torch
+
     fn, names = kernel
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, H, D]
     dv = v.shape[-1]
@@ -166,6 +186,8 @@ def _flash(kernel: tuple[Any, frozenset[str]], query: torch.Tensor, key: torch.T
 def _per_sample(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: list[int], scale: float | None,
                 window: int | None) -> torch.Tensor:
     """One causal SDPA per sample (its keys and values only; a sliding window as an explicit mask)."""
+    import torch
+
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))

@@ -157,8 +157,8 @@ CAN_PACK = {"qwen3": None, "llama": None, "qwen3_moe": None, "deepseek_v3": None
             "mistral": dict(sliding_window=4), "phi3": {}, "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=512)}
 CANNOT_PACK = {"gemma2": ({}, "soft-capping"), "gpt_oss": (dict(num_local_experts=4), "sinks"),
                "lfm2": (dict(layer_types=["conv", "full_attention"]), "conv layers mix tokens outside attention"),
-               "qwen3_next": (dict(layer_types=["linear_attention", "full_attention"]),
-                              "does not hand its attention the sample offsets")}
+               "qwen3_next": (dict(layer_types=["linear_attention", "full_attention"]), "linear_attention layers"),
+               "falcon_h1": ({}, "does not hand its attention the sample offsets")}
 
 
 @pytest.mark.parametrize("model_type", CAN_PACK)
@@ -196,7 +196,8 @@ def test_vision_language_models_and_unknown_types_cannot_pack():
     from posttrain.testing.tiny import tiny_vlm_config
 
     assert "vision-language" in packing.cannot_pack(tiny_vlm_config().to_dict())
-    assert "no causal LM" in packing.cannot_pack({"model_type": "no_such_model"})
+    assert "no modeling code" in packing.cannot_pack({"model_type": "no_such_model"})
+    assert packing.modeling_source("gemma3_text") == packing.modeling_source("gemma3"), "found by its config file"
 
 
 def test_sequence_packing_true_on_a_model_that_cannot_pack_is_a_config_error_and_auto_pads(tmp_path, caplog):
@@ -229,6 +230,21 @@ def test_sequence_packing_true_on_a_model_that_cannot_pack_is_a_config_error_and
         check("auto")
         check(False)
     lines = [r.getMessage() for r in caplog.records if "sequence_packing" in r.getMessage()]
-    assert lines == ["trainer.backend.sequence_packing: auto -> off for qwen3_next: "
-                     "Qwen3NextForCausalLM does not hand its attention the sample offsets (no attention-backend "
-                     "support)"]
+    assert lines == ["trainer.backend.sequence_packing: auto -> off for qwen3_next: its linear_attention layers mix "
+                     "tokens outside attention, across sample boundaries"]
+
+
+def test_the_config_check_imports_no_torch():
+    """``auto`` decides at the config check from config.json and transformers' source text: the driver has not
+    imported torch then (it starts engines first)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom posttrain.core.config import load_config\nfrom posttrain.core.plugins import load_plugins\n"
+            "from posttrain.testing.contracts.trainer import RUN\n"
+            "run = load_config(None, data={**RUN, 'trainer': {**RUN['trainer'], 'backend': {'name': 'fsdp2'}}}, "
+            "plugins=load_plugins(autoload=False))\n"
+            "print('BACKEND', run.trainer.backend.config.sequence_packing)\n"
+            "print('HEAVY', sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "BACKEND auto" in out.stdout and "HEAVY []" in out.stdout, out.stdout[-500:] + out.stderr[-2000:]
