@@ -133,6 +133,7 @@ def test_packed_micro_batches_keep_to_the_token_cap_and_the_ranks_count(monkeypa
     assert parallel.capped_split([50, 10, 10], 20) == [[0], [1, 2]], "a sample past the cap goes alone"
     part = TrainBatch(tokens=torch.ones(len(lengths), 40, dtype=torch.long), lengths=torch.tensor(lengths),
                       response_mask=torch.ones(len(lengths), 40))
+    monkeypatch.setattr(parallel, "rank_size", lambda: (0, 1))  # one rank: no process group needed
     mine = parallel.micro_batches(part, 2, 64, packed=True)
     assert len(mine) == len(parallel.capped_split(lengths, 64)) and all(real for _, real in mine)
     # another rank needs 6 passes: this one runs 6, every real one within the cap, all its samples once
@@ -144,6 +145,10 @@ def test_packed_micro_batches_keep_to_the_token_cap_and_the_ranks_count(monkeypa
     assert all(sum(lengths[i] for i in s) <= 64 for s in real)
     monkeypatch.setattr(parallel, "all_max", lambda value: max(value, 10))  # more passes than samples: reruns
     assert [real for _, real in parallel.micro_batches(part, 2, 64, packed=True)] == [True] * 8 + [False] * 2
+    # where the balanced split at the agreed count would break the cap, the rank halves its own shares instead
+    halves = parallel._split_largest([[0, 1, 2], [3, 4]], lengths, 4)
+    assert sorted(sorted(s) for s in halves) == [[0], [1], [2], [3, 4]], "57 tokens, then 27 of 27 vs 26"
+    assert parallel._split_largest([[0], [1]], lengths, 5) == [[0], [1]], "one sample a share: no more to split"
 
 
 def _hf(model_type: str, **extra) -> dict:
