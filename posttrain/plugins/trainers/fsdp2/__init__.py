@@ -5,6 +5,7 @@ Modules (none imported here: this entry module stays light):
 
 - ``model``: ``FSDP2Model`` (build, shard, log-probs, the train step, the reference, HF export);
 - ``parallel``: the process group, each rank's share, micro-batch counts agreed by every rank;
+- ``packing``: sequence packing (a micro-batch's samples in one row, attention kept within each sample);
 - ``checkpoint``: resume through torch.distributed.checkpoint (any data-parallel size), ``save_hf``;
 - ``vision``: vision-language models (``AutoModelForImageTextToText``): the tower, freezing it, pixel inputs.
 
@@ -44,6 +45,11 @@ class FSDP2Backend(TrainerBackend):
                                                "(FSDP2's CPUOffloadPolicy; the optimizer steps on the CPU)")
         freeze_vision: bool = option(True, help="vision-language models: the vision tower does not train (AdamW "
                                                 "holds the language model's parameters only)")
+        sequence_packing: bool | Literal["auto"] = option(
+            "auto", help="pack a micro-batch's samples into one row (positions restart per sample, attention stays "
+                         "within each: no padding computed; max_tokens_per_micro_batch then counts real tokens); "
+                         "auto = wherever the architecture can (text models whose attention takes transformers' "
+                         "varlen kwargs), else padded rows with a one-line note")
 
     def check_config(self, run: Any, plugins: Any) -> list[str]:
         errors = []
@@ -58,7 +64,16 @@ class FSDP2Backend(TrainerBackend):
                           "(resources.trainer_gpus_per_node is 0)")
         from posttrain.core.lora import tied_head_error
 
-        errors += tied_head_error(run.trainer.lora, run.model.create(plugins) if run.model is not None else None)
+        spec = run.model.create(plugins) if run.model is not None else None
+        errors += tied_head_error(run.trainer.lora, spec)
+        if spec is not None and self.config.sequence_packing is not False:
+            from posttrain.core.errors import UsageError
+            from posttrain.plugins.trainers.fsdp2.packing import resolve
+
+            try:  # auto on a model that cannot pack says so in one line and pads
+                resolve(self.config.sequence_packing, spec.hf_config())
+            except UsageError as exc:
+                errors.append(str(exc))
         if run.trainer.global_batch_size < run.resources.trainer_world_size:
             errors.append(f"trainer.global_batch_size: {run.trainer.global_batch_size} samples cannot be split over "
                           f"{run.resources.trainer_world_size} data-parallel ranks")

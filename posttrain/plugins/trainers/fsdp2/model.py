@@ -17,8 +17,10 @@ reduce-scattered in ``reduce_dtype``; AdamW updates the float32 shards (the mast
 
 Log-probs: ``log_probs[b, t] = z[b, t - 1, tokens[b, t]] - logsumexp(z[b, t - 1])`` from the model's own
 logits (so soft-capping or logit scaling of an architecture is kept), 0 at column 0 and past each
-length; entropy ``H = logsumexp(z) - sum softmax(z) z``. Samples are right-padded and run without an
-attention mask: under causal attention a real token never sees the padding after it.
+length; entropy ``H = logsumexp(z) - sum softmax(z) z``. With ``sequence_packing`` (:mod:`.packing`) a
+micro-batch's samples run as one row, positions restarting at 0 in each and attention kept within each, and
+the per-token results go back to their ``[b, T]`` columns; otherwise samples are right-padded and run without
+an attention mask: under causal attention a real token never sees the padding after it.
 
 Loss: the run's policy loss plus KL and entropy terms (:func:`posttrain.core.losses.total_loss`), each
 micro-batch's normalized by the step's global token and sample counts, so micro-batch and data-parallel
@@ -36,9 +38,9 @@ from typing import Any
 import torch
 
 from posttrain.core.losses import entropy_from_logits, total_loss
-from posttrain.core.train_batch import TrainBatch
+from posttrain.core.train_batch import Packed, TrainBatch, pack
 from posttrain.core.trainer_backend import lr_at
-from posttrain.plugins.trainers.fsdp2 import parallel
+from posttrain.plugins.trainers.fsdp2 import packing, parallel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUMMED_METRICS = {"kl_loss": "kl", "entropy": "entropy"}  # total_loss's terms: micro-batch shares that sum
@@ -104,6 +106,10 @@ class FSDP2Model:
         model = build_hf_model(spec, seed, backend.scaled_output_init)
         model.config.use_cache = False
         self.pixels = self._vision(model, spec)
+        self.packed = packing.resolve(backend.sequence_packing, spec.hf_config())
+        if self.packed:  # every forward runs packed rows through the varlen attention
+            packing.register()
+            model.set_attn_implementation(packing.ATTENTION)
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         self.architecture = type(model).__name__  # before fully_shard renames the class (FSDP<name>)
         if backend.activation_checkpointing:
@@ -146,22 +152,39 @@ class FSDP2Model:
         return self.dtype if name == "auto" else DTYPES[name]
 
     # ------------------------------------------------------------------ forward
-    def _forward(self, mb: TrainBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(log_probs [b, T], entropy [b, T] | None)`` of micro-batch ``mb`` (on the device), with autograd."""
-        ids, extra = (mb.tokens, {}) if self.pixels is None else self.pixels.prepare(self.model, mb.tokens, mb.images)
-        logits = self.model(input_ids=ids, use_cache=False, **extra).logits[:, :-1].float()  # [b, T-1, V]
+    def _forward(self, mb: TrainBatch, with_entropy: bool, row: Packed | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(log_probs [b, T], entropy [b, T] | None)`` of micro-batch ``mb`` (on the device), with autograd;
+        ``row``: its samples packed into one row (on the device), or None for padded rows."""
+        if row is not None:
+            logits = self.model(**packing.forward_kwargs(row), use_cache=False).logits[0].float()  # [N, V]
+            target = row.targets
+        else:
+            ids, extra = (mb.tokens, {}) if self.pixels is None else self.pixels.prepare(self.model, mb.tokens,
+                                                                                        mb.images)
+            logits = self.model(input_ids=ids, use_cache=False, **extra).logits[:, :-1].float()  # [b, T-1, V]
+            target = mb.tokens[:, 1:]
         if mb.logit_scale != 1.0:  # the rollout's temperature: log_softmax(z / T)
             logits = logits * mb.logit_scale
-        target = logits.gather(-1, mb.tokens[:, 1:, None]).squeeze(-1)
-        lp = torch.nn.functional.pad(target - torch.logsumexp(logits, -1), (1, 0)) * valid_columns(mb)
-        if not with_entropy:
-            return lp, None
-        return lp, torch.nn.functional.pad(entropy_from_logits(logits), (1, 0)) * valid_columns(mb)
+        lp = logits.gather(-1, target[..., None]).squeeze(-1) - torch.logsumexp(logits, -1)
+        ent = entropy_from_logits(logits) if with_entropy else None
+        if row is not None:  # a sample's position i predicts its token i + 1: column i + 1 of its [T] row
+            lengths = torch.tensor(row.cu_host[1:]) - torch.tensor(row.cu_host[:-1])  # host: no device sync
+            out = [row.unpack(v, lengths, mb.tokens.shape[1]) for v in (lp, ent) if v is not None]
+        else:
+            cols = valid_columns(mb)
+            out = [torch.nn.functional.pad(v, (1, 0)) * cols for v in (lp, ent) if v is not None]
+        return out[0], out[1] if with_entropy else None
 
-    def _micro_batches(self, part: TrainBatch) -> list[tuple[TrainBatch, list[int], bool]]:
-        c = self.config
-        return [(part.take(index).to(self.device), index, real)
-                for index, real in parallel.micro_batches(part, c.micro_batch_size, c.max_tokens_per_micro_batch)]
+    def _micro_batches(self, part: TrainBatch) -> list[tuple[TrainBatch, list[int], bool, Packed | None]]:
+        """``(micro-batch on the device, its rows of part, is_real, its packed row or None)``."""
+        c, out = self.config, []
+        for index, real in parallel.micro_batches(part, c.micro_batch_size, c.max_tokens_per_micro_batch,
+                                                  self.packed):
+            mb = part.take(index)
+            row = _to(pack(mb.tokens, mb.lengths), self.device) if self.packed else None
+            out.append((mb.to(self.device), index, real, row))
+        return out
 
     @torch.no_grad()
     def log_probs(self, batch: TrainBatch, *, with_entropy: bool = False, weights: str | None = None,
@@ -173,8 +196,8 @@ class FSDP2Model:
         ent_out = torch.zeros(part.tokens.shape) if with_entropy else None
         with self._weights(weights):
             self.model.eval()
-            for mb, rows, real in self._micro_batches(part):
-                lp, ent = self._forward(mb, with_entropy)
+            for mb, rows, real, row in self._micro_batches(part):
+                lp, ent = self._forward(mb, with_entropy, row)
                 if real:
                     lp_out[rows, : lp.shape[1]] = lp.cpu()
                     if ent_out is not None:
@@ -227,8 +250,8 @@ class FSDP2Model:
         global_seqs = parallel.all_sum(float(len(part)), self.device)
         scale = float(parallel.rank_size()[1])  # FSDP averages gradients over the ranks: make it a sum
         totals: dict[str, float] = {}
-        for mb, _, real in self._micro_batches(part):
-            loss, metrics = self._policy_loss(mb, loss_fn, global_tokens, global_seqs, loss_kwargs)
+        for mb, _, real, row in self._micro_batches(part):
+            loss, metrics = self._policy_loss(mb, row, loss_fn, global_tokens, global_seqs, loss_kwargs)
             (loss * (scale if real else 0.0)).backward()
             if not real:
                 continue
@@ -242,12 +265,12 @@ class FSDP2Model:
         totals = parallel.reduce_metrics(totals, len(part), global_seqs, SUMMED)
         return {**totals, "grad_norm": norm, "lr": lr}
 
-    def _policy_loss(self, mb: TrainBatch, loss_fn: Any, global_tokens: float, global_seqs: float,
-                     loss_kwargs: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
+    def _policy_loss(self, mb: TrainBatch, row: Packed | None, loss_fn: Any, global_tokens: float,
+                     global_seqs: float, loss_kwargs: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
         c = self.config
         if c.kl_loss_coef and mb.ref_log_probs is None:
             raise ValueError("train_step: kl_loss_coef > 0 needs batch.ref_log_probs")
-        lp, ent = self._forward(mb, with_entropy=c.entropy_coef != 0.0)
+        lp, ent = self._forward(mb, c.entropy_coef != 0.0, row)
         old = mb.old_log_probs if mb.old_log_probs is not None else lp.detach()
         pg, metrics = loss_fn(lp, old, mb.advantages, mb.response_mask, is_weights=mb.is_weights,
                               global_tokens=global_tokens, global_seqs=global_seqs, **loss_kwargs)
@@ -345,6 +368,14 @@ def shard(model: torch.nn.Module, param_dtype: torch.dtype, reduce_dtype: torch.
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (a view), or the tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _to(row: Packed, device: torch.device) -> Packed:
+    """A packed row's tensors on ``device`` (its host offsets stay)."""
+    from dataclasses import replace
+
+    return replace(row, input_ids=row.input_ids.to(device), position_ids=row.position_ids.to(device),
+                   targets=row.targets.to(device), cu_seqlens=row.cu_seqlens.to(device))
 
 
 def valid_columns(mb: TrainBatch) -> torch.Tensor:

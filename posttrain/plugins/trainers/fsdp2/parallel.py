@@ -4,9 +4,14 @@ FSDP2 shards every parameter over the trainer group's ``W`` ranks, and every for
 layer's weights from all of them: every rank must run the same number of forward (and backward) passes.
 So each rank takes its share of the batch (:func:`split_by_tokens` over the samples' token counts),
 the ranks agree on one micro-batch count ``K`` (the largest any rank needs: ``ceil(n / micro_batch_size)``,
-or by tokens ``ceil(tokens / max_tokens_per_micro_batch)``), and each rank splits its share into ``K``
+or by tokens what ``max_tokens_per_micro_batch`` allows), and each rank splits its share into ``K``
 token-balanced micro-batches; a rank with fewer than ``K`` samples runs its extra passes on its first
 sample with the loss multiplied by 0 (:func:`micro_batches` marks them).
+
+By tokens, a micro-batch costs what it computes: ``count x longest`` in padded rows, ``sum(lengths)`` packed.
+Packed, no micro-batch exceeds ``max_tokens`` unless it is one sample longer than that (as the Megatron
+backend's): a rank needs the fewest ``k`` whose longest-first balanced split (:func:`split_by_tokens`) keeps
+every share of several samples within it (:func:`capped_split`).
 """
 
 from __future__ import annotations
@@ -70,18 +75,57 @@ def all_sum(value: float, device: torch.device) -> float:
     return float(t.item())
 
 
-def micro_batches(part: TrainBatch, size: int, max_tokens: int | None) -> list[tuple[list[int], bool]]:
+def micro_batches(part: TrainBatch, size: int, max_tokens: int | None, packed: bool = False,
+                  ) -> list[tuple[list[int], bool]]:
     """``[(sample indices of part, is_real)]``: ``K`` micro-batches, the same ``K`` on every rank, each
-    token-balanced within ``part`` (``size``: samples per micro-batch; ``max_tokens``: padded tokens per
-    micro-batch, ``count x longest``, instead). Extra passes (``is_real`` False) rerun sample 0."""
-    n = len(part)
-    if max_tokens:
-        want = math.ceil(n * int(part.lengths.max()) / max_tokens)
+    token-balanced within ``part`` (``size``: samples per micro-batch; ``max_tokens``: tokens per
+    micro-batch instead, counted as ``packed`` rows or padded ones). Extra passes (``is_real`` False) rerun
+    sample 0."""
+    n, lengths = len(part), part.lengths.tolist()
+    if max_tokens and packed:
+        local = capped_split(lengths, max_tokens)
+        want = len(local)
+    elif max_tokens:
+        want = math.ceil(n * max(lengths) / max_tokens)
     else:
         want = math.ceil(n / size)
     k = all_max(max(1, want)) if rank_size()[1] > 1 else max(1, want)
-    real = [(index, True) for index in split_by_tokens(part.lengths.tolist(), min(k, n))]
-    return real + [([0], False)] * (k - len(real))
+    if max_tokens and packed:
+        shares = _capped(lengths, min(k, n), max_tokens) or _split_largest(local, lengths, min(k, n))
+    else:
+        shares = split_by_tokens(lengths, min(k, n))
+    return [(index, True) for index in shares] + [([0], False)] * (k - len(shares))
+
+
+def capped_split(lengths: list[int], cap: int) -> list[list[int]]:
+    """The fewest balanced shares (:func:`split_by_tokens`; from one per sample longer than ``cap`` plus
+    ``ceil(rest / cap)`` up) with no share of several samples above ``cap`` tokens (at ``len(lengths)`` shares
+    each holds one sample)."""
+    long = [n for n in lengths if n > cap]
+    k = max(1, len(long) + math.ceil((sum(lengths) - sum(long)) / cap))
+    while (shares := _capped(lengths, min(k, len(lengths)), cap)) is None:
+        k += 1
+    return shares
+
+
+def _capped(lengths: list[int], k: int, cap: int) -> list[list[int]] | None:
+    shares = split_by_tokens(lengths, k)
+    ok = all(len(s) == 1 or sum(lengths[i] for i in s) <= cap for s in shares)
+    return shares if ok else None
+
+
+def _split_largest(shares: list[list[int]], lengths: list[int], k: int) -> list[list[int]]:
+    """``shares`` (each within the cap) grown to ``k`` by halving the largest of several samples in turn (the
+    halves stay within it); fewer when every share is one sample."""
+    shares = [list(s) for s in shares]
+    while len(shares) < k:
+        several = [s for s in shares if len(s) > 1]
+        if not several:
+            break
+        big = max(several, key=lambda s: sum(lengths[i] for i in s))
+        shares.remove(big)
+        shares += [[big[i] for i in half] for half in split_by_tokens([lengths[i] for i in big], 2)]
+    return shares
 
 
 def gather(results: tuple[torch.Tensor | None, ...], index: list[int] | None, batch: TrainBatch) -> tuple:
