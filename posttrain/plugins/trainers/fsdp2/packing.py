@@ -138,9 +138,17 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     window = sliding_window if sliding_window and sliding_window < max_len else None
     kernel = _flash_varlen()
     if kernel is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) \
-            and query.shape[-1] <= 256 and (window is None or "window_size" in kernel[1]):
-        return _flash(kernel, query, key, value, cu, max_len, scaling, window), None
+            and query.shape[-1] <= 256 and (window is None or "window_size" in kernel[1]) and not _flash_refused:
+        try:
+            return _flash(kernel, query, key, value, cu, max_len, scaling, window), None
+        except (RuntimeError, TypeError, ValueError) as exc:  # this torch's kernel refuses the call: exact fallback
+            _flash_refused.append(repr(exc)[:200])
+            log.warning("%s: torch's varlen flash attention refused a packed row (%s); packed rows run one SDPA "
+                        "per sample", ATTENTION, _flash_refused[0])
     return _per_sample(query, key, value, cu.tolist(), scaling, window), None
+
+
+_flash_refused: list[str] = []  # why the varlen kernel failed in this process (then never tried again)
 
 
 @functools.cache
