@@ -270,36 +270,37 @@ def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Te
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention by position: query ``i`` of row ``b`` (at position ``q_pos[b, i]``) attends to keys
-    ``j <= q_pos[b, i]``. ``q [B, H, Sq, D]``, ``k``/``v`` ``[B, Hkv, Sk, D]`` (key ``j`` at position ``j``; GQA:
-    query head ``h`` reads KV head ``h // (H / Hkv)``), ``q_pos [B, Sq]`` int -> ``[B, H, Sq, D]`` in ``q``'s dtype.
+    ``j <= q_pos[b, i]``. ``q [B, H, Sq, D]``, ``k [B, Hkv, Sk, D]``, ``v [B, Hkv, Sk, Dv]`` (key ``j`` at position
+    ``j``; GQA: query head ``h`` reads KV head ``h // (H / Hkv)``; ``Dv`` may differ from ``D``, as in multi-head
+    latent attention), ``q_pos [B, Sq]`` int -> ``[B, H, Sq, Dv]`` in ``q``'s dtype.
 
     fp32 inside: ``s = (q k^T) * scale`` (:func:`bmm`), masked to ``-inf``; ``e = exp(s - max s)``; then key
     blocks of ``KEY_BLOCK`` from position 0: ``acc += e_b @ [v_b, 1]`` (numerator and denominator in one
-    :func:`bmm`); ``o = acc[:D] / acc[D]``. Masked keys add exact zeros, so the result does not depend on how
+    :func:`bmm`); ``o = acc[:Dv] / acc[Dv]``. Masked keys add exact zeros, so the result does not depend on how
     many keys past ``q_pos`` are present (a decode's cache span, a padded training row)."""
     bsz, heads, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
+    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
     skp = -(-sk // KEY_BLOCK) * KEY_BLOCK
     kf, vf = k.float(), v.float()
     if heads != hkv:
         kf, vf = kf.repeat_interleave(heads // hkv, 1), vf.repeat_interleave(heads // hkv, 1)
     if skp > sk:
         kf, vf = F.pad(kf, (0, 0, 0, skp - sk)), F.pad(vf, (0, 0, 0, skp - sk))
-    vf = torch.cat([vf, vf.new_ones(*vf.shape[:-1], 1)], -1)  # [B, H, Skp, D + 1]: the denominator's column
+    vf = torch.cat([vf, vf.new_ones(*vf.shape[:-1], 1)], -1)  # [B, H, Skp, Dv + 1]: the denominator's column
     s = bmm(q.float().reshape(bsz * heads, sq, d), kf.reshape(bsz * heads, skp, d).transpose(1, 2)) * scale
     allowed = torch.arange(skp, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [B, Sq, Skp]
     s = s.view(bsz, heads, sq, skp).masked_fill(~allowed[:, None], float("-inf"))
     e = torch.exp(s - s.amax(-1, keepdim=True)).reshape(bsz * heads, sq, skp)
-    vf = vf.reshape(bsz * heads, skp, d + 1)
+    vf = vf.reshape(bsz * heads, skp, dv + 1)
     if _zero_tail_safe(vf):  # the kernel's K chunks are the key blocks: one product
         acc = bmm(e, vf)
-        return (acc[..., :d] / acc[..., d:]).reshape(bsz, heads, sq, d).to(q.dtype)
+        return (acc[..., :dv] / acc[..., dv:]).reshape(bsz, heads, sq, dv).to(q.dtype)
     acc = None
     for at in range(0, skp, KEY_BLOCK):
         part = bmm(e[:, :, at:at + KEY_BLOCK], vf[:, at:at + KEY_BLOCK])
         acc = part if acc is None else acc + part
-    out = acc[..., :d] / acc[..., d:]
-    return out.reshape(bsz, heads, sq, d).to(q.dtype)
+    out = acc[..., :dv] / acc[..., dv:]
+    return out.reshape(bsz, heads, sq, dv).to(q.dtype)
 
 
 def align_inv_freq(inv_freq: torch.Tensor, base: float) -> bool:

@@ -2,7 +2,8 @@
 
 Exact mode (:mod:`posttrain.core.exact`) gives the engine and the trainer one arithmetic for decoders made of:
 multi-head or grouped-query attention (q/k/v biases, per-head q/k RMSNorms, rotary over the whole head or a part
-of it, in halves or interleaved pairs, unscaled), RMSNorms before or around attention and MLP, SiLU-gated MLPs,
+of it, in halves or interleaved pairs, unscaled) or multi-head latent attention (keys and values expanded from
+the latent cache, as the trainer computes them), RMSNorms before or around attention and MLP, SiLU-gated MLPs,
 and MoE layers routed by softmax or sigmoid scores (renormalized, scaled, an expert bias, group-limited choice)
 with ungated shared experts. :func:`uncovered` names each part of a config beyond that; :func:`exact_errors` is
 config validation's part for ``rollout.exact`` (a backend's own limits, such as tensor or expert parallelism or
@@ -52,11 +53,10 @@ def _model_errors(run: Any, plugins: Any) -> list[str]:
 
 
 def uncovered(hf: dict[str, Any]) -> list[str]:
-    """What HF config ``hf`` has that exact mode does not cover, one phrase each ("multi-head latent attention
-    (kv_lora_rank)"); empty when it covers the whole model."""
+    """What HF config ``hf`` has that exact mode does not cover, one phrase each ("yarn rope scaling
+    (rope_scaling)"); empty when it covers the whole model. Rope scaling: exact mode aligns only unscaled rotary
+    tables between the engine's device and the trainer's."""
     out = []
-    if hf.get("kv_lora_rank"):  # DeepSeek-V2/V3's latent attention: the engine decodes over an absorbed cache
-        out.append("multi-head latent attention (kv_lora_rank)")
     act = hf.get("hidden_act", "silu")
     if act not in SILU:
         out.append(f"a {act} activation (hidden_act; exact mode computes SiLU)")

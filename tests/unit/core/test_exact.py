@@ -74,6 +74,10 @@ def test_attention_decode_over_any_cache_span_equals_the_causal_pass(g):
         assert torch.equal(step[:, :, 0], full[:, :, p])
         prefix = exact.attention(q[1:2, :, :p + 1], k[1:2, :, :p + 1], v[1:2, :, :p + 1], torch.arange(p + 1)[None], 0.25)
         assert torch.equal(prefix, full[1:2, :, :p + 1])
+    narrow = v[..., :10]  # values narrower than the keys (multi-head latent attention: d_v != d_nope + d_rope)
+    got = exact.attention(q, k, narrow, torch.arange(s).expand(b, s), 0.25)
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, narrow, is_causal=True, scale=0.25,
+                                                                   enable_gqa=True), rtol=1e-5, atol=1e-5)
 
 
 def test_moe_sums_experts_in_id_order_whatever_the_batch(g):

@@ -6,7 +6,8 @@ What changes in the model runner (``RunnerTuning.exact``):
 
 - every RMSNorm of the checkpoint's modules computes ``exact.rms_norm`` and every MLP's activation
   ``exact.silu`` (:func:`adopt`; config validation refuses other activations); Q/K/V and gate/up stay separate
-  matmuls; MoE blocks run through :class:`ExactMoE` (``exact.moe``);
+  matmuls; MoE blocks run through :class:`ExactMoE` (``exact.moe``); multi-head latent attention through
+  :class:`ExactLatentAttention` (keys and values expanded from the latent cache, not absorbed);
 - prefill and decode run under ``exact.mode()`` (every matmul through ``exact.bmm``'s fixed tiles) and attend
   with ``exact.attention`` (:func:`prefill_attention`, :func:`step_attention`), whose key blocks start at
   position 0 in the prefill, over the decode's cache span and in the trainer's causal pass alike;
@@ -23,6 +24,8 @@ from dataclasses import replace
 import torch
 
 from posttrain.core import exact
+from posttrain.plugins.engines.local.layers import finish_layer
+from posttrain.plugins.engines.local.mla import LatentAttention
 
 
 class ExactSiLU(torch.nn.Module):
@@ -52,6 +55,10 @@ def adopt(runner) -> None:
             module.exact_moe = ExactMoE(module)
     _align_rotary(runner.model)
     runner._exact_attention, runner._exact_step_attention = prefill_attention, step_attention
+    if getattr(runner, "mla", None) is not None:  # after mla.adopt_latent_attention: its cache, expanded
+        runner.mla = ExactLatentAttention(runner.model)
+        runner._prefill_parts = (runner.mla.project_qkv, runner.mla.finish)
+        runner._exact_attention = runner.mla.prefill_attention
     for name in ("prefill_scored", "_decode_eager"):
         setattr(runner, name, _under_mode(getattr(runner, name)))
 
@@ -171,3 +178,63 @@ def step_attention(runner, positions: torch.Tensor, span: int):
                                runner.scaling)
 
     return attend
+
+
+class ExactLatentAttention(LatentAttention):
+    """Multi-head latent attention in exact mode, the trainer's way (Megatron's ``MLASelfAttention``): the cache
+    keeps ``mla``'s latent rows ``[rms(ckv) ; rope(k_r)]``, but no up-projection is absorbed into the query or the
+    output. Keys and values are expanded from the rows of the whole span at every pass::
+
+        [k_nope ; v] = kv_b_proj(rows[:, :c])  per head,   k = [k_nope ; rope(k_r)],   q = [q_nope ; rope(q_r)]
+        o = exact.attention(q, k, v)                                       # [n, H, q, d_v], then o_proj
+
+    A row's keys and values are one tile product of its latent, whatever the span, as the trainer's
+    ``linear_kv_up_proj`` over the sequence gives them."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self._layer = None  # the layer whose rows the prefill's attention expands (project_qkv sets it)
+
+    def project(self, layer, h, cos, sin):
+        """``h [n, q, hidden]`` -> ``(q [n, H, q, d_n + r], rows [n, q, c + r])``."""
+        attn = layer.self_attn
+        n, q_len, _ = h.shape
+        x = layer.input_layernorm(h)
+        q = attn.q_proj(x) if attn.q_lora_rank is None else attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+        q_nope, q_r = q.view(n, q_len, self.heads, self.nope + self.rope_dim).transpose(1, 2).split(
+            [self.nope, self.rope_dim], dim=-1)
+        latent, k_r = attn.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
+        q_r, k_r = self._rope(q_r, k_r[:, None], cos, sin)
+        return torch.cat([q_nope, q_r], dim=-1), torch.cat([attn.kv_a_layernorm(latent), k_r[:, 0]], dim=-1)
+
+    def expand(self, layer, rows):
+        """Latent rows ``[n, S, c + r]`` -> keys ``[n, H, S, d_n + r]`` and values ``[n, H, S, d_v]``."""
+        n, span, _ = rows.shape
+        kv = exact.linear(rows[..., :self.rank], layer.self_attn.kv_b_proj.weight)
+        k_nope, v = kv.view(n, span, self.heads, self.nope + self.v_dim).transpose(1, 2).split(
+            [self.nope, self.v_dim], dim=-1)
+        k_r = rows[:, None, :, self.rank:].expand(n, self.heads, span, self.rope_dim)
+        return torch.cat([k_nope, k_r], dim=-1), v
+
+    def project_qkv(self, layer, h, cos, sin, rope=None, qkv=None):
+        """The prefill's parts: ``(q, rows [n, 1, P, c + r], rows[..., :c])``, the cache's layout."""
+        q, rows = self.project(layer, h, cos, sin)
+        self._layer = layer
+        return q, rows[:, None], rows[:, None, :, :self.rank]
+
+    def prefill_attention(self, q, k, v, scale: float):
+        """``exact.attention`` of the prompt rows ``k [n, 1, P, c + r]`` (``v``: their view) -> ``[n, H, P, d_v]``."""
+        keys, values = self.expand(self._layer, k[:, 0])
+        return prefill_attention(q, keys, values, scale)
+
+    def finish(self, layer, h, o, gate_up=None):
+        return finish_layer(layer, h, o, gate_up)
+
+    def decode(self, layer, h, cos, sin, scaling, cache, positions, span):
+        """One token per slot: its row into ``cache [N, 1, S_max, c + r]`` at its position, then ``exact.attention``
+        over the span's expanded rows (keys past a slot's position add exact zeros) -> ``[nb, H, 1, d_v]``."""
+        nb = h.shape[0]
+        q, rows = self.project(layer, h, cos, sin)
+        cache[torch.arange(nb, device=h.device), 0, positions] = rows[:, 0].to(cache.dtype)
+        keys, values = self.expand(layer, cache[:nb, 0, :span])
+        return exact.attention(q, keys, values, positions[:, None], scaling)

@@ -17,7 +17,7 @@ def _process_not_left_exact():
     exact.enable(False)  # adopt() marks the process exact (the sampler's log-softmax); other tests run plain
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe", "glm4_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe", "glm4_moe", "deepseek_v3"])
 def test_decode_is_batch_invariant_and_equals_the_prefill(family, tmp_path):
     from posttrain.testing.tiny import make_tiny_checkpoint
 
