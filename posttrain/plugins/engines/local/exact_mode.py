@@ -96,7 +96,7 @@ class ExactMoE:
     weights on a probe batch: a router that weighs its experts otherwise is refused by name."""
 
     def __init__(self, block):
-        if hasattr(block, "shared_expert_gate"):
+        if hasattr(block, "shared_expert_gate") or hasattr(block, "shared_expert"):  # Qwen2-MoE's, gated
             raise ValueError(f"exact mode: {type(block).__name__} gates its shared expert, which it does not cover")
         self.block, self.routing = block, routing_of(block.gate)
         self.bias = getattr(block.gate, "e_score_correction_bias", None)
