@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from posttrain.core.config_source import apply_overrides, moved_keys, read_yaml, resolve_files
 from posttrain.core.errors import ConfigError
+from posttrain.core.exact_scope import exact_errors
 from posttrain.core.interfaces import needs_of
 from posttrain.core.lora import LoraConfig
 from posttrain.core.registry import KINDS
@@ -438,25 +439,7 @@ class RunConfig:
             errors += [e.replace("rollout.engine", "teacher.engine", 1)
                        for e in self.teacher.engine.create(plugins).check_config(self, plugins)
                        if e.startswith("rollout.engine")]
-        return errors + self._exact_errors(plugins)
-
-    def _exact_errors(self, plugins: Any) -> list[str]:
-        """What keeps ``rollout.exact`` from holding: backends without an exact mode, a sampling temperature
-        (the engine divides the logits by ``T``, the trainer scales its last hidden state by ``1 / T``: equal
-        in exact arithmetic, not in the last bit)."""
-        if not self.rollout.exact:
-            return []
-        registries = plugins.registries()
-        errors = []
-        for c, kind in ((self.rollout.engine, "engine"), (self.trainer.backend, "trainer")):
-            if not getattr(c.cls, "exact_mode", False):
-                have = sorted(n for n, cls in registries[f"{kind}s"].items() if getattr(cls, "exact_mode", False))
-                errors.append(f"rollout.exact: the {c.name} {kind} has no exact mode ({kind}s with one: "
-                              f"{', '.join(have) or 'none'})")
-        if self.rollout.temperature not in (0.0, 1.0):
-            errors.append(f"rollout.exact: needs rollout.temperature 1.0 (or 0, greedy), got "
-                          f"{self.rollout.temperature}: the engine's z / T and the trainer's (h / T) W^T differ in the last bit")
-        return errors
+        return errors + exact_errors(self, plugins)
 
     def _teacher_errors(self) -> list[str]:
         wants = self.estimator is not None and needs_of(self.estimator.cls).teacher

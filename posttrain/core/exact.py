@@ -18,10 +18,13 @@ reduction has a fixed order that depends on neither:
   left to right: ``o = sum_b (e_b @ [v_b, 1]) ; o[:D] / o[D]``. The engine's prefill, its decode over a KV
   cache span of any length and the trainer's causal forward thus reduce in the same order.
 - :func:`rms_norm`, :func:`silu`, :func:`log_softmax`: fixed formulas over the above (fp32 inside).
+- :func:`moe`: a MoE layer's routed experts summed in ascending expert id, plus its shared experts; the weights
+  (:func:`routing_weights`) and the choice (:func:`choose_experts`) follow a :class:`Routing` (softmax or sigmoid
+  scores, renormalized, scaled, group-limited).
 
 Elementwise ops (``exp``, ``log``, ``rsqrt``, ``+``, ``*``, ``/``) give the same value for an element wherever
 it sits; torch's fused ``sigmoid``/``silu`` do not on the CPU (their vectorized and scalar tails differ), so
-:func:`silu` is ``x / (1 + exp(-x))``.
+:func:`silu` is ``x / (1 + exp(-x))`` and :func:`sigmoid` ``1 / (1 + exp(-x))``.
 
 :func:`mode` is a torch dispatch mode under which every ``mm``, ``addmm``, ``bmm`` and ``baddbmm`` goes through
 :func:`bmm`, so unmodified layers (``nn.Linear``, Megatron's parallel linears) become batch-invariant; their
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -160,24 +164,96 @@ def softmax(z: torch.Tensor) -> torch.Tensor:
     return e / row_sum(e)
 
 
-def moe(x: torch.Tensor, logits: torch.Tensor, chosen: torch.Tensor, expert, normalize: bool) -> torch.Tensor:
-    """A softmax-routed MoE layer's output for tokens ``x [m, H]`` with router ``logits [m, E]`` and the experts
-    each token goes to, ``chosen [m, E]`` bool (the engine's top-k; the trainer's replay of them)::
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """``1 / (1 + exp(-x))``: the same value for an element wherever it sits (torch's fused ``sigmoid`` on a CPU
+    gives elements in a vector's scalar tail another last bit)."""
+    return 1.0 / (1.0 + torch.exp(-x))
 
-        w = softmax(logits) where chosen, else 0     (normalize: w / row_sum(w), Qwen3's norm_topk_prob)
-        y = sum_e w_e * expert(e, x)                 over the chosen experts in ascending id, from 0
 
-    ``expert(e, rows [r, H]) -> [r, H]``. Each token's sum runs in expert-id order, whatever order a top-k or a
-    dispatcher lists its experts in; differentiable in ``x``, ``logits`` and the experts' weights."""
-    w = torch.where(chosen, softmax(logits), 0.0)
-    if normalize:
+@dataclass(frozen=True)
+class Routing:
+    """How a MoE layer's router turns logits ``[m, E]`` into the experts of each token and their weights.
+
+    ``score``: ``softmax`` (Qwen3-MoE) or ``sigmoid`` (GLM-4.5, DeepSeek-V3). ``normalize``: the chosen experts'
+    scores divided by their sum (``norm_topk_prob``). ``scale``: then times ``routed_scaling_factor``.
+    ``groups``/``group_top_k``: the experts are ``groups`` equal groups and a token chooses only within the
+    ``group_top_k`` groups of largest top-2 score sum (``n_group``/``topk_group``). ``fp32``: the router's matmul
+    runs in fp32 (GLM's and DeepSeek's routers; Qwen3-MoE's runs in the model's dtype)."""
+
+    top_k: int
+    score: str = "softmax"
+    normalize: bool = True
+    scale: float = 1.0
+    groups: int = 1
+    group_top_k: int = 1
+    fp32: bool = False
+
+    def __post_init__(self):
+        if self.score not in ("softmax", "sigmoid"):
+            raise ValueError(f"exact mode: router score function {self.score!r} is not covered (softmax, sigmoid)")
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """``x [m, H] @ weight [E, H]^T -> [m, E]`` through :func:`linear`, in fp32 when ``routing.fp32``."""
+    return linear(x.float(), weight.float()) if routing.fp32 else linear(x, weight)
+
+
+def router_scores(logits: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """``softmax(logits)`` (:func:`softmax`) or ``sigmoid(logits)`` (:func:`sigmoid`), fp32, ``[m, E]``."""
+    return softmax(logits) if routing.score == "softmax" else sigmoid(logits.float())
+
+
+def choose_experts(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``top_k`` experts of each token -> ids ``[m, k]`` long: the largest ``c = score + bias`` (``bias [E]``,
+    e.g. ``e_score_correction_bias``, steers the choice only). With groups, HF's group-limited rule: a group's
+    score is the sum of its two largest ``c``; only the ``group_top_k`` best groups' experts compete."""
+    c = router_scores(logits, routing)
+    c = c + bias.float() if bias is not None else c
+    if routing.groups > 1:
+        m, e = c.shape
+        per = c.view(m, routing.groups, e // routing.groups)
+        best = per.topk(min(2, per.shape[-1]), dim=-1).values.sum(-1)  # [m, groups]
+        keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(routing.group_top_k, -1).indices, True)
+        c = c.masked_fill(~keep.repeat_interleave(e // routing.groups, 1), float("-inf"))
+    return c.topk(routing.top_k, dim=-1).indices
+
+
+def chosen_mask(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Expert ids ``[m, k]`` -> ``[m, E]`` bool, True at each token's chosen experts."""
+    return torch.zeros(ids.shape[0], num_experts, dtype=torch.bool, device=ids.device).scatter_(1, ids, True)
+
+
+def routing_weights(logits: torch.Tensor, chosen: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """Each token's weight of each expert, ``[m, E]`` fp32, 0 where not ``chosen [m, E]``::
+
+        w = score(logits) where chosen, else 0
+        w = w / row_sum(w)            (routing.normalize)
+        w = w * routing.scale         (routing.scale != 1)
+
+    The experts are the engine's choice (or, under routing replay, the trainer's replay of it): the weights are a
+    function of the logits at them alone, differentiable in ``logits``."""
+    w = torch.where(chosen, router_scores(logits, routing), 0.0)
+    if routing.normalize:
         w = w / row_sum(w)
+    return w * routing.scale if routing.scale != 1.0 else w
+
+
+def moe(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, expert, shared=None) -> torch.Tensor:
+    """A MoE layer's output for tokens ``x [m, H]``, the experts each token goes to, ``chosen [m, E]`` bool, and
+    their weights ``weights [m, E]`` (:func:`routing_weights`)::
+
+        y = sum_e w_e * expert(e, x)     over the chosen experts in ascending id, from 0
+        y = y + shared(x)                (shared experts, ungated: GLM-4.5, DeepSeek-V3)
+
+    ``expert(e, rows [r, H]) -> [r, H]``, ``shared(x [m, H]) -> [m, H]``. Each token's sum runs in expert-id order,
+    whatever order a top-k or a dispatcher lists its experts in; differentiable in ``x``, ``weights`` and the
+    experts' weights."""
     out = x.new_zeros(x.shape)
     for e in range(chosen.shape[1]):
         rows = chosen[:, e].nonzero()[:, 0]
         if rows.numel():
-            out = out.index_add(0, rows, expert(e, x[rows]) * w[rows, e, None].to(x.dtype))
-    return out
+            out = out.index_add(0, rows, expert(e, x[rows]) * weights[rows, e, None].to(x.dtype))
+    return out + shared(x) if shared is not None else out
 
 
 def swiglu_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -186,38 +262,45 @@ def swiglu_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) ->
     return linear(silu(gate) * up, down)
 
 
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """:func:`swiglu_expert` with the gate ``[F, H]`` and up ``[F, H]`` projections apart: the same bits, since
+    :func:`linear`'s element ``(i, j)`` does not depend on the other columns."""
+    return linear(silu(linear(x, gate)) * linear(x, up), down)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention by position: query ``i`` of row ``b`` (at position ``q_pos[b, i]``) attends to keys
-    ``j <= q_pos[b, i]``. ``q [B, H, Sq, D]``, ``k``/``v`` ``[B, Hkv, Sk, D]`` (key ``j`` at position ``j``; GQA:
-    query head ``h`` reads KV head ``h // (H / Hkv)``), ``q_pos [B, Sq]`` int -> ``[B, H, Sq, D]`` in ``q``'s dtype.
+    ``j <= q_pos[b, i]``. ``q [B, H, Sq, D]``, ``k [B, Hkv, Sk, D]``, ``v [B, Hkv, Sk, Dv]`` (key ``j`` at position
+    ``j``; GQA: query head ``h`` reads KV head ``h // (H / Hkv)``; ``Dv`` may differ from ``D``, as in multi-head
+    latent attention), ``q_pos [B, Sq]`` int -> ``[B, H, Sq, Dv]`` in ``q``'s dtype.
 
     fp32 inside: ``s = (q k^T) * scale`` (:func:`bmm`), masked to ``-inf``; ``e = exp(s - max s)``; then key
     blocks of ``KEY_BLOCK`` from position 0: ``acc += e_b @ [v_b, 1]`` (numerator and denominator in one
-    :func:`bmm`); ``o = acc[:D] / acc[D]``. Masked keys add exact zeros, so the result does not depend on how
+    :func:`bmm`); ``o = acc[:Dv] / acc[Dv]``. Masked keys add exact zeros, so the result does not depend on how
     many keys past ``q_pos`` are present (a decode's cache span, a padded training row)."""
     bsz, heads, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
+    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
     skp = -(-sk // KEY_BLOCK) * KEY_BLOCK
     kf, vf = k.float(), v.float()
     if heads != hkv:
         kf, vf = kf.repeat_interleave(heads // hkv, 1), vf.repeat_interleave(heads // hkv, 1)
     if skp > sk:
         kf, vf = F.pad(kf, (0, 0, 0, skp - sk)), F.pad(vf, (0, 0, 0, skp - sk))
-    vf = torch.cat([vf, vf.new_ones(*vf.shape[:-1], 1)], -1)  # [B, H, Skp, D + 1]: the denominator's column
+    vf = torch.cat([vf, vf.new_ones(*vf.shape[:-1], 1)], -1)  # [B, H, Skp, Dv + 1]: the denominator's column
     s = bmm(q.float().reshape(bsz * heads, sq, d), kf.reshape(bsz * heads, skp, d).transpose(1, 2)) * scale
     allowed = torch.arange(skp, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [B, Sq, Skp]
     s = s.view(bsz, heads, sq, skp).masked_fill(~allowed[:, None], float("-inf"))
     e = torch.exp(s - s.amax(-1, keepdim=True)).reshape(bsz * heads, sq, skp)
-    vf = vf.reshape(bsz * heads, skp, d + 1)
+    vf = vf.reshape(bsz * heads, skp, dv + 1)
     if _zero_tail_safe(vf):  # the kernel's K chunks are the key blocks: one product
         acc = bmm(e, vf)
-        return (acc[..., :d] / acc[..., d:]).reshape(bsz, heads, sq, d).to(q.dtype)
+        return (acc[..., :dv] / acc[..., dv:]).reshape(bsz, heads, sq, dv).to(q.dtype)
     acc = None
     for at in range(0, skp, KEY_BLOCK):
         part = bmm(e[:, :, at:at + KEY_BLOCK], vf[:, at:at + KEY_BLOCK])
         acc = part if acc is None else acc + part
-    out = acc[..., :d] / acc[..., d:]
-    return out.reshape(bsz, heads, sq, d).to(q.dtype)
+    out = acc[..., :dv] / acc[..., dv:]
+    return out.reshape(bsz, heads, sq, dv).to(q.dtype)
 
 
 def align_inv_freq(inv_freq: torch.Tensor, base: float) -> bool:

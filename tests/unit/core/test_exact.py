@@ -74,22 +74,65 @@ def test_attention_decode_over_any_cache_span_equals_the_causal_pass(g):
         assert torch.equal(step[:, :, 0], full[:, :, p])
         prefix = exact.attention(q[1:2, :, :p + 1], k[1:2, :, :p + 1], v[1:2, :, :p + 1], torch.arange(p + 1)[None], 0.25)
         assert torch.equal(prefix, full[1:2, :, :p + 1])
+    narrow = v[..., :10]  # values narrower than the keys (multi-head latent attention: d_v != d_nope + d_rope)
+    got = exact.attention(q, k, narrow, torch.arange(s).expand(b, s), 0.25)
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, narrow, is_causal=True, scale=0.25,
+                                                                   enable_gqa=True), rtol=1e-5, atol=1e-5)
 
 
 def test_moe_sums_experts_in_id_order_whatever_the_batch(g):
     x, router = torch.randn(20, 8, generator=g), torch.randn(6, 8, generator=g)
     w1, w2 = torch.randn(6, 10, 8, generator=g), torch.randn(6, 8, 5, generator=g)
-    logits = exact.linear(x, router)
-    ids = exact.softmax(logits).topk(2, -1).indices
-    chosen = torch.zeros(20, 6, dtype=torch.bool).scatter_(1, ids, True)
+    routing = exact.Routing(top_k=2)
+    logits = exact.router_logits(x, router, routing)
+    ids = exact.choose_experts(logits, routing)
+    assert torch.equal(ids, exact.softmax(logits).topk(2, -1).indices)
+    chosen = exact.chosen_mask(ids, 6)
     expert = lambda e, rows: exact.swiglu_expert(rows, w1[e], w2[e])  # noqa: E731
-    y = exact.moe(x, logits, chosen, expert, True)
-    assert torch.equal(exact.moe(x[4:9], logits[4:9], chosen[4:9], expert, True), y[4:9])
+    y = exact.moe(x, exact.routing_weights(logits, chosen, routing), chosen, expert)
+    part = exact.moe(x[4:9], exact.routing_weights(logits[4:9], chosen[4:9], routing), chosen[4:9], expert)
+    assert torch.equal(part, y[4:9])
     p = torch.softmax(logits, -1).gather(1, ids)
     p = p / p.sum(-1, keepdim=True)
     want = sum(p[:, j:j + 1] * torch.stack([expert(int(e), x[i:i + 1])[0] for i, e in enumerate(ids[:, j])])
                for j in range(2))
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+
+
+def test_sigmoid_routing_is_hfs_group_limited_rule_and_weights(g):
+    """GLM-4.5 / DeepSeek-V3 routing: choice by sigmoid + bias within the best groups (a group's score: its top-2
+    sum), weights the chosen sigmoid scores renormalized times the scaling factor; a shared expert added."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    cfg = DeepseekV3Config(hidden_size=8, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                           routed_scaling_factor=2.5, norm_topk_prob=True)
+    hf = DeepseekV3TopkRouter(cfg)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(8, 8, generator=g))
+        hf.e_score_correction_bias.copy_(torch.randn(8, generator=g) * 0.1)
+    x = torch.randn(40, 8, generator=g)
+    _, hf_w, hf_ids = hf(x)
+    routing = exact.Routing(top_k=2, score="sigmoid", scale=2.5, groups=4, group_top_k=2, fp32=True)
+    logits = exact.router_logits(x, hf.weight, routing)
+    ids = exact.choose_experts(logits, routing, hf.e_score_correction_bias)
+    assert torch.equal(ids.sort(-1).values, hf_ids.sort(-1).values)
+    w = exact.routing_weights(logits, exact.chosen_mask(ids, 8), routing)
+    torch.testing.assert_close(w.gather(1, hf_ids), hf_w, rtol=1e-6, atol=1e-6)
+    assert torch.equal((w != 0).sum(-1), torch.full((40,), 2))
+    assert torch.equal(exact.routing_weights(logits[7:9], exact.chosen_mask(ids[7:9], 8), routing), w[7:9])
+    # the sigmoid is elementwise wherever the element sits, unlike torch's on the CPU
+    z = torch.randn(1 << 16, generator=g) * 5
+    assert torch.equal(exact.sigmoid(z), exact.sigmoid(torch.stack([z, z], 1)[:, 0]))
+    shared = lambda rows: rows * 2.0  # noqa: E731
+    chosen = exact.chosen_mask(ids, 8)
+    y = exact.moe(x, w, chosen, lambda e, rows: rows * float(e), shared)
+    torch.testing.assert_close(y, (w * torch.arange(8.0)).sum(-1, keepdim=True) * x + 2.0 * x)
+
+
+def test_routing_refuses_a_score_function_it_does_not_cover():
+    with pytest.raises(ValueError, match="score function 'sqrtsoftplus' is not covered"):
+        exact.Routing(top_k=2, score="sqrtsoftplus")
 
 
 def test_mode_makes_unmodified_linears_batch_invariant_and_refuses_fused_attention(g):

@@ -18,7 +18,9 @@ the sums regrouped: equal up to float rounding. The attention is one multi-query
 rows (keys: whole rows, values: their first ``c`` numbers). The rotary is the checkpoint's own
 (``rope_interleave``: interleaved pairs, HF's ``apply_rotary_pos_emb_interleave``).
 
-The rest of the layer (``o_proj``, residuals, the MoE MLP and its routing) is ``layers.finish_layer``.
+The rest of the layer (``o_proj``, residuals, the MoE MLP and its routing) is ``layers.finish_layer``. In exact
+mode (``rollout.exact``) ``exact_mode.ExactLatentAttention`` keeps this cache but expands keys and values from it
+instead of absorbing the up-projections (the trainer's order of sums).
 Eager torch (no Triton kernel, no CUDA graph, no compile): the runner turns those off for MLA.
 """
 

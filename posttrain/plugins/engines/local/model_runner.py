@@ -292,12 +292,12 @@ class ModelRunner:
 
         self.moe_kernel_blocks = set_moe_kernel(self.model, tuning.moe_kernel and self.device.type == "cuda")
         self._build_step()
+        self.mla = adopt_latent_attention(self) if is_mla(self.model) else None  # its cache, prefill parts, decode
         self.exact = tuning.exact
-        if self.exact:
+        if self.exact:  # after the MLA parts, which it replaces by their exact versions
             from posttrain.plugins.engines.local import exact_mode
 
             exact_mode.adopt(self)
-        self.mla = adopt_latent_attention(self) if is_mla(self.model) else None  # its cache, prefill parts, decode
 
     def _allocate(self) -> None:
         """The KV cache ``[L, N, Hkv, S_max, D]`` twice, the decode step's input buffers and the graphs' state."""

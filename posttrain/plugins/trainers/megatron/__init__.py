@@ -106,6 +106,8 @@ class MegatronBackend(TrainerBackend):
         if run.rollout.exact:
             errors += [f"rollout.exact: needs trainer.backend.{key} ({why})" for key, why, bad in (
                 ("tp: 1", "tensor parallelism splits sums over ranks in another order than the engine's", c.tp > 1),
+                ("ep: 1", "expert parallelism sums a token's experts on other ranks, in another order than the "
+                          "engine's", c.ep > 1),
                 ("compile: false", "compiled layers fuse norms and SwiGLU their own way", c.compile)) if bad]
         if c.cp > 1 and not r.trainer_gpus_per_node:
             errors.append("trainer.backend.cp: context parallelism runs on GPUs only "

@@ -190,9 +190,11 @@ def build_gpt(spec: Any, hf: dict[str, Any], *, dtype: str = "float32", attentio
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     model = model.to(torch_dtype)
-    rotary = getattr(model, "rotary_pos_emb", None)
-    if exact and isinstance(getattr(rotary, "inv_freq", None), torch.Tensor):  # the engine's table, from the CPU
-        exact_ops.align_inv_freq(rotary.inv_freq, spec.gpt_model_kwargs(hf)["rotary_base"])
+    if exact:  # the engine's tables, from the CPU: the model's rotary, or each MLA layer's own
+        base = spec.gpt_model_kwargs(hf)["rotary_base"]
+        for module in model.modules():
+            if isinstance(getattr(module, "inv_freq", None), torch.Tensor):
+                exact_ops.align_inv_freq(module.inv_freq, base)
     if init_weights:
         from posttrain.plugins.trainers.megatron.init import seeded_init
 

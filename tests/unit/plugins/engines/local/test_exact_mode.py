@@ -17,7 +17,7 @@ def _process_not_left_exact():
     exact.enable(False)  # adopt() marks the process exact (the sampler's log-softmax); other tests run plain
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe", "glm4_moe", "deepseek_v3"])
 def test_decode_is_batch_invariant_and_equals_the_prefill(family, tmp_path):
     from posttrain.testing.tiny import make_tiny_checkpoint
 
@@ -40,7 +40,7 @@ def test_decode_is_batch_invariant_and_equals_the_prefill(family, tmp_path):
     # the decode's last logits equal a prefill of the whole sequence (slot 3: the cache's other rows)
     again = r.prefill([3], [seqs[2][:-1]])
     assert torch.equal(again[0], out[2])
-    if family == "qwen3_moe":
+    if family.endswith("_moe"):
         assert r.routed_experts is not None
 
 
@@ -54,3 +54,32 @@ def test_the_sampler_reports_exact_log_softmax_in_an_exact_engine():
     want = exact.log_softmax(logits)
     assert torch.equal(greedy, want.gather(1, tokens[:, None])[:, 0])
     assert torch.equal(lp, want.gather(1, sampled[:, None])[:, 0])
+
+
+def test_exact_moe_is_hfs_glm_block_and_refuses_a_router_it_would_misweigh():
+    """GLM-4.5's block (sigmoid scores, expert bias, scaling factor, shared expert) through exact.moe: HF's output to
+    float rounding, HF's experts; a router whose weights are not the ones its attributes describe is refused."""
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
+
+    from posttrain.plugins.engines.local.exact_mode import ExactMoE
+    from posttrain.testing.tiny import tiny_config
+
+    torch.manual_seed(0)
+    block = Glm4MoeMoE(tiny_config("glm4_moe"))
+    with torch.no_grad():
+        for p in (block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj):
+            p.normal_(0, 0.2)
+        block.gate.e_score_correction_bias.normal_(0, 0.1)
+    moe = ExactMoE(block)
+    assert (moe.routing.score, moe.routing.scale, moe.routing.fp32) == ("sigmoid", 2.5, True)
+    x = torch.randn(2, 7, 64)
+    y, ids = moe(x)
+    _, _, hf_ids = block.gate(x.reshape(-1, 64))
+    assert torch.equal(ids.sort(-1).values, hf_ids.sort(-1).values)
+    torch.testing.assert_close(y, block(x), rtol=1e-5, atol=1e-5)
+    y1, _ = moe(x[1:, 2:5])
+    assert torch.equal(y1[0], y[1, 2:5])  # a token's output does not depend on the tokens beside it
+    own = block.gate.forward
+    block.gate.forward = lambda h: (lambda out: (out[0], out[1] / 2.5, out[2]))(own(h))  # no scaling factor applied
+    with pytest.raises(ValueError, match="the router of Glm4MoeMoE weighs its experts otherwise"):
+        ExactMoE(block)

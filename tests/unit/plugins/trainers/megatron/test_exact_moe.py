@@ -1,6 +1,9 @@
 """The Megatron trainer in exact mode against the local engine in exact mode, in one process: the trainer's
-log-probs of a batch's tokens equal the engine's prefill log-probs of the same tokens bit for bit (a dense and a
-MoE model: core.exact.moe on both sides), and a MoE layer exact mode does not cover is refused by name."""
+log-probs of a batch's tokens equal the engine's prefill log-probs of the same tokens bit for bit (dense qwen3 and
+GLM-4; Qwen3-MoE's softmax routing and GLM-4.5's sigmoid routing with a scaling factor, shared expert and dense
+first layer: core.exact.moe on both sides, the trainer choosing its experts by the engine's rule without replay;
+DeepSeek-V3's latent attention, the engine expanding keys and values from its latent cache as Megatron's MLA does,
+and its group-limited routing), and a MoE layer exact mode does not cover is refused by name."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ def _process_not_left_exact():
     exact.enable(False)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "glm4", "qwen3_moe", "glm4_moe", "deepseek_v3"])
 def test_trainer_log_probs_equal_the_engines_bit_for_bit(tiny_ckpts, family):
     from posttrain.plugins.engines.local.model_runner import ModelRunner, RunnerTuning
     from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
@@ -39,6 +42,7 @@ def test_trainer_log_probs_equal_the_engines_bit_for_bit(tiny_ckpts, family):
 def test_a_moe_layer_exact_mode_does_not_cover_is_refused(tiny_ckpts):
     from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
 
-    with pytest.raises(ValueError, match="sigmoid routing, which exact mode does not cover"):
+    with pytest.raises(ValueError, match="a gated shared expert, which exact mode does not cover"):
         MegatronTrainer(spec_for("glm4_moe", tiny_ckpts("glm4_moe")), exact=True,
-                        **trainer_configs(micro_batch_size=2, global_batch_size=4))
+                        **trainer_configs(micro_batch_size=2, global_batch_size=4,
+                                          megatron={"moe_shared_expert_gate": True}))
