@@ -94,6 +94,19 @@ def _weight_view(params: dict[str, torch.Tensor], name: str) -> torch.Tensor | N
     return stacked[e, :half] if kind == "gate_proj" else stacked[e, half:]
 
 
+def to_dtype(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """``model`` on ``device`` with its parameters (and half-precision buffers) in ``dtype``, its float32 buffers
+    kept float32 as transformers keeps them: the rotary ``inv_freq`` (in bfloat16 a position's angle is off by up
+    to ``2^-9`` of itself: a radian by position 500 at the fastest frequency, where the trainer's table is float32)
+    and a router's expert bias."""
+    kept = {name: b for name, b in model.named_buffers() if b.dtype == torch.float32}
+    model = model.to(device=device, dtype=dtype)
+    for name, b in kept.items():
+        owner, _, attr = name.rpartition(".")
+        model.get_submodule(owner)._buffers[attr] = b.to(device)
+    return model
+
+
 def _hf_model(model_dir: str, device: torch.device, dtype: torch.dtype, from_config: bool) -> Any:
     """The HF model of ``model_dir``: its weights read, or (``from_config``) built from its ``config.json`` on
     ``device`` with every parameter zero. The first push writes them all, so transformers' random init is skipped
@@ -255,7 +268,7 @@ class ModelRunner:
         self.dtype = getattr(torch, resolve_dtype(dtype, self.device, self.model_dir))
         if model is None:
             model = _hf_model(self.model_dir, self.device, self.dtype, from_config)
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.model = to_dtype(model, self.device, self.dtype).eval()
         self.hf_config = cfg = self.model.config
         self.layers = self.model.model.layers
         fuse = self.device.type == "cuda" if tuning.fuse_projections is None else tuning.fuse_projections

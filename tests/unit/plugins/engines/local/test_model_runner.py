@@ -173,3 +173,19 @@ def test_cache_copies_move_whole_words_and_keep_every_bit():
     assert torch.equal(other[torch.tensor([0, 2, 3]), :, :6], x)
     for odd in (torch.randn(3, 2, 6, 3), torch.randn(2, 5, dtype=torch.float64), torch.randn(4, 8).to(torch.bfloat16)[:, 1:5]):
         assert as_words(odd) is odd  # 12-byte rows, 8-byte elements, an offset of one bf16 element
+
+
+def test_a_half_precision_engine_keeps_float32_buffers_as_transformers_does(tmp_path):
+    """The weights in bf16, the rotary table (and a router's expert bias) in float32: a bf16 ``inv_freq`` puts a
+    position's angle off by up to 2^-9 of itself, where the trainer's table is float32."""
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.testing.tiny import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "glm4_moe", family="glm4_moe", seed=1)
+    r = ModelRunner(ckpt, dtype="bfloat16", max_slots=1, context_length=32)
+    hf = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.bfloat16)
+    buffers = dict(r.model.named_buffers())
+    assert buffers and {n: b.dtype for n, b in buffers.items()} == {n: b.dtype for n, b in hf.named_buffers()}
+    assert buffers["model.rotary_emb.inv_freq"].dtype == torch.float32
+    assert {p.dtype for p in r.model.parameters()} == {torch.bfloat16}

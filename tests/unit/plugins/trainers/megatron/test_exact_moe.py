@@ -22,17 +22,18 @@ def _process_not_left_exact():
     exact.enable(False)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "glm4", "qwen3_moe", "glm4_moe", "deepseek_v3"])
-def test_trainer_log_probs_equal_the_engines_bit_for_bit(tiny_ckpts, family):
+@pytest.mark.parametrize("family,dtype", [(f, "float32") for f in ("qwen3", "glm4", "qwen3_moe", "glm4_moe", "deepseek_v3")]
+                         + [("qwen3", "bfloat16"), ("glm4_moe", "bfloat16")])  # bf16: what a GPU run computes in
+def test_trainer_log_probs_equal_the_engines_bit_for_bit(tiny_ckpts, family, dtype):
     from posttrain.plugins.engines.local.model_runner import ModelRunner, RunnerTuning
     from posttrain.plugins.trainers.megatron.trainer import MegatronTrainer
 
     path = tiny_ckpts(family)
-    trainer = MegatronTrainer(spec_for(family, path), exact=True, **trainer_configs(micro_batch_size=2,
-                                                                                     global_batch_size=4))
+    trainer = MegatronTrainer(spec_for(family, path, dtype=dtype), exact=True,
+                              **trainer_configs(micro_batch_size=2, global_batch_size=4))
     batch = tp_batch()
     lp = trainer.log_probs(batch)[0]
-    runner = ModelRunner(path, max_slots=4, context_length=64, tuning=RunnerTuning(exact=True))
+    runner = ModelRunner(path, max_slots=4, context_length=64, tuning=RunnerTuning(exact=True), dtype=dtype)
     seqs = [batch.tokens[i, :n].tolist() for i, n in enumerate(batch.lengths.tolist())]
     _, scored = runner.prefill_scored([0, 1, 2, 3], seqs, [0] * 4)
     for i, n in enumerate(batch.lengths.tolist()):
