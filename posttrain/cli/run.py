@@ -224,7 +224,7 @@ def exact_line(rows: list[dict]) -> str:
         return "exact: no step compared train and rollout log-probs"
     if bad is None:
         return f"exact: every token matched ({tokens} tokens, {len(scored)} steps)"
-    return (f"exact: step {bad['step'] + 1} did not match: max |train - rollout| log-prob {bad[key]:.3g} "
+    return (f"exact: step {bad['step']} did not match: max |train - rollout| log-prob {bad[key]:.3g} "
             f"(mean {bad.get('train_rollout_logprob_abs_diff', float('nan')):.3g})")
 
 

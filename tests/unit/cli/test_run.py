@@ -189,3 +189,12 @@ def test_a_finished_run_with_a_checkpoint_goes_on_when_asked_for_more_steps(tmp_
     code, out, err = rl_cli(monkeypatch, capsys, "run", "--resume", run, "rollout.num_rollouts=160")
     assert code == 0 and len(calls) == 1 and calls[0]["resume"] is True, out + err
     assert json.loads((run / "complete.json").read_text()) == {"steps": 160}
+
+
+def test_exact_line_names_the_step_as_the_metrics_and_console_count_it():
+    exact_line = run_cmd.exact_line
+    key, toks = "train_rollout_logprob_abs_diff_max", "train_rollout_logprob_tokens"
+    rows = [{"step": 1, key: 0.0, toks: 8.0}, {"step": 2, key: 0.25, toks: 8.0, "train_rollout_logprob_abs_diff": 0.01}]
+    assert exact_line(rows[:1]) == "exact: every token matched (8 tokens, 1 steps)"
+    assert exact_line(rows).startswith("exact: step 2 did not match: max |train - rollout| log-prob 0.25 (mean 0.01)")
+    assert exact_line([{"step": 1}]) == "exact: no step compared train and rollout log-probs"
