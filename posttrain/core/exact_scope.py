@@ -33,7 +33,23 @@ def exact_errors(run: Any, plugins: Any) -> list[str]:
     if run.rollout.temperature not in (0.0, 1.0):
         errors.append(f"rollout.exact: needs rollout.temperature 1.0 (or 0, greedy), got {run.rollout.temperature}: "
                       f"the engine's z / T and the trainer's (h / T) W^T differ in the last bit")
-    return errors + _model_errors(run, plugins)
+    return errors + _dtype_errors(run) + _model_errors(run, plugins)
+
+
+def _dtype_errors(run: Any) -> list[str]:
+    """The engine must compute in the trainer's dtype (``model.dtype``): an explicit other ``rollout.engine.dtype``,
+    or ``auto`` on the CPU (float32 there) under a half-precision trainer, is one line."""
+    engine = getattr(run.rollout.engine, "config", None)
+    want = getattr(getattr(run.model, "config", None), "dtype", None)
+    have = getattr(engine, "dtype", None)
+    if want is None or have is None:
+        return []
+    if have == "auto" and str(getattr(engine, "device", "cpu")) == "cpu":
+        have = "float32"
+    if have not in ("auto", want):
+        return [f"rollout.exact: the engine computes in {have} (rollout.engine.dtype), the trainer in {want} "
+                f"(model.dtype): set rollout.engine.dtype: {want}"]
+    return []
 
 
 def _model_errors(run: Any, plugins: Any) -> list[str]:

@@ -40,12 +40,14 @@ def test_uncovered_names_each_part_from_the_hf_config(plugins):
 
 def test_config_validation_refuses_an_uncovered_model_in_one_line(write, plugins):
     with pytest.raises(ConfigError) as info:
-        load_config(write("c.yaml", EXACT + "model: {name: deepseek_v3, preset: kimi-k2}\n"), plugins=plugins)
+        load_config(write("c.yaml", EXACT + "model: {name: deepseek_v3, preset: kimi-k2, dtype: float32}\n"),
+                    plugins=plugins)
     assert info.value.errors == [
         f"rollout.exact: model deepseek_v3 has yarn rope scaling (rope_scaling), which exact mode does not cover "
         f"(covered: {', '.join(covered_models(plugins.models))})"]
     for name in ("glm4_moe", "deepseek_v3"):
-        cfg = load_config(write("d.yaml", EXACT + f"model: {{name: {name}, preset: tiny}}\n"), plugins=plugins)
+        cfg = load_config(write("d.yaml", EXACT + f"model: {{name: {name}, preset: tiny, dtype: float32}}\n"),
+                          plugins=plugins)
         assert cfg.rollout.exact and cfg.model.name == name
     off = load_config(write("e.yaml", EXACT.replace("exact: true", "exact: false")
                             + "model: {name: deepseek_v3, preset: kimi-k2}\n"), plugins=plugins)
@@ -55,8 +57,20 @@ def test_config_validation_refuses_an_uncovered_model_in_one_line(write, plugins
 def test_expert_parallelism_is_refused_with_exact_mode(write, plugins):
     with pytest.raises(ConfigError) as info:
         load_config(write("c.yaml", EXACT.replace("micro_batch_size: 8}", "micro_batch_size: 8, backend: {ep: 2}}")
-                          + "model: {name: glm4_moe, preset: tiny}\nresources: {trainer_procs_per_node: 2}\n"),
+                          + "model: {name: glm4_moe, preset: tiny, dtype: float32}\nresources: {trainer_procs_per_node: 2}\n"),
                     plugins=plugins)
     assert [e for e in info.value.errors if e.startswith("rollout.exact")] == [
         "rollout.exact: needs trainer.backend.ep: 1 (expert parallelism sums a token's experts on other ranks, in "
         "another order than the engine's)"], info.value.errors
+
+
+def test_the_engine_must_compute_in_the_trainers_dtype(write, plugins):
+    half = EXACT + "model: {name: qwen3, preset: tiny, dtype: bfloat16}\n"
+    with pytest.raises(ConfigError) as info:  # auto on the CPU is float32
+        load_config(write("c.yaml", half), plugins=plugins)
+    assert info.value.errors == ["rollout.exact: the engine computes in float32 (rollout.engine.dtype), the trainer "
+                                 "in bfloat16 (model.dtype): set rollout.engine.dtype: bfloat16"]
+    fixed = half.replace("exact: true}", "exact: true, engine: {name: local, dtype: bfloat16}}")
+    assert load_config(write("d.yaml", fixed), plugins=plugins).rollout.exact
+    gpu = half.replace("exact: true}", "exact: true, engine: {name: local, device: cuda}}")  # auto: the checkpoint's
+    assert load_config(write("e.yaml", gpu), plugins=plugins).rollout.exact
