@@ -69,6 +69,64 @@ def group_mean_std(values: torch.Tensor, group_index: torch.Tensor) -> tuple[tor
     return torch.where(single, torch.zeros_like(mean_b), mean_b), torch.where(single, torch.ones_like(std_b), std_b)
 
 
+def _comb_ratio(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``C(a, b) / C(c, d)`` elementwise in float64 (``C(a, b) = 0`` unless ``0 <= b <= a``; ``C(c, d) > 0``)."""
+    def log_comb(n, k):
+        return torch.lgamma(n + 1) - torch.lgamma(k + 1) - torch.lgamma(n - k + 1)
+
+    valid = (b >= 0) & (b <= a)
+    a_, b_ = torch.where(valid, a, 0.0), torch.where(valid, b, 0.0)
+    return torch.where(valid, (log_comb(a_, b_) - log_comb(c, d)).exp(), 0.0)
+
+
+def group_max_at_k(values: torch.Tensor, group_index: torch.Tensor,
+                   k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The max@k of each group (pass@k for 0/1 rewards) and each sample's share of it: three ``[B]`` tensors
+    ``(with_i, mean_g, std_g)``, broadcast back to the samples.
+
+    With ``S`` a uniformly random ``k``-subset of sample ``i``'s group ``g`` (``n_g`` samples; ``k`` is
+    clipped to ``n_g``) and ``M_S = max_{j in S} r_j``::
+
+        mean_g = E_S[M_S]                    std_g = sqrt(E_S[M_S^2] - mean_g^2)
+        with_i = E_S[M_S | i in S]
+
+    computed in closed form on the group's rewards sorted ascending, ``v_1 <= ... <= v_n`` (``i`` at place
+    ``j``): ``P(M_S = v_j) = C(j-1, k-1) / C(n, k)``, and given ``i in S`` the other ``k - 1`` members are a
+    random subset of the other ``n - 1``, so
+    ``with_j = v_j C(j-1, k-1) / C(n-1, k-1) + sum_{m > j} v_m C(m-2, k-2) / C(n-1, k-1)``.
+    Tied rewards get equal values whatever their order. At ``k = 1``: ``with_i = r_i``, the group mean and the
+    population std; at ``k >= n_g``: every ``with_i = mean_g = max_g`` and ``std_g = 0``.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    v = values.double()
+    inverse, n_groups = group_inverse(group_index)
+    order = torch.argsort(v, stable=True)
+    order = order[torch.argsort(inverse[order], stable=True)]  # by group, ascending reward within a group
+    g, vs = inverse[order], v[order]
+    size = torch.zeros(n_groups, dtype=torch.float64, device=v.device).index_add_(0, inverse, torch.ones_like(v))
+    end = size.cumsum(0)  # one past each group's last sorted place
+    n = size[g]
+    j = torch.arange(1, v.numel() + 1, dtype=torch.float64, device=v.device) - (end - size)[g]  # 1-based place
+    kk = torch.clamp(n, max=float(k))
+    weight = _comb_ratio(j - 1, kk - 1, n, kk)  # P(M_S = v_j)
+
+    def per_group(x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(n_groups, dtype=torch.float64, device=v.device).index_add_(0, g, x)
+
+    mean = per_group(weight * vs)
+    var = (per_group(weight * vs * vs) - mean * mean).clamp(min=0)
+    # m-th term of the tail: v_m C(m-2, k-2) / C(n-1, k-1) (0 at m = 1); with_j sums the terms of places m > j
+    term = torch.where(n > 1, vs * _comb_ratio(j - 2, kk - 2, n - 1, kk - 1), 0.0)
+    cum = term.cumsum(0)
+    tail = cum[(end[g] - 1).long()] - cum
+    own = torch.where(n > 1, _comb_ratio(j - 1, kk - 1, n - 1, kk - 1), 1.0)
+    with_sorted = vs * own + tail
+    with_i = torch.empty_like(v).index_copy_(0, order, with_sorted)
+    dtype = values.dtype if values.is_floating_point() else torch.float32
+    return with_i.to(dtype), mean[inverse].to(dtype), var.sqrt()[inverse].to(dtype)
+
+
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
                   eps: float = 1e-8) -> torch.Tensor:
     """Whiten ``values [B, T]`` over the tokens where ``mask [B, T]`` is 1; 0 elsewhere.

@@ -53,6 +53,31 @@ def test_grpo_without_std_and_epsilon(batch):
     torch.testing.assert_close(adv[0, 0], torch.tensor(-1 / (S2 + 1)))
 
 
+def test_grpo_pass_k_hand_derived():
+    # group 0: 1 correct of 4, k = 2: p = 1 - C(3,2)/C(4,2) = 1/2, sigma = 1/2; the correct sample
+    # (1 - p) / sigma = 1; a wrong one (1 - p - C(2,1)/C(3,1)) / sigma = -1/3.
+    # group 1: 2 of 4, k = 2: p = 1 - C(2,2)/C(4,2) = 5/6, sigma = sqrt(5)/6; correct (1/6) / sigma = 1/sqrt5,
+    # wrong (1/6 - C(1,1)/C(3,1)) / sigma = -1/sqrt5. Sample 8 alone keeps its reward.
+    b = AdvantageBatch(rewards=torch.tensor([0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.7]),
+                       group_index=torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 2]), response_mask=mask_of([2] * 9))
+    adv, ret = est("grpo", pass_k=2, epsilon=1e-12).advantages(b)
+    s5 = 1 / math.sqrt(5)
+    torch.testing.assert_close(adv, broadcast([-1 / 3, 1.0, -1 / 3, -1 / 3, s5, -s5, s5, -s5, 0.7], b.response_mask))
+    torch.testing.assert_close(ret, adv)
+    # against plain GRPO (k = 1: -0.25 / 0.5): the wrong samples of group 0 are pushed down less
+    k1, _ = est("grpo", epsilon=1e-12).advantages(b)
+    assert (adv[[0, 2, 3], 0] > k1[[0, 2, 3], 0]).all()
+    unnormalized, _ = est("grpo", pass_k=2, normalize_std=False).advantages(b)
+    torch.testing.assert_close(unnormalized[:4, 0], torch.tensor([-1 / 6, 1 / 2, -1 / 6, -1 / 6]))
+
+
+def test_grpo_pass_k_of_a_group_no_larger_than_k_is_zero():
+    b = AdvantageBatch(rewards=torch.tensor([1.0, 0.0, 0.0]), group_index=torch.tensor([0, 0, 0]),
+                       response_mask=mask_of([1, 1, 1]))
+    adv, _ = est("grpo", pass_k=3).advantages(b)
+    assert adv.abs().max() == 0
+
+
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "opo", "gpg", "grpo_passk",
                                   "reinforce_plus_plus_baseline"])
 def test_all_equal_rewards_in_every_group_give_zero(name):
