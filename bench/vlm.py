@@ -88,12 +88,15 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--image-size", type=int, default=56)
+    parser.add_argument("--timeout", type=float, default=None, help="seconds before the run is stopped "
+                        "(bench/e2e.py --timeout: the failure then shows the run's logs)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         config = write_task(Path(tmp), args)
+        limit = ["--timeout", str(args.timeout)] if args.timeout else []
         out = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--config", str(config), "--name",
-                              f"vlm-{args.shape}", *args.overrides], capture_output=True, text=True, cwd=ROOT)
+                              f"vlm-{args.shape}", *limit, *args.overrides], capture_output=True, text=True, cwd=ROOT)
         if out.returncode:
             sys.exit(f"bench/e2e.py failed ({out.returncode}):\n{out.stderr[-4000:]}")
         from posttrain.core.model_spec import read_hf_config

@@ -128,13 +128,11 @@ def check_placement(cfg: Any, plugins: Any, params: int | None) -> list[Finding]
     import psutil
     import torch
 
-    from posttrain.core.rollout.backend import gpu_ids
+    from posttrain.core.rollout.backend import gpu_shortfall, placement_gpus
 
     r = cfg.resources
     backend = cfg.rollout.engine.create(plugins)
-    engine_gpus = sorted({g for i in range(r.num_engines) for g in gpu_ids(r, i)}) \
-        if backend.urls() is None and backend.on_gpu(r) else []
-    need = max([r.trainer_gpus_per_node, *(g + 1 for g in engine_gpus)], default=0)
+    need, engine_gpus = placement_gpus(r, backend)
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     out = []
     weights = params or 0
@@ -145,9 +143,9 @@ def check_placement(cfg: Any, plugins: Any, params: int | None) -> list[Finding]
         out.append(Finding(free >= want, "memory", f"{free / GIB:.1f} GiB free on the host; the trainer needs "
                                                    f"at least {want / GIB:.2f} GiB ({weights:,} parameters)"))
         return out
-    if have < need:
-        out.append(Finding(False, "gpus", f"the placement needs {need} GPU(s) (trainer {r.trainer_gpus_per_node}, "
-                                          f"engines on {engine_gpus or 'none'}), this machine has {have}"))
+    short = gpu_shortfall(r, backend, have)
+    if short is not None:
+        out.append(Finding(False, "gpus", short.removeprefix("resources: ")))
         return out
     out.append(Finding(True, "gpus", f"{need} needed, {have} present"))
     per_trainer = weights * TRAIN_BYTES / max(1, r.trainer_gpus_per_node)

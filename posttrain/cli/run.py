@@ -80,6 +80,9 @@ def run(config: Path = typer.Argument(None, help="run config (YAML); optional wi
         return
     if plan.completed is not None and finished(plan, cfg.mode.create(plugins).total_steps(cfg), bool(overrides)):
         return
+    short = gpu_shortfall(cfg, plugins)
+    if short is not None:
+        raise ConfigError([short], plan.source)
     run = plan.run
     if run is None:
         from posttrain.core.run_dir import RunDirectory
@@ -191,6 +194,19 @@ def check(plan: Plan, overrides: list[str], plugins: Any, scan_data: bool = Fals
     if errors:
         raise ConfigError(errors, plan.source)
     return cfg, findings
+
+
+def gpu_shortfall(cfg: Any, plugins: Any) -> str | None:
+    """The placement's missing GPUs on this machine, as a one-line error (local executor: a Ray cluster
+    places the ranks on its own nodes); None when the GPUs are there."""
+    if cfg.resources.executor != "local" or not cfg.mode.cls.generates:
+        return None
+    import torch
+
+    from posttrain.core.rollout.backend import gpu_shortfall as shortfall
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return shortfall(cfg.resources, cfg.rollout.engine.create(plugins), have)
 
 
 def interrupted(run: Any, next_step: int, total: int, signalled: BaseException | None = None) -> None:

@@ -83,13 +83,13 @@ def test_colocated_with_the_trainer_offloaded_generates_beside_less_of_it(tmp_pa
 
 @two_gpus
 def test_disaggregated_on_two_gpus_syncs_over_nccl(tmp_path):
-    rows = run(tmp_path, "rollout.num_rollouts=3")
+    rows = run(tmp_path, "rollout.num_rollouts=3", "resources.colocate=false")
     check_signals(rows)
     assert len(rows) == 3 and all(r["perf/weight_push_s"] < 5.0 for r in rows)
 
 
 @two_gpus
 def test_async_on_two_gpus_trains_one_step_off(tmp_path):
-    rows = run(tmp_path, "rollout.num_rollouts=3", "rollout.mode=async")
+    rows = run(tmp_path, "rollout.num_rollouts=3", "rollout.mode=async", "resources.colocate=false")
     assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
     assert rows[0]["train/ref_policy_logprob_abs_diff"] < REF_GAP_STEP0

@@ -194,3 +194,23 @@ def gpu_ids(resources: Any, index: int) -> list[int]:
     first = 0 if resources.colocate else resources.trainer_gpus_per_node
     per = resources.gpus_per_engine
     return list(range(first + index * per, first + (index + 1) * per))
+
+
+def placement_gpus(resources: Any, backend: Any) -> tuple[int, list[int]]:
+    """``(GPUs the placement needs on this machine, the engines' GPU indices)``: the trainer's
+    ``trainer_gpus_per_node`` first, then every engine's :func:`gpu_ids` (none for external or CPU engines)."""
+    engines = sorted({g for i in range(resources.num_engines) for g in gpu_ids(resources, i)}) \
+        if backend.urls() is None and backend.on_gpu(resources) else []
+    return max([resources.trainer_gpus_per_node, *(g + 1 for g in engines)], default=0), engines
+
+
+def gpu_shortfall(resources: Any, backend: Any, have: int) -> str | None:
+    """The one-line error of a placement that needs more GPUs than the ``have`` this machine shows, or None."""
+    need, engines = placement_gpus(resources, backend)
+    if have >= need:
+        return None
+    hint = ("; on one GPU add resources.colocate=true (the engines share the trainer's GPU)"
+            if not resources.colocate and resources.trainer_gpus_per_node <= have else "")
+    return (f"resources: the placement needs {need} GPU(s) (trainer {resources.trainer_gpus_per_node}, engines on "
+            f"{engines or 'none'}), this machine has {have}{hint}")
+

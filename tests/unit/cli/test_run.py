@@ -198,3 +198,27 @@ def test_exact_line_names_the_step_as_the_metrics_and_console_count_it():
     assert exact_line(rows[:1]) == "exact: every token matched (8 tokens, 1 steps)"
     assert exact_line(rows).startswith("exact: step 2 did not match: max |train - rollout| log-prob 0.25 (mean 0.01)")
     assert exact_line([{"step": 1}]) == "exact: no step compared train and rollout log-probs"
+
+
+def test_a_placement_this_machine_lacks_gpus_for_ends_in_one_line_before_anything_starts(tmp_path, monkeypatch,
+                                                                                         capsys, calls):
+    """The GPU example's disaggregated placement on a machine of fewer GPUs: exit 2 naming the shortfall, no run
+    directory, nothing started; on one GPU the line says how to colocate."""
+    code, _, err = rl_cli(monkeypatch, capsys, "run", QUICKSTART, "--run-dir", tmp_path / "r",
+                          "resources.trainer_gpus_per_node=1", "rollout.engine.device=cuda")
+    assert code == 2 and not calls and not (tmp_path / "r").exists()
+    assert "resources: the placement needs 2 GPU(s) (trainer 1, engines on [1]), this machine has 0" in err
+    assert "Traceback" not in err
+
+    from posttrain.core.plugins import load_plugins
+    from posttrain.core.rollout.backend import gpu_shortfall
+
+    plugins = load_plugins()
+    cfg = load_config(QUICKSTART, ["resources.trainer_gpus_per_node=1", "rollout.engine.device=cuda"], plugins)
+    engine = cfg.rollout.engine.create(plugins)
+    assert gpu_shortfall(cfg.resources, engine, 1).endswith(
+        "this machine has 1; on one GPU add resources.colocate=true (the engines share the trainer's GPU)")
+    assert gpu_shortfall(cfg.resources, engine, 2) is None
+    colocated = load_config(QUICKSTART, ["resources.trainer_gpus_per_node=1", "rollout.engine.device=cuda",
+                                         "resources.colocate=true"], plugins)
+    assert gpu_shortfall(colocated.resources, colocated.rollout.engine.create(plugins), 1) is None

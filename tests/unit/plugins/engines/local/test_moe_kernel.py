@@ -154,14 +154,15 @@ def test_moe_kernels_match_transformers_in_bf16_on_cuda(tokens):
     if not moe_kernel.kernel_available(torch.empty(1, device="cuda", dtype=torch.bfloat16)):
         pytest.skip("triton did not import")
     torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
+    cfg = Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                         norm_topk_prob=True)  # Qwen3-30B-A3B's (the config class defaults to False)
     block = Qwen3MoeSparseMoeBlock(cfg).cuda().to(torch.bfloat16).eval()
     for p in block.parameters():
         p.data.normal_(0, 0.02)
     x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         logits, w_ref, ids_ref = block.gate(x)
-        w, ids = moe_kernel.route_topk(logits, 8, True)
+        w, ids = moe_kernel.route_topk(logits, 8, bool(block.gate.norm_topk_prob))
         # the same experts with the same weights; the order within a token's top-8 may differ
         order, order_ref = ids.sort(-1), ids_ref.sort(-1)
         same = (order.values == order_ref.values).all(-1)
