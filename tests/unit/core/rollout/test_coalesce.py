@@ -198,7 +198,7 @@ def test_the_quickstart_coalesces_on_an_engine_that_seeds_by_row():
 
     plugins = load_plugins(autoload=False)
     cfg = load_config(ROOT / "examples" / "quickstart.yaml", [], plugins)
-    assert cfg.rollout.coalesce_rows == 1024 and cfg.rollout.seeds_batch_rows
+    assert cfg.rollout.coalesce_rows == 2048 and cfg.rollout.seeds_batch_rows
     assert cfg.rollout.sampling_params(seed=0).seed_rows
     off = load_config(ROOT / "examples" / "quickstart.yaml", ["rollout.coalesce_rows=0"], plugins)
     assert off.rollout.coalesce_rows == 0
