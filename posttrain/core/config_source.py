@@ -73,12 +73,18 @@ def split_setting(item: str) -> tuple[str, Any] | None:
         return key, text
 
 
+# component sections whose components share one option schema: a switch keeps the file's keys there
+# (every model spec takes ModelSpec.Config: ``model.name=qwen3_moe`` keeps ``preset``, ``dtype``, ``tokenizer``)
+SHARED_SCHEMA_SECTIONS = ("model",)
+
+
 def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> list[str]:
     """Apply ``a.b.c=value`` (value parsed as YAML; list items by index: ``rewards.0.weight=0.5``).
 
     ``section.name=other`` that switches a component section to another component drops the keys the
     file gave that section (they configured the one it named: ``trainer.backend.name=fsdp`` on a
-    file with ``backend: {name: megatron, tp: 2}``); keys set by earlier overrides stay."""
+    file with ``backend: {name: megatron, tp: 2}``); keys set by earlier overrides stay. Sections of
+    :data:`SHARED_SCHEMA_SECTIONS` keep them (their components take the same keys)."""
     errors = []
     overridden: set[tuple[int, Any]] = set()  # (id(section), key) set on the command line
     for item in overrides:
@@ -101,7 +107,8 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
                 errors.append(f"{key}: {'.'.join(parts[:i])} is not a section")
                 break
             if last:
-                if part == "name" and isinstance(node, dict) and node.get("name") not in (None, value):
+                if part == "name" and isinstance(node, dict) and node.get("name") not in (None, value) \
+                        and ".".join(parts[:-1]) not in SHARED_SCHEMA_SECTIONS:
                     for k in [k for k in node if k != "name" and (id(node), k) not in overridden]:
                         del node[k]
                 node[part] = value

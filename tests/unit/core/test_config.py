@@ -59,6 +59,16 @@ def test_overriding_a_component_name_drops_the_files_keys_for_the_old_one():
     assert raw["trainer"]["lr"] == 1.0
 
 
+def test_switching_the_model_spec_keeps_the_files_model_keys(plugins):
+    """Every model spec takes the same keys: ``model.name=qwen3_moe`` on the quickstart keeps its preset, dtype
+    and character tokenizer (dropping them left a preset without a tokenizer, which failed late with a traceback)."""
+    from tests.conftest import ROOT
+
+    cfg = load_config(ROOT / "examples" / "quickstart.yaml", ["model.name=qwen3_moe"], plugins)
+    assert cfg.model.name == "qwen3_moe"
+    assert (cfg.model.config.preset, cfg.model.config.dtype, cfg.model.config.tokenizer) == ("tiny", "float32", "char")
+
+
 def test_auto_weight_sync_falls_back_to_a_mode_the_engine_backend_has(plugins):
 
     from posttrain.core.config import RolloutConfig
